@@ -193,6 +193,263 @@ def model_tiny(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Launch and supervise
+
+
+def _progress_table(rows: list) -> Table:
+    table = Table(show_header=True, header_style="bold")
+    for col in ("instance", "state", "elapsed"):
+        table.add_column(col)
+    colors = {"ready": "green", "loading": "yellow", "starting": "cyan"}
+    for r in rows:
+        table.add_row(r.name, f"[{colors.get(r.phase, 'red')}]{r.phase}[/]", f"{r.elapsed_s:5.1f} s")
+    return table
+
+
+def _launch_failed(e) -> None:
+    err.print(f"[red]launch failed:[/red] {e.name}: {e.reason}", highlight=False)
+    if e.log_tail:
+        err.print(f"--- last {len(e.log_tail)} lines of {e.log_path}:", highlight=False)
+        err.print("\n".join(e.log_tail), markup=False, highlight=False)
+    err.print(f"log: {e.log_path}\nevery process was stopped", highlight=False)
+
+
+@app.command()
+@topology_command
+def up(
+    topology: TopologyArg,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="return once ready; `pdctl down` stops it")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for every instance to be ready")] = 300.0,
+    state_dir: StateDirOpt = None,
+    overrides: list = (),
+) -> None:
+    """Start the topology's prefill and decode servers and the proxy, wait until all are ready.
+
+    Every process runs in its own process group with its log in the state dir. If any instance exits or the
+    timeout passes, everything is stopped and the failing instance's log tail is shown. In the foreground
+    (default) Ctrl-C stops everything; with -d the command returns once ready.
+
+    Examples:
+
+      pdctl up configs/cpu-demo.yaml
+
+      pdctl up -d configs/cpu-homog.yaml --timeout 180 && pdctl status cpu-homog
+
+      pdctl up -d configs/cpu-demo.yaml --decode-block-size 128 --state-dir /tmp/demo128
+    """
+    import signal
+    import threading
+
+    from rich.live import Live
+
+    from pdctl.launch import run as run_mod
+    from pdctl.launch.local import LocalBackend
+
+    loaded = _load(topology, overrides)
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=_state_dir(loaded, state_dir),
+                   python=sys.executable)
+    backend = LocalBackend()
+    problems = run_mod.preflight(loaded, p, backend)
+    if problems:
+        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+
+    stop = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum, _frame):
+        got.append(signum)
+        stop.set()
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with Live(_progress_table([]), console=err, refresh_per_second=4, transient=False) as live:
+            launched = run_mod.up(p, backend, attached=not detach, timeout_s=timeout,
+                                  on_progress=lambda rows: live.update(_progress_table(rows)))
+    except run_mod.LaunchFailed as e:
+        _launch_failed(e)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: every process was stopped")
+        raise typer.Exit(130) from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    proxy = p.get("proxy")
+    out.print(f"[green]ready[/green]: {p.name}  proxy {proxy.http_url}  state {p.state_dir}", highlight=False)
+    if detach:
+        return
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda signum, _f: (got.append(signum), stop.set()))
+    out.print("attached: Ctrl-C stops everything", highlight=False)
+    exited = run_mod.supervise(p, backend, launched, stop)
+    if exited:
+        spec = p.get(exited)
+        err.print(f"[red]{exited} exited[/red]; stopping everything. log: {spec.log_path}", highlight=False)
+        err.print("\n".join(run_mod.tail(spec.log_path, run_mod.LOG_TAIL_LINES)), markup=False, highlight=False)
+    run_mod.down(launched, backend)
+    err.print("stopped every process", highlight=False)
+    raise typer.Exit(1 if exited else (130 if signal.SIGINT in got else 0))
+
+
+NameArg = Annotated[str | None, typer.Argument(help="topology name (default: the only one that is up)")]
+
+
+def _state_or_exit(name: str | None, state_dir: Path | None):
+    from pdctl.launch import state as state_mod
+
+    try:
+        d = state_mod.resolve_state_dir(name, state_dir)
+    except LookupError as e:
+        raise UserError(str(e)) from None
+    st = state_mod.load(d)
+    return d, st
+
+
+@app.command()
+def down(name: NameArg = None, state_dir: StateDirOpt = None,
+         grace: Annotated[float, typer.Option(help="seconds between SIGTERM and SIGKILL")] = 15.0) -> None:
+    """Stop every process of a launched topology (SIGTERM to each process group, SIGKILL after --grace).
+
+    Idempotent: a topology that is not up, or whose processes are already gone, is reported, not an error.
+
+    Examples:
+
+      pdctl down cpu-demo
+
+      pdctl down --state-dir /tmp/demo128
+    """
+    from pdctl.launch import run as run_mod
+    from pdctl.launch.local import LocalBackend
+
+    try:
+        d, st = _state_or_exit(name, state_dir)
+    except UserError as e:
+        out.print(f"nothing to stop: {e}", highlight=False)
+        return
+    if st is None:
+        out.print(f"nothing to stop: no state in {d}", highlight=False)
+        return
+    report = run_mod.down(st, LocalBackend(), grace)
+    for n in report.stopped:
+        out.print(f"stopped {n}" + (" (SIGKILL after the grace period)" if n in report.killed else ""))
+    for n in report.already_gone:
+        out.print(f"{n} was already gone (stale state)", highlight=False)
+    out.print(f"{st.plan.name} is down", highlight=False)
+
+
+def _fmt(v, spec: str = "", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+@app.command()
+def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt = False) -> None:
+    """One row per instance: role, pid, ports, block size, TP, health, uptime, requests and KV usage.
+
+    Examples:
+
+      pdctl status
+
+      pdctl status cpu-demo --json
+    """
+    import dataclasses
+
+    from pdctl.launch import run as run_mod
+    from pdctl.launch.local import LocalBackend
+
+    d, st = _state_or_exit(name, state_dir)
+    if st is None:
+        raise UserError(f"nothing is up in {d}")
+    rows = run_mod.status(st, LocalBackend())
+    if json_:
+        print(json.dumps({"name": st.plan.name, "state_dir": str(d), "ready": all(r.healthy for r in rows),
+                          "instances": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        return
+    table = Table(title=f"{st.plan.name} ({d})")
+    for col in ("instance", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "run", "wait", "KV"):
+        table.add_column(col)
+    for r in rows:
+        health = "[green]ok[/]" if r.healthy else ("[yellow]running[/]" if r.running else "[red]down[/]")
+        table.add_row(r.name, _fmt(r.pid), str(r.http_port), _fmt(r.side_channel_port), _fmt(r.block_size),
+                      _fmt(r.tp), health, _fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""),
+                      _fmt(r.requests_running, ".0f"), _fmt(r.requests_waiting, ".0f"),
+                      _fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else ""))
+    out.print(table)
+
+
+@app.command()
+def logs(
+    name: Annotated[str, typer.Argument(help="topology name")],
+    which: Annotated[str | None, typer.Argument(help="ROLE or ROLE/INDEX, e.g. decode/0 or proxy")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new lines")] = False,
+    lines: Annotated[int, typer.Option("-n", help="lines from the end")] = 40,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Show the logs of a topology's instances.
+
+    Examples:
+
+      pdctl logs cpu-demo decode/0 -n 100
+
+      pdctl logs cpu-demo prefill -f
+    """
+    import time as _time
+
+    from pdctl.launch import run as run_mod
+
+    d, st = _state_or_exit(name, state_dir)
+    if st is None:
+        raise UserError(f"nothing is up in {d}")
+    role, _, index = (which or "").partition("/")
+    specs = [s for s in st.plan.processes if (not role or s.role == role) and (not index or str(s.index) == index)]
+    if not specs:
+        raise UserError(f"no instance matches '{which}'; have {', '.join(s.name for s in st.plan.processes)}")
+    for s in specs:
+        if len(specs) > 1:
+            out.print(f"==> {s.name} ({s.log_path}) <==", highlight=False)
+        print("\n".join(run_mod.tail(s.log_path, lines)))
+    if follow:
+        files = {s.name: open(s.log_path, errors="replace") for s in specs}
+        for f in files.values():
+            f.seek(0, 2)
+        try:
+            while True:
+                for n, f in files.items():
+                    for line in f.readlines():
+                        print(f"{n}| {line}" if len(files) > 1 else line, end="", flush=True)
+                _time.sleep(0.3)
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def proxy(
+    prefill: Annotated[list[str], typer.Option("--prefill", help="prefill base URL (repeatable)")],
+    decode: Annotated[list[str], typer.Option("--decode", help="decode base URL (repeatable)")],
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="listen port")] = 8000,
+    policy: Annotated[str, typer.Option(help="least_outstanding | round_robin")] = "least_outstanding",
+    strict: Annotated[bool, typer.Option(help="502 when a prefill returns no kv_transfer_params")] = False,
+    connect_timeout: Annotated[float, typer.Option(help="upstream connect timeout, s")] = 10.0,
+    read_timeout: Annotated[float, typer.Option(help="upstream read timeout between bytes, s")] = 600.0,
+) -> None:
+    """Run the P/D proxy standalone (pdctl up starts it from the topology).
+
+    Examples:
+
+      pdctl proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+      pdctl proxy --prefill http://p0:8100 --prefill http://p1:8100 --decode http://d0:8200 --policy round_robin
+    """
+    from pdctl.proxy.server import ProxyConfig, serve
+
+    if policy not in ("least_outstanding", "round_robin"):
+        raise UserError(f"--policy {policy}: use least_outstanding or round_robin")
+    serve(ProxyConfig(prefill, decode, policy, strict, connect_timeout, read_timeout), host, port)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def main() -> None:

@@ -1,0 +1,131 @@
+"""Local backend: each process in its own process group on this host, logs to the state dir."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from pdctl.launch import probe
+from pdctl.launch.backend import Backend, Liveness, StopReport
+from pdctl.launch.state import LaunchState, ProcessRecord
+from pdctl.plan import Plan, ProcessSpec
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Foreground `up`: if pdctl itself is killed (even -9), its servers get SIGTERM instead of living on.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None when there is no such live process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def group_alive(pgid: int) -> bool:
+    # Not killpg(pgid, 0): orphaned zombies (not reaped by a container's PID 1) would count as alive.
+    return bool(group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                out.append(int(d.name))
+    return out
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self) -> None:
+        self._children: dict[str, subprocess.Popen] = {}  # only for processes this pdctl started
+
+    def preflight(self, plan: Plan) -> list[str]:
+        problems = []
+        for spec in plan.processes:
+            for kind, port in spec.ports.items():
+                if not probe.port_free(spec.host, port):
+                    problems.append(f"{spec.name}: {kind} port {spec.host}:{port} is already in use on this host")
+        return problems
+
+    def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
+        Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            log.write(f"--- pdctl: starting {spec.name} at {time.strftime('%F %T')}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                spec.argv, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent if attached else None,
+            )
+        self._children[spec.name] = proc
+        state.processes[spec.name] = ProcessRecord(spec.name, proc.pid, proc.pid, start_ticks(proc.pid) or 0,
+                                                   time.time())
+
+    def _is_ours(self, rec: ProcessRecord) -> bool:
+        ticks = start_ticks(rec.pid)
+        return ticks is not None and (rec.start_ticks == 0 or ticks == rec.start_ticks)
+
+    def liveness(self, state: LaunchState, name: str) -> Liveness:
+        child = self._children.get(name)
+        if child is not None:
+            code = child.poll()
+            return Liveness(code is None, code)
+        rec = state.processes.get(name)
+        return Liveness(rec is not None and self._is_ours(rec))
+
+    def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
+        report = StopReport([], [], [])
+        groups: dict[str, int] = {}
+        for name, rec in state.processes.items():
+            leader_ours = self._is_ours(rec)
+            # A pid reused by an unrelated process that leads its own group must not be signalled.
+            if not leader_ours and start_ticks(rec.pid) is not None and os.getpgid(rec.pid) == rec.pid:
+                report.already_gone.append(name)
+                continue
+            if group_alive(rec.pgid):
+                groups[name] = rec.pgid
+                os.killpg(rec.pgid, signal.SIGTERM)
+                report.stopped.append(name)
+            else:
+                report.already_gone.append(name)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(group_alive(g) for g in groups.values()):
+            self._reap()
+            time.sleep(0.1)
+        for name, pgid in groups.items():
+            if group_alive(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                    report.killed.append(name)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(group_alive(g) for g in groups.values()):
+            self._reap()
+            time.sleep(0.05)
+        self._reap()
+        return report
+
+    def _reap(self) -> None:
+        for child in self._children.values():
+            child.poll()

@@ -1,0 +1,68 @@
+"""Small network probes: /health, TCP ports, Prometheus /metrics. Stdlib only, always with timeouts."""
+
+from __future__ import annotations
+
+import http.client
+import re
+import socket
+import urllib.parse
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*(\d+)?$")
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """(status, body); status 0 when nothing answered."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", u.path or "/")
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        return 0, ""
+    finally:
+        conn.close()
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    return http_get(url, timeout)[0] == 200
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def port_free(host: str, port: int) -> bool:
+    """True when nothing listens there and we could bind it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return not port_open(host, port, timeout=0.2)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}; also sums each metric name over its labels as 'name'."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        out[name + labels] = value
+        if labels:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def metrics(base_url: str, timeout: float = 2.0) -> dict[str, float] | None:
+    status, body = http_get(base_url.rstrip("/") + "/metrics", timeout)
+    return parse_metrics(body) if status == 200 else None

@@ -1,0 +1,173 @@
+"""Running a plan: pre-flight, start everything at once, wait for readiness, supervise, tear down.
+
+Rendering is the caller's: progress arrives through a callback, failures as LaunchFailed with the log tail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdctl.launch import probe
+from pdctl.launch import state as state_mod
+from pdctl.launch.backend import Backend, StopReport
+from pdctl.launch.state import LaunchState
+from pdctl.plan import Plan, ProcessSpec
+from pdctl.topology import Loaded, is_local_path, resolve_path
+
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class Progress:
+    name: str
+    phase: str  # starting | loading | ready | exited
+    elapsed_s: float
+
+
+class LaunchFailed(Exception):
+    def __init__(self, name: str, reason: str, log_path: str | None):
+        self.name, self.reason, self.log_path = name, reason, log_path
+        self.log_tail = tail(log_path, LOG_TAIL_LINES) if log_path else []
+        super().__init__(f"{name}: {reason}")
+
+
+class PreflightFailed(Exception):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def tail(path: str | Path, n: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=n)]
+    except OSError:
+        return []
+
+
+def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
+    problems: list[str] = []
+    existing = state_mod.load(Path(plan.state_dir))
+    if existing and any(backend.liveness(existing, n).alive for n in existing.processes):
+        return [f"'{plan.name}' is already up (state {plan.state_dir}); `pdctl down {plan.name}` first"]
+    t = loaded.topology
+    for role in ("prefill", "decode"):
+        raw = t.model_path(role)
+        if is_local_path(raw) and not resolve_path(raw, loaded.base_dir).is_dir():
+            problems.append(f"{role}: model path {resolve_path(raw, loaded.base_dir)} does not exist "
+                            f"(for the tiny demo model: pdctl model tiny {raw})")
+    for module in ("vllm", "nixl"):
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"Python package '{module}' is not importable; install pdctl[cpu] or pdctl[cuda]")
+    return problems + backend.preflight(plan)
+
+
+def _ready(spec: ProcessSpec) -> tuple[bool, bool]:
+    """(ready, something answers): /health is 200 and, for NIXL instances, the side channel accepts."""
+    status, _ = probe.http_get(spec.readiness_url, timeout=1.0)
+    side = spec.side_channel
+    ok = status == 200 and (side is None or probe.port_open(*side))
+    return ok, status != 0
+
+
+def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
+       on_progress: Callable[[list[Progress]], None] = lambda _: None) -> LaunchState:
+    """Start every process in parallel and wait until all are ready; on any failure stop them all and raise."""
+    state = LaunchState(plan, backend=backend.name, detached=not attached)
+    state_mod.clear_logs(Path(plan.state_dir))
+    try:
+        for spec in plan.processes:
+            backend.start(plan, spec, state, attached=attached)
+        state_mod.save(state)
+        wait_ready(plan, backend, state, timeout_s, on_progress)
+    except BaseException:
+        backend.stop(state)
+        state_mod.remove(Path(plan.state_dir))
+        raise
+    return state
+
+
+def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: float,
+               on_progress: Callable[[list[Progress]], None]) -> None:
+    t0 = time.monotonic()
+    ready: dict[str, float] = {}
+    answering: set[str] = set()
+    while True:
+        for spec in plan.processes:
+            if spec.name in ready:
+                continue
+            live = backend.liveness(state, spec.name)
+            if not live.alive:
+                code = f" with code {live.exit_code}" if live.exit_code is not None else ""
+                raise LaunchFailed(spec.name, f"exited{code} before it was ready", spec.log_path)
+            ok, answers = _ready(spec)
+            if ok:
+                ready[spec.name] = time.monotonic() - t0
+            elif answers:
+                answering.add(spec.name)
+        now = time.monotonic() - t0
+        on_progress([Progress(s.name, "ready" if s.name in ready else "loading" if s.name in answering
+                              else "starting", ready.get(s.name, now)) for s in plan.processes])
+        if len(ready) == len(plan.processes):
+            return
+        if now > timeout_s:
+            late = next(s for s in plan.processes if s.name not in ready)
+            raise LaunchFailed(late.name, f"not ready after {timeout_s:.0f} s", late.log_path)
+        time.sleep(0.25)
+
+
+def supervise(plan: Plan, backend: Backend, state: LaunchState, stop: threading.Event,
+              interval_s: float = 0.5) -> str | None:
+    """Block until `stop` is set (None) or a process exits (its name)."""
+    while not stop.wait(interval_s):
+        for spec in plan.processes:
+            if not backend.liveness(state, spec.name).alive:
+                return spec.name
+    return None
+
+
+def down(state: LaunchState, backend: Backend, grace_s: float = 15.0) -> StopReport:
+    report = backend.stop(state, grace_s)
+    state_mod.remove(Path(state.plan.state_dir))
+    return report
+
+
+@dataclass
+class InstanceStatus:
+    name: str
+    role: str
+    index: int
+    pid: int | None
+    http_port: int
+    side_channel_port: int | None
+    block_size: int | None
+    tp: int | None
+    running: bool
+    healthy: bool
+    uptime_s: float | None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    kv_usage: float | None = None
+
+
+def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
+    out = []
+    for spec in state.plan.processes:
+        rec = state.processes.get(spec.name)
+        running = backend.liveness(state, spec.name).alive
+        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0)
+        m = probe.metrics(spec.http_url, timeout=1.0) if healthy and spec.role != "proxy" else None
+        out.append(InstanceStatus(
+            spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
+            spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
+            time.time() - rec.started_at if rec and running else None,
+            (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
+            (m or {}).get("vllm:kv_cache_usage_perc"),
+        ))
+    return out

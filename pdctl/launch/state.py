@@ -1,0 +1,94 @@
+"""The state dir of one launched topology: the resolved plan, and the pid/process group of every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pdctl.plan import Plan
+
+STATE_FILE = "state.json"
+DEFAULT_ROOT = Path(".pdctl")
+
+
+@dataclass
+class ProcessRecord:
+    name: str
+    pid: int
+    pgid: int
+    start_ticks: int  # /proc/<pid>/stat starttime: tells our process from a later one reusing the pid
+    started_at: float
+
+
+@dataclass
+class LaunchState:
+    plan: Plan
+    backend: str = "local"
+    detached: bool = True
+    processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        d = {"plan": self.plan.to_dict(), "backend": self.backend, "detached": self.detached,
+             "created_at": self.created_at, "processes": {k: asdict(v) for k, v in self.processes.items()}}
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchState:
+        d = json.loads(text)
+        return cls(plan=Plan.from_dict(d["plan"]), backend=d.get("backend", "local"), detached=d["detached"],
+                   created_at=d["created_at"],
+                   processes={k: ProcessRecord(**v) for k, v in d["processes"].items()})
+
+
+def state_path(state_dir: Path) -> Path:
+    return state_dir / STATE_FILE
+
+
+def save(state: LaunchState) -> None:
+    d = Path(state.plan.state_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / (STATE_FILE + ".tmp")
+    tmp.write_text(state.to_json())
+    os.replace(tmp, state_path(d))  # atomic: a reader never sees half a state
+
+
+def load(state_dir: Path) -> LaunchState | None:
+    p = state_path(state_dir)
+    if not p.is_file():
+        return None
+    return LaunchState.from_json(p.read_text())
+
+
+def remove(state_dir: Path) -> None:
+    p = state_path(state_dir)
+    if p.exists():
+        p.unlink()
+
+
+def clear_logs(state_dir: Path) -> None:
+    shutil.rmtree(state_dir / "logs", ignore_errors=True)
+
+
+def find_state_dirs(root: Path = DEFAULT_ROOT) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p.parent for p in root.glob(f"*/{STATE_FILE}"))
+
+
+def resolve_state_dir(name: str | None, state_dir: Path | None, root: Path = DEFAULT_ROOT) -> Path:
+    """The state dir a command means: explicit, by topology name, or the only one there is."""
+    if state_dir:
+        return state_dir.absolute()
+    if name:
+        return (root / name).absolute()
+    found = find_state_dirs(root)
+    if len(found) == 1:
+        return found[0].absolute()
+    if not found:
+        raise LookupError(f"no launched topology under {root}/ (pdctl up -d TOPOLOGY starts one)")
+    raise LookupError(f"several launched topologies: {', '.join(p.name for p in found)}; name one")

@@ -1,0 +1,72 @@
+"""The proxy's Prometheus metrics, kept by hand: a few counters and histograms need no client library."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+@dataclass
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, v: float) -> None:
+        self.total += v
+        self.n += 1
+        for i, b in enumerate(BUCKETS):
+            if v <= b:
+                self.counts[i] += 1
+                break
+
+    def render(self, name: str) -> list[str]:
+        lines, cum = [f"# TYPE {name} histogram"], 0
+        for b, c in zip(BUCKETS, self.counts, strict=True):
+            cum += c
+            le = "+Inf" if b == float("inf") else repr(b)
+            lines.append(f'{name}_bucket{{le="{le}"}} {cum}')
+        return [*lines, f"{name}_sum {self.total}", f"{name}_count {self.n}"]
+
+
+@dataclass
+class Metrics:
+    requests: Counter = field(default_factory=Counter)  # (route, status) -> n
+    upstream_errors: Counter = field(default_factory=Counter)  # instance url -> n
+    kv_transfer_missing: int = 0
+    prefill_latency: Histogram = field(default_factory=Histogram)
+    first_decode_byte_latency: Histogram = field(default_factory=Histogram)
+    e2e_latency: Histogram = field(default_factory=Histogram)
+
+    def request_done(self, route: str, status: int, seconds: float) -> None:
+        self.requests[(route, status)] += 1
+        self.e2e_latency.observe(seconds)
+
+    def prefill_done(self, seconds: float) -> None:
+        self.prefill_latency.observe(seconds)
+
+    def first_decode_byte(self, seconds: float) -> None:
+        self.first_decode_byte_latency.observe(seconds)
+
+    def upstream_error(self, url: str) -> None:
+        self.upstream_errors[url] += 1
+
+    def render(self, inflight: dict[str, int]) -> str:
+        lines = ["# TYPE pdctl_proxy_requests_total counter"]
+        lines += [f'pdctl_proxy_requests_total{{route="{r}",status="{s}"}} {n}'
+                  for (r, s), n in sorted(self.requests.items())]
+        lines.append("# TYPE pdctl_proxy_upstream_errors_total counter")
+        lines += [f'pdctl_proxy_upstream_errors_total{{instance="{u}"}} {n}'
+                  for u, n in sorted(self.upstream_errors.items())]
+        lines += ["# TYPE pdctl_proxy_kv_transfer_missing_total counter",
+                  f"pdctl_proxy_kv_transfer_missing_total {self.kv_transfer_missing}",
+                  "# TYPE pdctl_proxy_inflight gauge"]
+        for key, n in sorted(inflight.items()):
+            role, _, url = key.partition(":")
+            lines.append(f'pdctl_proxy_inflight{{role="{role}",instance="{url}"}} {n}')
+        lines += self.prefill_latency.render("pdctl_proxy_prefill_seconds")
+        lines += self.first_decode_byte_latency.render("pdctl_proxy_first_decode_byte_seconds")
+        lines += self.e2e_latency.render("pdctl_proxy_e2e_seconds")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,272 @@
+"""pdctl's P/D proxy: OpenAI-compatible front for prefill and decode instances.
+
+Each request: prefill with max_tokens 1 and `do_remote_decode`, then the client's request plus the prefill's
+kv_transfer_params to a decode, whose answer (SSE or JSON) is passed through as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from itertools import count
+
+import aiohttp
+from aiohttp import web
+
+from pdctl.proxy.metrics import Metrics
+
+log = logging.getLogger("pdctl.proxy")
+
+PASS_HEADERS = ("Authorization",)
+REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    inflight: int = 0
+
+
+@dataclass
+class Pool:
+    instances: list[Instance]
+    policy: str = "least_outstanding"
+    _rr: count = field(default_factory=count)
+
+    def pick(self) -> Instance:
+        if self.policy == "round_robin":
+            return self.instances[next(self._rr) % len(self.instances)]
+        # Ties broken round-robin so equal loads still spread.
+        start = next(self._rr)
+        n = len(self.instances)
+        return min((self.instances[(start + i) % n] for i in range(n)), key=lambda x: x.inflight)
+
+
+@dataclass
+class ProxyConfig:
+    prefill: list[str]
+    decode: list[str]
+    policy: str = "least_outstanding"
+    strict: bool = False
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0
+
+
+def usable_kv_params(params: object) -> bool:
+    return isinstance(params, dict) and bool(params.get("remote_block_ids")) and bool(
+        params.get("remote_engine_id"))
+
+
+def error_body(message: str, kind: str = "proxy_error", code: int = 502) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+class Proxy:
+    def __init__(self, cfg: ProxyConfig):
+        self.cfg = cfg
+        self.prefill = Pool([Instance(u.rstrip("/"), "prefill") for u in cfg.prefill], cfg.policy)
+        self.decode = Pool([Instance(u.rstrip("/"), "decode") for u in cfg.decode], cfg.policy)
+        self.metrics = Metrics()
+        self.session: aiohttp.ClientSession | None = None
+
+    # -- app wiring ------------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                        sock_read=self.cfg.read_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             auto_decompress=False)
+
+    async def _close(self, _app: web.Application) -> None:
+        if self.session:
+            await self.session.close()
+
+    # -- simple routes ---------------------------------------------------------------------------------------
+
+    async def health(self, _req: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _instance_ok(self, inst: Instance) -> bool:
+        assert self.session
+        try:
+            async with self.session.get(inst.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def ready(self, _req: web.Request) -> web.Response:
+        insts = self.prefill.instances + self.decode.instances
+        oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
+        per = {f"{i.role} {i.url}": ok for i, ok in zip(insts, oks, strict=True)}
+        ready = any(ok for i, ok in zip(insts, oks, strict=True) if i.role == "prefill") and any(
+            ok for i, ok in zip(insts, oks, strict=True) if i.role == "decode")
+        return web.json_response({"ready": ready, "instances": per}, status=200 if ready else 503)
+
+    async def models(self, req: web.Request) -> web.Response:
+        assert self.session
+        inst = self.decode.pick()
+        try:
+            async with self.session.get(inst.url + "/v1/models", headers=self._headers(req, "")) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError) as e:
+            return web.json_response(error_body(f"decode {inst.url} unreachable: {e}", code=503), status=503)
+
+    async def metrics_route(self, _req: web.Request) -> web.Response:
+        inflight = {f"{i.role}:{i.url}": i.inflight for i in self.prefill.instances + self.decode.instances}
+        return web.Response(text=self.metrics.render(inflight), content_type="text/plain")
+
+    # -- P/D -------------------------------------------------------------------------------------------------
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        return await self._pd(req, "/v1/completions")
+
+    async def chat_completions(self, req: web.Request) -> web.StreamResponse:
+        return await self._pd(req, "/v1/chat/completions")
+
+    def _headers(self, req: web.Request, request_id: str) -> dict[str, str]:
+        h = {k: req.headers[k] for k in PASS_HEADERS if k in req.headers}
+        if request_id:
+            h["X-Request-Id"] = request_id
+        return h
+
+    async def _pd(self, req: web.Request, route: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            resp = await self._pd_inner(req, route, t0)
+            status = resp.status
+            return resp
+        finally:
+            self.metrics.request_done(route, status, time.perf_counter() - t0)
+
+    async def _pd_inner(self, req: web.Request, route: str, t0: float) -> web.StreamResponse:
+        assert self.session
+        try:
+            body = await req.json()
+            assert isinstance(body, dict)
+        except (ValueError, AssertionError):
+            return web.json_response(error_body("request body must be a JSON object", "invalid_request", 400),
+                                     status=400)
+        request_id = req.headers.get("X-Request-Id") or f"pdctl-{uuid.uuid4().hex}"
+        headers = self._headers(req, request_id)
+
+        pre_body = dict(body)
+        pre_body["max_tokens"] = 1
+        if "max_completion_tokens" in pre_body:
+            pre_body["max_completion_tokens"] = 1
+        pre_body["stream"] = False
+        for k in ("stream_options", "min_tokens"):
+            pre_body.pop(k, None)
+        pre_body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
+
+        p = self.prefill.pick()
+        p.inflight += 1
+        try:
+            async with self.session.post(p.url + route, json=pre_body, headers=headers) as r:
+                raw = await r.read()
+                if r.status >= 400:
+                    # Client errors (e.g. prompt too long) go back as they are; the decode never sees them.
+                    if r.status >= 500:
+                        self.metrics.upstream_error(p.url)
+                    return web.Response(status=r.status, body=raw, content_type="application/json")
+                pre = json.loads(raw)
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+            self.metrics.upstream_error(p.url)
+            return web.json_response(error_body(f"prefill {p.url} unavailable: {e!s}", "upstream_unavailable",
+                                                503), status=503)
+        except ValueError:
+            self.metrics.upstream_error(p.url)
+            return web.json_response(error_body(f"prefill {p.url} returned no JSON"), status=502)
+        finally:
+            p.inflight -= 1
+        self.metrics.prefill_done(time.perf_counter() - t0)
+
+        kvp = pre.get("kv_transfer_params")
+        if not usable_kv_params(kvp):
+            self.metrics.kv_transfer_missing += 1
+            log.warning("prefill %s returned no usable kv_transfer_params (request %s): the decode would "
+                        "recompute the prompt", p.url, request_id)
+            if self.cfg.strict:
+                return web.json_response(error_body(
+                    f"prefill {p.url} returned no usable kv_transfer_params; refusing to let the decode "
+                    "recompute the prompt (strict mode)", "kv_transfer_missing"), status=502)
+        dec_body = dict(body)
+        dec_body["kv_transfer_params"] = kvp
+
+        d = self.decode.pick()
+        d.inflight += 1
+        try:
+            return await self._decode(req, d, route, dec_body, headers, t0)
+        finally:
+            d.inflight -= 1
+
+    async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
+                      t0: float) -> web.StreamResponse:
+        assert self.session
+        try:
+            upstream = await self.session.post(d.url + route, json=body, headers=headers)
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+            self.metrics.upstream_error(d.url)
+            return web.json_response(error_body(f"decode {d.url} unavailable: {e!s}", "upstream_unavailable",
+                                                503), status=503)
+        async with upstream:
+            ctype = upstream.headers.get("Content-Type", "application/json")
+            if not body.get("stream") or upstream.status >= 400:
+                try:
+                    raw = await upstream.read()
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    self.metrics.upstream_error(d.url)
+                    return web.json_response(error_body(f"decode {d.url} failed: {e!s}"), status=502)
+                self.metrics.first_decode_byte(time.perf_counter() - t0)
+                if upstream.status >= 500:
+                    self.metrics.upstream_error(d.url)
+                return web.Response(status=upstream.status, body=raw, content_type=ctype.split(";")[0])
+            out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
+                                                          "X-Request-Id": headers["X-Request-Id"]})
+            await out.prepare(req)
+            first = True
+            try:
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        self.metrics.first_decode_byte(time.perf_counter() - t0)
+                        first = False
+                    await out.write(chunk)
+            except (TimeoutError, aiohttp.ClientError) as e:
+                # The client must see the stream end with an error, never a hang.
+                self.metrics.upstream_error(d.url)
+                err = json.dumps(error_body(f"decode {d.url} failed mid-stream: {e!s}"))
+                await out.write(f"data: {err}\n\ndata: [DONE]\n\n".encode())
+            await out.write_eof()
+            return out
+
+
+def serve(cfg: ProxyConfig, host: str, port: int) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("pdctl proxy on %s:%d: prefill %s, decode %s, policy %s%s", host, port, cfg.prefill, cfg.decode,
+             cfg.policy, ", strict" if cfg.strict else "")
+    web.run_app(Proxy(cfg).app(), host=host, port=port, print=None, access_log=None,
+                handler_cancellation=True)
