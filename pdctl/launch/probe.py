@@ -40,6 +40,8 @@ def port_free(host: str, port: int) -> bool:
     """True when nothing listens there and we could bind it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Servers (uvicorn, aiohttp) bind with SO_REUSEADDR, so TIME_WAIT leftovers do not block them.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

