@@ -450,6 +450,124 @@ def proxy(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Gates
+
+
+def _render_parity(report, json_: bool, junit: Path | None) -> None:
+    from pdctl.gates.check import junit_xml
+
+    if junit:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.write_text(junit_xml(report))
+    if json_:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    table = Table(title="parity: P/D vs aggregated reference (greedy, token ids)")
+    for col in ("prompt", "tokens", "result", "first divergent token"):
+        table.add_column(col)
+    for r in report.results:
+        table.add_row(r.label, str(r.prompt_tokens), "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+                      "-" if r.first_divergence is None else str(r.first_divergence) + (f" ({r.error})" if r.error
+                                                                                         else ""))
+    out.print(table)
+    p = report.proof
+    if p:
+        verdict = "[green]KV travelled[/]" if p.ok else "[red]KV did NOT travel[/]"
+        out.print(f"{verdict}: decode prompt tokens by transfer {p.external_kv_tokens:.0f}, computed locally "
+                  f"{p.local_compute_tokens:.0f} (fresh prompt tokens {p.prompt_tokens}), NIXL bytes "
+                  f"{p.bytes_transferred:.0f}", highlight=False)
+    out.print(f"pass rate {100 * report.pass_rate:.1f}% -> " + ("[green]PASS[/]" if report.passed else "[red]FAIL[/]"))
+
+
+@app.command()
+@topology_command
+def check(
+    topology: Annotated[Path | None, typer.Argument(help="topology to bring up (or --proxy and --reference)")] = None,
+    proxy_url: Annotated[str | None, typer.Option("--proxy", help="running P/D proxy URL")] = None,
+    reference_url: Annotated[str | None, typer.Option("--reference", help="running aggregated server URL")] = None,
+    decode_url: Annotated[list[str] | None, typer.Option("--decode", help="decode URL for the transfer proof "
+                                                         "(default: from the proxy's /ready)")] = None,
+    model: Annotated[str | None, typer.Option(help="served model name (running systems)")] = None,
+    vocab: Annotated[int, typer.Option(help="random prompt token ids are drawn below this")] = 1000,
+    max_tokens: Annotated[int, typer.Option(help="tokens generated per prompt")] = 16,
+    concurrency: Annotated[int, typer.Option(help="prompts in flight at once")] = 1,
+    gsm8k_dir: Annotated[Path | None, typer.Option(help="dir with GSM8K test/train.jsonl: adds 5-shot prompts")] = None,
+    reference_port: Annotated[int, typer.Option(help="port of the reference instance pdctl starts")] = 8300,
+    seed: Annotated[int | None, typer.Option(help="prompt seed (default: fresh every run)")] = None,
+    json_: JsonOpt = False,
+    junit: Annotated[Path | None, typer.Option(help="write a JUnit XML report here")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 300.0,
+    state_dir: StateDirOpt = None,
+    overrides: list = (),
+) -> None:
+    """Parity gate: P/D output must equal an aggregated reference token for token, and the KV must travel.
+
+    With a TOPOLOGY, brings it up plus an aggregated reference (same model, mode, block size and TP as the
+    decode, no connector), checks, and tears everything down. Prompts: random tokens at every block boundary of
+    both sides, prompts sharing a prefix with earlier ones, and GSM8K 5-shot prompts with --gsm8k-dir. The
+    decode's /metrics must show the prompts arrived by KV transfer. Exit 1 on any mismatch or missing transfer.
+
+    Examples:
+
+      pdctl check configs/cpu-demo.yaml
+
+      pdctl check configs/cpu-demo.yaml --decode-block-size 128 --junit results/parity.xml
+
+      pdctl check --proxy http://127.0.0.1:8000 --reference http://127.0.0.1:8300 --model tiny --json
+    """
+    from pdctl.gates import check as check_mod
+    from pdctl.gates import parity
+    from pdctl.launch import probe
+
+    if topology is None:
+        if not (proxy_url and reference_url):
+            raise UserError("give a TOPOLOGY, or both --proxy and --reference for running systems")
+        decodes = decode_url or [u.split(" ", 1)[1] for u in json.loads(probe.http_get(
+            proxy_url.rstrip("/") + "/ready")[1] or "{}").get("instances", {}) if u.startswith("decode ")]
+        if not decodes:
+            raise UserError("no decode URL to prove the transfer with: pass --decode URL")
+        name = model or json.loads(probe.http_get(reference_url.rstrip("/") + "/v1/models")[1])["data"][0]["id"]
+        prompts = check_mod.default_prompts([], vocab, 1024, gsm8k_dir, seed)
+        report = parity.run_parity(proxy_url, reference_url, decodes, name, prompts, max_tokens, concurrency)
+        _render_parity(report, json_, junit)
+        raise typer.Exit(0 if report.passed else 1)
+
+    from pdctl.launch import run as run_mod
+    from pdctl.launch.local import LocalBackend
+    from pdctl.plan import Plan, reference_spec
+
+    loaded = _load(topology, overrides)
+    t = loaded.topology
+    sd = _state_dir(loaded, state_dir)
+    p = build_plan(t, base_dir=loaded.base_dir, state_dir=sd, python=sys.executable)
+    ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=sd, port=reference_port, python=sys.executable)
+    p = Plan(p.name, p.state_dir, [*p.processes, ref], p.topology)
+    backend = LocalBackend()
+    problems = run_mod.preflight(loaded, p, backend)
+    if problems:
+        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+    vocab = loaded.model_info.vocab_size or vocab
+    max_prompt = (t.model.max_model_len or 2048) - max_tokens - 1
+    prompts = check_mod.default_prompts([t.prefill.block_size, t.decode.block_size], vocab, min(max_prompt, 1024),
+                                        gsm8k_dir, seed)
+    with err.status(f"bringing up {p.name} and an aggregated reference ..."):
+        try:
+            launched = run_mod.up(p, backend, attached=True, timeout_s=timeout)
+        except run_mod.LaunchFailed as e:
+            _launch_failed(e)
+            raise typer.Exit(1) from None
+    try:
+        with err.status(f"sending {len(prompts)} prompts through P/D and to the reference ..."):
+            report = parity.run_parity(p.get("proxy").http_url, ref.http_url,
+                                       [s.http_url for s in p.by_role("decode")], t.model.name, prompts,
+                                       max_tokens, concurrency)
+    finally:
+        run_mod.down(launched, backend)
+    _render_parity(report, json_, junit)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def main() -> None:

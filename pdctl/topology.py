@@ -281,6 +281,7 @@ class ModelInfo:
     kv_heads: int | None = None
     attention_heads: int | None = None
     max_position: int | None = None
+    vocab_size: int | None = None
 
 
 def read_model_info(topo_model: ModelSpec, base_dir: Path) -> ModelInfo:
@@ -297,6 +298,7 @@ def read_model_info(topo_model: ModelSpec, base_dir: Path) -> ModelInfo:
             kv_heads=topo_model.kv_heads or cfg.get("num_key_value_heads") or heads,
             attention_heads=heads,
             max_position=cfg.get("max_position_embeddings"),
+            vocab_size=cfg.get("vocab_size"),
         )
     return ModelInfo(kv_heads=topo_model.kv_heads or KNOWN_MODEL_KV_HEADS.get(topo_model.path))
 

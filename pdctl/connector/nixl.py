@@ -105,6 +105,32 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                                "CPU_ATTN decode receiving from another attention backend")
         return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
+    # -- pairing ---------------------------------------------------------------------------------------------
+
+    def _read_blocks_for_req(self, req_id: str, meta):
+        # The decode's own prefix-cache hit (blocks already computed) for this request, per group: vLLM's
+        # sub-block pairing below does not know it and shifts every pair when it is non-zero.
+        self._cached_blocks = tuple(meta.local_num_computed_blocks or ())
+        try:
+            return super()._read_blocks_for_req(req_id, meta)
+        finally:
+            self._cached_blocks = ()
+
+    def _map_block_ids_for_block_size_ratio(self, local_block_ids, remote_block_ids, block_size_ratio: int):
+        local, remote = super()._map_block_ids_for_block_size_ratio(local_block_ids, remote_block_ids,
+                                                                    block_size_ratio)
+        cached = getattr(self, "_cached_blocks", ())
+        if not local or not any(cached):
+            return local, remote
+        # Local sub-block j is token range (cached + j) * remote_block: it pairs with remote block cached*ratio + j,
+        # so only len(remote) - cached*ratio of them exist; vLLM clips at len(remote), then end-trims the remote
+        # list to the local count, which pairs every sub-block with the wrong remote block.
+        out = []
+        for g, group in enumerate(local):
+            skip = (cached[g] if g < len(cached) else 0) * block_size_ratio * self._physical_blocks_per_logical_kv_block
+            out.append(group[: max(0, len(remote[g]) - skip)] if group else group)
+        return (out if any(out) else []), remote
+
     # -- receive ---------------------------------------------------------------------------------------------
 
     def _cpu_side(self, cache: torch.Tensor, block_size: int) -> Side:

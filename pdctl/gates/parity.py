@@ -29,24 +29,30 @@ def boundary_lengths(block_sizes: list[int], max_len: int = 1024) -> list[int]:
 
 @dataclass
 class Prompt:
-    ids: list[int]
-    label: str
+    ids: list[int] | None = None
+    text: str | None = None
+    label: str = ""
+
+    @property
+    def body(self) -> list[int] | str:
+        return self.ids if self.ids is not None else (self.text or "")
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int | None = None, low: int = 3) -> list[Prompt]:
     """Fresh random-token prompts (ids >= low skip the tiny model's special tokens)."""
     rng = random.Random(seed if seed is not None else time.time_ns())
-    return [Prompt([rng.randrange(low, vocab) for _ in range(n)], f"random-{n}") for n in lengths]
+    return [Prompt(ids=[rng.randrange(low, vocab) for _ in range(n)], label=f"random-{n}") for n in lengths]
 
 
 def shared_prefix_prompts(base: Prompt, extra: list[int], vocab: int, seed: int) -> list[Prompt]:
     """Prompts that start with `base` (so a decode that saw it serves part from its prefix cache)."""
     rng = random.Random(seed)
-    return [Prompt(base.ids + [rng.randrange(3, vocab) for _ in range(n)], f"prefix{len(base.ids)}+{n}")
+    assert base.ids is not None
+    return [Prompt(ids=base.ids + [rng.randrange(3, vocab) for _ in range(n)], label=f"prefix{len(base.ids)}+{n}")
             for n in extra]
 
 
-def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> dict:
+def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int, timeout: float = 300) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
@@ -128,21 +134,29 @@ def _by_source(m: dict[str, float], source: str) -> float:
 
 def run_parity(proxy_url: str, reference_url: str, decode_urls: list[str], model: str, prompts: list[Prompt],
                max_tokens: int = 16, concurrency: int = 1) -> ParityReport:
-    """Send every prompt through the P/D proxy and to the reference; compare token ids; prove the transfer."""
+    """Send every prompt through the P/D proxy and to the reference; compare token ids; prove the transfer.
+
+    Prompts whose label starts with "prefix" share a head with an earlier prompt: they run after the others,
+    so the decode really holds that head in its prefix cache.
+    """
     before = decode_counters(decode_urls)
 
     def one(p: Prompt) -> PromptResult:
         try:
-            pd = _token_ids(complete(proxy_url, model, p.ids, max_tokens))
+            resp = complete(proxy_url, model, p.body, max_tokens)
         except Exception as e:  # noqa: BLE001 - any failure is a failed prompt, reported with its cause
-            return PromptResult(p.label, len(p.ids), False, 0, [], [], f"P/D request failed: {e}")
-        ref = _token_ids(complete(reference_url, model, p.ids, max_tokens))
+            return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e}")
+        pd = _token_ids(resp)
+        ref = _token_ids(complete(reference_url, model, p.body, max_tokens))
         div = first_divergence(pd, ref)
-        return PromptResult(p.label, len(p.ids), div is None, div, pd, ref)
+        return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref)
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        results = list(pool.map(one, prompts))
+        results = list(pool.map(one, [p for p in prompts if not p.label.startswith("prefix")]))
+        results += list(pool.map(one, [p for p in prompts if p.label.startswith("prefix")]))
     after = decode_counters(decode_urls)
+    # Tokens the decode held in its own prefix cache were neither transferred nor computed: count only fresh ones.
+    fresh = sum(r.prompt_tokens for r in results if not r.label.startswith("prefix"))
     proof = TransferProof(after["external"] - before["external"], after["local"] - before["local"],
-                          after["bytes"] - before["bytes"], sum(len(p.ids) for p in prompts))
+                          after["bytes"] - before["bytes"], fresh)
     return ParityReport(results, proof)
