@@ -88,6 +88,11 @@ def kv_transfer_config(t: Topology, role: Role) -> dict:
             "kv_layout": g.kv_layout,
             "platform": g.platform,
         }
+        ratio = (t.prefill.block_size or 1) // (t.decode.block_size or 1)
+        if role == "decode" and ratio > 1:
+            # Whole prefill blocks are read; chunks past a request's own decode blocks land here (2*(r-1) per
+            # request at most, room for 16 at once).
+            extra["pdctl"]["staging_blocks"] = 32 * (ratio - 1)
     cfg["kv_buffer_device"] = c.kv_buffer_device or ("cpu" if g.platform == "cpu" else g.platform)
     extra.update(c.extra_config)
     cfg["kv_connector_extra_config"] = extra

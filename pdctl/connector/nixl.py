@@ -6,8 +6,13 @@ A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is p
 - prefill block < decode block on CPU_ATTN: received sub-blocks are merged with the real per-ISA layout
   (vLLM's generic merge assumes token rows and corrupts CPU KV silently), and the uncovered tail is zeroed in
   the same layout (vLLM's zeroing wipes V);
-- pairs it cannot serve (prefill block > decode block, for now) fail at handshake with one message naming both
-  sides, instead of vLLM's AssertionError at request time.
+- prefill block > decode block (vLLM refuses it with an AssertionError at request time): the prefill is presented
+  to vLLM's read machinery as decode-sized byte chunks; every prefill block a request touches is read whole, the
+  chunks that no block of the request holds (a partial first or last prefill block) going to a staging area the
+  decode's scheduler reserved at start (withheld from the allocator, never borrowed from it); on completion each
+  prefill block is reassembled and split into decode blocks in the real layout (pdctl.kv.split_in_place);
+- vLLM's sub-block pairing when the decode already holds prefix-cached blocks (P < D) is corrected;
+- pairs it cannot serve fail at handshake with one message naming both sides.
 
 The class keeps the name NixlConnector because several vLLM config checks test that name. Importing this module
 has no side effects: vLLM imports it in the API server, the engine core and every worker.
@@ -16,6 +21,7 @@ has no side effects: vLLM imports it in the API server, the engine core and ever
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -28,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.logger import init_logger
 
-from pdctl.kv.convert import Side, merge_in_place, zero_tokens_from
+from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_tokens_from
 from pdctl.kv.layouts import BlockShape, layout
 
 __all__ = ["NixlConnector"]
@@ -84,6 +90,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if not s.get("pin_transfer_thread", False):
             os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
+        self._staging_blocks = int(s.get("staging_blocks", 0))
+        self._staging_free: list[int] | None = None  # the last staging_blocks ids of the cache, once registered
+        self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
+        self._split_plans: dict[str, tuple[list, int | None]] = {}  # req -> (per-group chunk groups, tokens)
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
@@ -97,12 +107,29 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                          remote_dcp_size: int = 1) -> str:
         remote = (f"prefill: block {nixl_agent_meta.block_size}, TP {remote_tp_size}, layout "
                   f"{nixl_agent_meta.kv_cache_layout}, backend {nixl_agent_meta.attn_backend_name}")
-        if nixl_agent_meta.block_size > self.block_size:
-            raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): "
-                               "prefill block > decode block is not implemented in this connector yet")
+        def refuse(why: str):
+            raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): {why}")
+
         if self._cpu_attn and nixl_agent_meta.attn_backend_name != self.backend_name:
-            raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): "
-                               "CPU_ATTN decode receiving from another attention backend")
+            refuse("CPU_ATTN decode receiving from another attention backend")
+        if nixl_agent_meta.block_size > self.block_size:
+            ratio, rest = divmod(nixl_agent_meta.block_size, self.block_size)
+            if rest:
+                refuse("the prefill block is not a multiple of the decode block")
+            if remote_tp_size != self.world_size:
+                refuse("prefill block > decode block needs equal TP on both sides")
+            if self.enable_permute_local_kv or nixl_agent_meta.kv_cache_layout != self.kv_cache_layout:
+                refuse("prefill block > decode block needs the same KV layout on both sides")
+            if self._staging_blocks < 2 * (ratio - 1):
+                refuse(f"the decode reserved {self._staging_blocks} staging blocks, it needs at least "
+                       f"{2 * (ratio - 1)} (connector extra config pdctl.staging_blocks; pdctl's plan sets it)")
+            if self._physical_blocks_per_logical_kv_block != 1:
+                refuse("prefill block > decode block with kernel blocks smaller than logical blocks")
+            self._split_ratio[nixl_agent_meta.engine_id] = ratio
+            nixl_agent_meta = _as_decode_sized(nixl_agent_meta, ratio)
+            log.info("pdctl connector: prefill block %d > decode block %d: reading %d chunks per prefill block, "
+                     "split after receive (staging %d blocks)", ratio * self.block_size, self.block_size, ratio,
+                     self._staging_blocks)
         return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     # -- pairing ---------------------------------------------------------------------------------------------
@@ -111,10 +138,109 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         # The decode's own prefix-cache hit (blocks already computed) for this request, per group: vLLM's
         # sub-block pairing below does not know it and shifts every pair when it is non-zero.
         self._cached_blocks = tuple(meta.local_num_computed_blocks or ())
+        remote = meta.remote
+        ratio = self._split_ratio.get(remote.engine_id, 0) if remote else 0
+        if ratio and remote.engine_id in self._remote_agents and not getattr(meta, "_pdctl_split", False):
+            meta._pdctl_split = True
+            if not self._plan_split(req_id, meta, ratio):
+                self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=True)
+                return None
         try:
             return super()._read_blocks_for_req(req_id, meta)
         finally:
             self._cached_blocks = ()
+
+    # -- prefill block > decode block ------------------------------------------------------------------------
+
+    def _take_staging(self, n: int) -> list[int] | None:
+        if self._staging_free is None:
+            total = next(iter(self.device_kv_caches.values())).shape[0]
+            self._staging_free = list(range(total - self._staging_blocks, total))
+        if len(self._staging_free) < n:
+            return None
+        taken, self._staging_free[:] = self._staging_free[:n], self._staging_free[n:]
+        return taken
+
+    def _plan_split(self, req_id: str, meta, ratio: int) -> bool:
+        """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks; False: no staging."""
+        tokens = meta.remote.num_tokens
+        local_ids = [list(g) for g in meta.local_physical_block_ids]
+        remote_ids = [list(g) for g in meta.remote.block_ids]
+        groups: list[list[list[tuple[int, int, bool]]]] = []
+        new_local, new_remote = [], []
+        for g, local in enumerate(local_ids):
+            remote = remote_ids[g]
+            cached = self._cached_blocks[g] if g < len(self._cached_blocks) else 0
+            n_virtual = len(remote) * ratio
+            if tokens is not None:
+                n_virtual = min(n_virtual, -(-tokens // self.block_size))
+            first, last = cached, min(cached + len(local), n_virtual)  # decode blocks that receive data
+            chunk_groups, loc, rem = [], [], []
+            if local and first < last:
+                for b in range(first // ratio, (last - 1) // ratio + 1):
+                    spare = [b * ratio + c for c in range(ratio) if not first <= b * ratio + c < last]
+                    staging = self._take_staging(len(spare)) if spare else []
+                    if staging is None:
+                        log.warning("pdctl connector: staging area full (%d blocks), request %s falls back to "
+                                    "local prefill", self._staging_blocks, req_id)
+                        self._release(groups + [chunk_groups])
+                        return False
+                    dests = []
+                    for c in range(ratio):
+                        v = b * ratio + c
+                        dest = local[v - cached] if first <= v < last else staging.pop(0)
+                        dests.append((dest, v, first <= v < last))
+                        loc.append(dest)
+                        rem.append(remote[b] * ratio + c)
+                    chunk_groups.append(dests)
+            groups.append(chunk_groups)
+            new_local.append(loc if loc else [])
+            new_remote.append(rem if rem else [])
+        meta.local_physical_block_ids = new_local
+        meta.remote.block_ids = new_remote
+        self._split_plans[req_id] = (groups, tokens)
+        return True
+
+    def _release(self, groups) -> None:
+        for chunk_groups in groups:
+            for dests in chunk_groups:
+                self._staging_free.extend(d for d, _, real in dests if not real)
+
+    def get_transfer_results(self):
+        results = super().get_transfer_results()
+        failed = set(results.failed_recving or ())
+        for req_id in list(results.finished_recving or ()) + list(failed):
+            plan = self._split_plans.pop(req_id, None)
+            if plan is None:
+                continue
+            if req_id not in failed:
+                self._split_received(*plan)
+            self._release(plan[0])
+        return results
+
+    def _split_received(self, groups, tokens: int | None) -> None:
+        ratio_n = self.block_size
+        for g, chunk_groups in enumerate(groups):
+            if not chunk_groups:
+                continue
+            names = self.kv_cache_config.transfer_groups[g].layer_names
+            ratio = len(chunk_groups[0])
+            ids = torch.tensor([d for dests in chunk_groups for d, _, _ in dests], dtype=torch.long)
+            real = torch.tensor([r for dests in chunk_groups for _, _, r in dests], dtype=torch.bool)
+            virt = [v for dests in chunk_groups for _, v, _ in dests]
+            for name in names:
+                cache = self.device_kv_caches[name]
+                local = self._side(cache, ratio_n)
+                received = self._side(cache, ratio_n * ratio)
+                whole = cache.index_select(0, ids).reshape(len(chunk_groups), -1)
+                blocks = split_in_place(whole, ratio, received, local)
+                if tokens is not None and (virt[-1] + 1) * ratio_n > tokens:
+                    # Slots past the prompt's last token are zero, as vLLM leaves uncovered ones.
+                    last = len(virt) - 1 - next(i for i, v in enumerate(reversed(virt)) if v * ratio_n < tokens)
+                    blocks[last : last + 1] = zero_tokens_from(blocks[last : last + 1], local,
+                                                               tokens - virt[last] * ratio_n)
+                keep = real.nonzero().reshape(-1)
+                cache.index_copy_(0, ids[keep], blocks[keep].reshape(-1, *cache.shape[1:]))
 
     def _map_block_ids_for_block_size_ratio(self, local_block_ids, remote_block_ids, block_size_ratio: int):
         local, remote = super()._map_block_ids_for_block_size_ratio(local_block_ids, remote_block_ids,
@@ -133,12 +259,17 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
     # -- receive ---------------------------------------------------------------------------------------------
 
-    def _cpu_side(self, cache: torch.Tensor, block_size: int) -> Side:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+    def _side(self, cache: torch.Tensor, block_size: int) -> Side:
+        """This cache's layout for blocks of block_size tokens (for CPU_ATTN the ISA depends on the block size;
+        the prefill is assumed to run the same ISA, which vLLM's handshake does not carry)."""
         _, heads, _, two_d = cache.shape
-        isa = _get_attn_isa(cache.dtype, block_size, two_d // 2, self.vllm_config.cache_config.cache_dtype)
-        return Side(layout(isa), BlockShape(heads, block_size, two_d // 2))
+        if self._cpu_attn:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            name = _get_attn_isa(cache.dtype, block_size, two_d // 2, self.vllm_config.cache_config.cache_dtype)
+        else:
+            name = "NHD" if self.kv_cache_layout in ("NHD", "LBNHC") else "HND"
+        return Side(layout(name), BlockShape(heads, block_size, two_d // 2))
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
         if not self._cpu_attn or self.enable_permute_local_kv:
@@ -152,11 +283,11 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             stale = torch.tensor(block_ids[written:], dtype=torch.long)
             for name in names:
                 cache = self.device_kv_caches[name]
-                local = self._cpu_side(cache, self.block_size)
+                local = self._side(cache, self.block_size)
                 if written:
                     blocks = cache.index_select(0, idx).reshape(written, -1)
                     if convert and block_size_ratio > 1:
-                        received = self._cpu_side(cache, self.block_size // block_size_ratio)
+                        received = self._side(cache, self.block_size // block_size_ratio)
                         blocks = merge_in_place(blocks, block_size_ratio, received, local)
                     if sub_in_last:
                         first = sub_in_last * (self.block_size // block_size_ratio)
@@ -166,12 +297,36 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                     cache.index_fill_(0, stale, 0)
 
 
+def _as_decode_sized(meta, ratio: int):
+    """The prefill's handshake metadata as if its blocks were `ratio` times smaller (contiguous byte chunks)."""
+    return dataclasses.replace(
+        meta, block_size=meta.block_size // ratio, num_blocks=meta.num_blocks * ratio,
+        block_lens=[n // ratio for n in meta.block_lens], block_strides=[n // ratio for n in meta.block_strides],
+        region_num_blocks=[n * ratio for n in meta.region_num_blocks] if meta.region_num_blocks else
+        meta.region_num_blocks)
+
+
+class PdctlNixlScheduler(NixlPullConnectorScheduler):
+    def __init__(self, vllm_config, engine_id: str, kv_cache_config):
+        staging = int(_settings(vllm_config).get("staging_blocks", 0))
+        if staging and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both"):
+            # Reserve the staging area: the scheduler's block pool is built from this config right after the
+            # connector, so the allocator never hands out the last `staging` blocks; the worker reads into them.
+            if kv_cache_config.num_blocks <= 4 * staging:
+                raise ValueError(f"pdctl connector: {kv_cache_config.num_blocks} KV blocks cannot spare "
+                                 f"{staging} staging blocks; give the decode more KV cache memory")
+            kv_cache_config.num_blocks -= staging
+            log.info("pdctl connector: %d KV blocks reserved as staging for prefill block > decode block",
+                     staging)
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+
+
 class NixlConnector(NixlPullConnector):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         # NixlPullConnector.__init__ would build the stock worker (and its spinning NIXL agent): skip to the base.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = PdctlNixlScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None

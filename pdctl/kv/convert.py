@@ -80,6 +80,19 @@ def merge_in_place(cache_blocks: torch.Tensor, ratio: int, received: Side, local
     return local.layout.pack(k, v, local.shape)
 
 
+def split_in_place(remote_blocks: torch.Tensor, ratio: int, received: Side, local: Side) -> torch.Tensor:
+    """P > D: whole received blocks [B, E_received] -> [B * ratio, E_local] decode blocks in local layout.
+
+    The inverse pairing of merge_in_place: decode block c of received block b holds its tokens c*N..(c+1)*N.
+    """
+    b = remote_blocks.shape[0]
+    k, v = received.layout.unpack(remote_blocks.reshape(b, -1), received.shape)
+    h, n, d = local.shape.heads, local.shape.block_size, local.shape.head_dim
+    k = k.reshape(b, h, ratio, n, d).transpose(1, 2).reshape(b * ratio, h, n, d)
+    v = v.reshape(b, h, ratio, n, d).transpose(1, 2).reshape(b * ratio, h, n, d)
+    return local.layout.pack(k, v, local.shape)
+
+
 def zero_tokens_from(raw: torch.Tensor, side: Side, first: int) -> torch.Tensor:
     """Blocks [B, E] with every token slot >= first (within each block) zeroed, in the block's own layout."""
     k, v = side.layout.unpack(raw, side.shape)

@@ -86,6 +86,7 @@ def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
             backend.start(plan, spec, state, attached=attached)
         state_mod.save(state)
         wait_ready(plan, backend, state, timeout_s, on_progress)
+        warm_up(plan)
     except BaseException:
         backend.stop(state)
         state_mod.remove(Path(plan.state_dir))
@@ -120,6 +121,44 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
             late = next(s for s in plan.processes if s.name not in ready)
             raise LaunchFailed(late.name, f"not ready after {timeout_s:.0f} s", late.log_path)
         time.sleep(0.25)
+
+
+def warm_up(plan: Plan) -> None:
+    """One P/D request through the proxy before `ready`: a P/D pair the connector refuses fails here, at start,
+    with the decode's log, instead of as an HTTP 500 on a user's first request."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    proxy = next((p for p in plan.processes if p.role == "proxy"), None)
+    if proxy is None:
+        return
+    model = plan.topology.get("model", {})
+    blocks = [p.block_size or 16 for p in plan.processes if p.block_size]
+    n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
+    body = {"model": model.get("served_name") or model.get("path"), "prompt": [5 + i % 50 for i in range(n)],
+            "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": "pdctl-warm-up"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+    except (urllib.error.URLError, OSError) as e:
+        detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
+        decode = next(p for p in plan.processes if p.role == "decode")
+        cause = _connector_error(decode.log_path)
+        raise LaunchFailed(decode.name, f"warm-up P/D request failed: {cause or detail}", decode.log_path) from None
+
+
+def _connector_error(log_path: str) -> str | None:
+    """The connector's own one-line reason from a server log (pdctl's refusal, or vLLM's assertion)."""
+    found = None
+    for line in tail(log_path, 400):
+        for marker in ("pdctl connector: ", "AssertionError: ", "RuntimeError: "):
+            if marker in line:
+                found = line[line.index(marker):].removeprefix("RuntimeError: ")
+                break
+    return found
 
 
 def supervise(plan: Plan, backend: Backend, state: LaunchState, stop: threading.Event,

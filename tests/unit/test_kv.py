@@ -6,7 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.kv.convert import Side, convert, execute_plan, merge_in_place, to_sequence, transfer_plan, zero_tokens_from
+from pdctl.kv.convert import (
+    Side,
+    convert,
+    execute_plan,
+    merge_in_place,
+    split_in_place,
+    to_sequence,
+    transfer_plan,
+    zero_tokens_from,
+)
 from pdctl.kv.layouts import LAYOUTS, BlockShape, cpu_attn_isa, layout
 
 LAYOUT_NAMES = sorted(LAYOUTS)
@@ -132,3 +141,16 @@ def test_cpu_attn_isa_rules():
     assert cpu_attn_isa(torch.bfloat16, 32, 64, has_amx=True) == "amx"
     assert cpu_attn_isa(torch.bfloat16, 32, 80, has_amx=True) == "vec16"
     assert cpu_attn_isa(torch.float32, 16, 64, has_amx=False) == "vec16"
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_split_in_place_matches_convert(name, ratio):
+    recv = Side(layout(name), BlockShape(2, 32 * ratio, 64))
+    local = Side(layout(name), BlockShape(2, 32, 64))
+    raw = torch.randn(3, recv.shape.elems)
+    assert torch.equal(split_in_place(raw, ratio, recv, local), convert(raw, recv, local, 3 * 32 * ratio))
+    # Read as `ratio` decode-sized byte chunks (what NIXL moves), the blocks reassemble exactly.
+    chunks = raw.reshape(3 * ratio, -1)
+    assert torch.equal(split_in_place(chunks.reshape(3, -1), ratio, recv, local), split_in_place(raw, ratio, recv,
+                                                                                                  local))

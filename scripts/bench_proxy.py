@@ -1,0 +1,238 @@
+"""Benchmark pdctl's P/D proxy against instant backends: added latency and max P/D requests/s.
+
+The proxy runs alone on core 0; the instant prefill/decode backends and the load generator share core 1, so the
+numbers are the proxy's. Each P/D request is two upstream calls. "direct" is the client making both calls itself,
+so "added" is what the proxy costs. A FastAPI + httpx proxy (the stack of vLLM's toy P/D proxy) is measured the
+same way, as the baseline the HTTP stack was chosen against.
+
+Usage: python scripts/bench_proxy.py [--duration 5] [--out results/bench_proxy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KVP = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h",
+       "remote_port": 1}
+CHUNKS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ backends
+
+
+def serve_backends(p_port: int, d_port: int) -> None:
+    import uvloop
+    from aiohttp import web
+
+    pre_body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": KVP}).encode()
+    dec_body = json.dumps({"choices": [{"text": "hello world"}]}).encode()
+    chunk = b'data: {"choices":[{"text":"t"}]}\n\n'
+
+    async def prefill(req):
+        await req.read()
+        return web.Response(body=pre_body, content_type="application/json")
+
+    async def decode(req):
+        body = await req.json()
+        if not body.get("stream"):
+            return web.Response(body=dec_body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        for _ in range(CHUNKS):
+            await resp.write(chunk)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def health(_req):
+        return web.Response(text="ok")
+
+    async def main():
+        for port, handler in ((p_port, prefill), (d_port, decode)):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            app.router.add_get("/health", health)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def serve_fastapi_proxy(port: int, p_url: str, d_url: str) -> None:
+    """A minimal FastAPI + httpx P/D proxy in the style of vLLM's toy proxy (the baseline)."""
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        pre = dict(body, max_tokens=1, stream=False)
+        r = await client.post(p_url + "/v1/completions", json=pre)
+        body["kv_transfer_params"] = r.json().get("kv_transfer_params")
+        if body.get("stream"):
+            async def gen():
+                async with client.stream("POST", d_url + "/v1/completions", json=body) as s:
+                    async for c in s.aiter_bytes():
+                        yield c
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        r = await client.post(d_url + "/v1/completions", json=body)
+        return JSONResponse(r.json())
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", access_log=False)
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+async def load(mode: str, urls: dict, concurrency: int, stream: bool, duration: float) -> dict:
+    import aiohttp
+
+    body = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": stream}
+    lat: list[float] = []
+    errors = 0
+    end = time.perf_counter() + duration
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def call(url: str, b: dict) -> bool:
+            async with s.post(url + "/v1/completions", json=b) as r:
+                await r.read()
+                return r.status == 200
+
+        async def one() -> None:
+            nonlocal errors
+            t0 = time.perf_counter()
+            if mode == "direct":
+                ok = await call(urls["prefill"], dict(body, max_tokens=1, stream=False))
+                ok = ok and await call(urls["decode"], dict(body, kv_transfer_params=KVP))
+            else:
+                ok = await call(urls["proxy"], body)
+            if ok:
+                lat.append(time.perf_counter() - t0)
+            else:
+                errors += 1
+
+        async def worker():
+            while time.perf_counter() < end:
+                try:
+                    await one()
+                except Exception:  # noqa: BLE001 - counted
+                    errors += 1
+
+        for _ in range(min(concurrency, 4)):  # warm connections
+            await one()
+        lat.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    lat.sort()
+    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
+    return {"requests": len(lat), "errors": errors, "rps": len(lat) / wall, "p50_ms": q[49] * 1e3,
+            "p99_ms": q[98] * 1e3}
+
+
+def pinned(core: int):
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"port {port} never opened")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--out", default="results/bench_proxy.json")
+    ap.add_argument("--serve-backends", nargs=2, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-fastapi", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve_backends:
+        serve_backends(*a.serve_backends)
+        return 0
+    if a.serve_fastapi:
+        serve_fastapi_proxy(int(a.serve_fastapi[0]), a.serve_fastapi[1], a.serve_fastapi[2])
+        return 0
+
+    cores = sorted(os.sched_getaffinity(0))
+    proxy_core, load_core = cores[0], cores[-1]
+    p_port, d_port, px_port, fa_port = free_port(), free_port(), free_port(), free_port()
+    urls = {"prefill": f"http://127.0.0.1:{p_port}", "decode": f"http://127.0.0.1:{d_port}"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve-backends", str(p_port), str(d_port)],
+                              preexec_fn=pinned(load_core), start_new_session=True)]
+    proxies = {
+        "pdctl (aiohttp)": (px_port, [sys.executable, "-m", "pdctl", "proxy", "--port", str(px_port), "--prefill",
+                                      urls["prefill"], "--decode", urls["decode"]]),
+        "fastapi+httpx": (fa_port, [sys.executable, __file__, "--serve-fastapi", str(fa_port), urls["prefill"],
+                                    urls["decode"]]),
+    }
+    for port, argv in proxies.values():
+        procs.append(subprocess.Popen(argv, preexec_fn=pinned(proxy_core), start_new_session=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    os.sched_setaffinity(0, {load_core})
+    rows = []
+    try:
+        for port in (p_port, d_port, px_port, fa_port):
+            wait_port(port)
+        for stream in (False, True):
+            for c in a.concurrency:
+                direct = asyncio.run(load("direct", urls, c, stream, a.duration))
+                rows.append({"proxy": "direct (client calls P then D)", "stream": stream, "concurrency": c,
+                             **direct, "added_p50_ms": 0.0, "added_p99_ms": 0.0})
+                for name, (port, _) in proxies.items():
+                    r = asyncio.run(load("proxy", {**urls, "proxy": f"http://127.0.0.1:{port}"}, c, stream,
+                                         a.duration))
+                    rows.append({"proxy": name, "stream": stream, "concurrency": c, **r,
+                                 "added_p50_ms": r["p50_ms"] - direct["p50_ms"],
+                                 "added_p99_ms": r["p99_ms"] - direct["p99_ms"]})
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(10)
+    hdr = f"{'proxy':32} {'stream':6} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50':>7} {'+p99':>7} err"
+    print(hdr)
+    for r in rows:
+        print(f"{r['proxy']:32} {str(r['stream']):6} {r['concurrency']:>4} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} "
+              f"{r['p99_ms']:>8.2f} {r['added_p50_ms']:>7.2f} {r['added_p99_ms']:>7.2f} {r['errors']}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "proxy_core": proxy_core,
+                                       "load_core": load_core, "rows": rows}, indent=2))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

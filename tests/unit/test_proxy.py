@@ -1,0 +1,284 @@
+"""The P/D proxy against small local test backends (real HTTP on loopback), including fault injection."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from pdctl.proxy.server import Proxy, ProxyConfig
+
+KVP = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1", "remote_block_ids": [1, 2],
+       "remote_host": "127.0.0.1", "remote_port": 5600}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Loop:
+    """An event loop in a thread, for servers the test talks to over real sockets."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runners = []
+
+    def serve(self, app: web.Application) -> str:
+        port = free_port()
+
+        async def start():
+            runner = web.AppRunner(app, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            self.runners.append(runner)
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        return f"http://127.0.0.1:{port}"
+
+    def close(self):
+        async def stop():
+            for r in reversed(self.runners):
+                await r.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Backend:
+    """A fake vLLM instance whose behaviour each test sets."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.requests: list[tuple[dict, dict]] = []
+        self.mode = "ok"  # ok | error500 | error400 | no_kvp | slow | cut_stream | slow_stream
+        self.healthy = True
+        self.cancelled = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def models(self, _req):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def health(self, _req):
+        return web.json_response({}, status=200 if self.healthy else 503)
+
+    async def completions(self, req: web.Request):
+        body = await req.json()
+        self.requests.append((body, req.headers.copy()))  # case-insensitive
+        if self.mode == "error500":
+            return web.json_response({"error": "boom"}, status=500)
+        if self.mode == "error400":
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        if self.mode == "slow":
+            await asyncio.sleep(30)
+        if self.role == "prefill":
+            return web.json_response({"choices": [{"text": "x"}],
+                                      "kv_transfer_params": None if self.mode == "no_kvp" else KVP})
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "hello"}], "echo_kvp": body.get("kv_transfer_params")})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        try:
+            for i in range(5):
+                await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                if self.mode == "cut_stream" and i == 1:
+                    req.transport.close()  # the decode dies mid-stream
+                    return resp
+                await asyncio.sleep(0.5 if self.mode == "slow_stream" else 0)
+            await resp.write(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return resp
+
+
+@pytest.fixture
+def pd():
+    loop = Loop()
+    prefill, decode = Backend("prefill"), Backend("decode")
+    p_url, d_url = loop.serve(prefill.app()), loop.serve(decode.app())
+
+    def make(**cfg):
+        proxy = Proxy(ProxyConfig([p_url], [d_url], **cfg))
+        return proxy, loop.serve(proxy.app())
+
+    proxy, url = make(read_timeout_s=2.0, connect_timeout_s=1.0)
+    yield type("PD", (), {"prefill": prefill, "decode": decode, "proxy": proxy, "url": url, "make": make,
+                          "loop": loop, "p_url": p_url, "d_url": d_url})
+    loop.close()
+
+
+def post(url: str, body: dict, headers: dict | None = None, timeout: float = 10):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                   **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+def get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 20, "min_tokens": 3, "stream_options": {"include_usage": True}}
+
+
+def test_protocol_prefill_then_decode(pd):
+    status, text, _ = post(pd.url + "/v1/completions", BODY, {"Authorization": "Bearer k", "X-Request-Id": "rid-1"})
+    assert status == 200 and json.loads(text)["echo_kvp"] == KVP
+    (pre, pre_h), = pd.prefill.requests
+    (dec, dec_h), = pd.decode.requests
+    assert pre["max_tokens"] == 1 and pre["stream"] is False
+    assert "min_tokens" not in pre and "stream_options" not in pre
+    assert pre["kv_transfer_params"]["do_remote_decode"] is True
+    assert dec["max_tokens"] == 20 and dec["min_tokens"] == 3 and dec["stream_options"] == BODY["stream_options"]
+    assert pre_h["X-Request-Id"] == dec_h["X-Request-Id"] == "rid-1"
+    assert pre_h["Authorization"] == dec_h["Authorization"] == "Bearer k"
+
+
+def test_request_id_generated_and_chat_max_completion_tokens(pd):
+    status, _, _ = post(pd.url + "/v1/chat/completions", {"model": "m", "messages": [], "max_completion_tokens": 9})
+    assert status == 200
+    (pre, pre_h), = pd.prefill.requests
+    (dec, dec_h), = pd.decode.requests
+    assert pre["max_completion_tokens"] == 1 and dec["max_completion_tokens"] == 9
+    assert pre_h["X-Request-Id"].startswith("pdctl-") and pre_h["X-Request-Id"] == dec_h["X-Request-Id"]
+
+
+def test_streaming_passes_sse_through(pd):
+    status, text, headers = post(pd.url + "/v1/completions", {**BODY, "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert [ln for ln in text.split("\n\n") if ln][-1] == "data: [DONE]" and text.count("data: {") == 5
+
+
+def test_decode_dies_mid_stream_ends_with_error_event(pd):
+    pd.decode.mode = "cut_stream"
+    t0 = time.monotonic()
+    status, text, _ = post(pd.url + "/v1/completions", {**BODY, "stream": True})
+    assert status == 200 and time.monotonic() - t0 < 5
+    assert '"i": 0' in text and "failed mid-stream" in text and text.rstrip().endswith("data: [DONE]")
+    assert "pdctl_proxy_upstream_errors_total" in get(pd.url + "/metrics")[1]
+
+
+def test_decode_500_is_passed_and_counted(pd):
+    pd.decode.mode = "error500"
+    status, text, _ = post(pd.url + "/v1/completions", BODY)
+    assert status == 500
+    metrics = get(pd.url + "/metrics")[1]
+    assert f'pdctl_proxy_upstream_errors_total{{instance="{pd.d_url}"}} 1' in metrics
+    assert 'pdctl_proxy_requests_total{route="/v1/completions",status="500"} 1' in metrics
+
+
+def test_prefill_4xx_goes_back_to_the_client_and_skips_decode(pd):
+    pd.prefill.mode = "error400"
+    status, text, _ = post(pd.url + "/v1/completions", BODY)
+    assert status == 400 and "prompt too long" in text and not pd.decode.requests
+
+
+def test_prefill_unreachable_is_503_json(pd):
+    proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1))
+    url = pd.loop.serve(proxy.app())
+    status, text, _ = post(url + "/v1/completions", BODY)
+    assert status == 503 and json.loads(text)["error"]["type"] == "upstream_unavailable"
+
+
+def test_slow_backend_times_out_instead_of_hanging(pd):
+    pd.prefill.mode = "slow"
+    t0 = time.monotonic()
+    status, text, _ = post(pd.url + "/v1/completions", BODY, timeout=20)
+    assert time.monotonic() - t0 < 6  # read timeout is 2 s
+    assert status == 503 and "unavailable" in text
+
+
+def test_missing_kv_transfer_params_non_strict_counts_and_warns(pd, caplog):
+    pd.prefill.mode = "no_kvp"
+    status, _, _ = post(pd.url + "/v1/completions", BODY)
+    assert status == 200
+    assert "pdctl_proxy_kv_transfer_missing_total 1" in get(pd.url + "/metrics")[1]
+    assert any("no usable kv_transfer_params" in r.message and pd.p_url in r.getMessage() for r in caplog.records)
+
+
+def test_missing_kv_transfer_params_strict_is_502(pd):
+    pd.prefill.mode = "no_kvp"
+    _, url = pd.make(strict=True)
+    status, text, _ = post(url + "/v1/completions", BODY)
+    assert status == 502 and json.loads(text)["error"]["type"] == "kv_transfer_missing"
+    assert not pd.decode.requests
+
+
+def test_client_disconnect_cancels_upstream(pd):
+    pd.decode.mode = "slow_stream"
+    sock = socket.create_connection(("127.0.0.1", int(pd.url.rsplit(":", 1)[1])))
+    body = json.dumps({**BODY, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock.settimeout(5)
+    got = b""
+    while b"data:" not in got:
+        got += sock.recv(4096)
+    sock.close()
+    fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(pd.decode.cancelled.wait(), 5), pd.loop.loop)
+    fut.result(6)  # the decode's handler saw the cancellation
+
+
+def test_ready_needs_a_prefill_and_a_decode(pd):
+    assert get(pd.url + "/ready")[0] == 200 and get(pd.url + "/health")[0] == 200
+    pd.decode.healthy = False
+    status, text = get(pd.url + "/ready")
+    assert status == 503 and json.loads(text)["ready"] is False
+
+
+def test_models_route(pd):
+    assert json.loads(get(pd.url + "/v1/models")[1])["data"][0]["id"] == "m"
+
+
+def test_bad_body_is_400(pd):
+    req = urllib.request.Request(pd.url + "/v1/completions", b"not json", {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 400
+
+
+def test_policies():
+    from pdctl.proxy.server import Instance, Pool
+
+    rr = Pool([Instance("a", "decode"), Instance("b", "decode")], "round_robin")
+    assert [rr.pick().url for _ in range(4)] == ["a", "b", "a", "b"]
+    lo = Pool([Instance("a", "decode", inflight=3), Instance("b", "decode", inflight=1)], "least_outstanding")
+    assert {lo.pick().url for _ in range(4)} == {"b"}
+    even = Pool([Instance("a", "decode"), Instance("b", "decode")], "least_outstanding")
+    assert {even.pick().url for _ in range(4)} == {"a", "b"}  # ties spread
+
+
+def test_metrics_format_and_histograms(pd):
+    post(pd.url + "/v1/completions", BODY)
+    text = get(pd.url + "/metrics")[1]
+    from pdctl.launch.probe import parse_metrics
+
+    m = parse_metrics(text)
+    assert m['pdctl_proxy_requests_total{route="/v1/completions",status="200"}'] == 1
+    assert m["pdctl_proxy_e2e_seconds_count"] == 1 and m["pdctl_proxy_prefill_seconds_count"] == 1
+    assert m["pdctl_proxy_first_decode_byte_seconds_count"] == 1
+    assert f'pdctl_proxy_inflight{{role="decode",instance="{pd.d_url}"}}' in text
