@@ -494,6 +494,8 @@ def check(
     gsm8k_dir: Annotated[Path | None, typer.Option(help="dir with GSM8K test/train.jsonl: adds 5-shot prompts")] = None,
     reference_port: Annotated[int, typer.Option(help="port of the reference instance pdctl starts")] = 8300,
     seed: Annotated[int | None, typer.Option(help="prompt seed (default: fresh every run)")] = None,
+    lengths: Annotated[str | None, typer.Option(help="only random prompts of these token lengths, e.g. 65,129,300")]
+    = None,
     json_: JsonOpt = False,
     junit: Annotated[Path | None, typer.Option(help="write a JUnit XML report here")] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 300.0,
@@ -527,7 +529,8 @@ def check(
         if not decodes:
             raise UserError("no decode URL to prove the transfer with: pass --decode URL")
         name = model or json.loads(probe.http_get(reference_url.rstrip("/") + "/v1/models")[1])["data"][0]["id"]
-        prompts = check_mod.default_prompts([], vocab, 1024, gsm8k_dir, seed)
+        prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
+                   check_mod.default_prompts([], vocab, 1024, gsm8k_dir, seed))
         report = parity.run_parity(proxy_url, reference_url, decodes, name, prompts, max_tokens, concurrency)
         _render_parity(report, json_, junit)
         raise typer.Exit(0 if report.passed else 1)
@@ -548,8 +551,9 @@ def check(
         raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
     vocab = loaded.model_info.vocab_size or vocab
     max_prompt = (t.model.max_model_len or 2048) - max_tokens - 1
-    prompts = check_mod.default_prompts([t.prefill.block_size, t.decode.block_size], vocab, min(max_prompt, 1024),
-                                        gsm8k_dir, seed)
+    prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
+               check_mod.default_prompts([t.prefill.block_size, t.decode.block_size], vocab,
+                                         min(max_prompt, 1024), gsm8k_dir, seed))
     with err.status(f"bringing up {p.name} and an aggregated reference ..."):
         try:
             launched = run_mod.up(p, backend, attached=True, timeout_s=timeout)
@@ -565,6 +569,144 @@ def check(
         run_mod.down(launched, backend)
     _render_parity(report, json_, junit)
     raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command("eval")
+@topology_command
+def eval_(
+    topology: Annotated[Path | None, typer.Argument(help="topology to bring up (or --url)")] = None,
+    url: Annotated[str | None, typer.Option(help="running P/D proxy URL instead of a topology")] = None,
+    baseline: Annotated[str | None, typer.Option(help="aggregated reference URL to compare with; 'auto' "
+                                                 "starts one beside the topology")] = None,
+    limit: Annotated[int | None, typer.Option(help="evaluate the first N test rows")] = None,
+    num_fewshot: Annotated[int, typer.Option(help="few-shot examples per prompt")] = 5,
+    concurrency: Annotated[int, typer.Option(help="requests in flight")] = 4,
+    data_dir: Annotated[Path | None, typer.Option(help="GSM8K train.jsonl/test.jsonl here instead of the hub")] = None,
+    expected: Annotated[Path, typer.Option(help="expected accuracy table")] = Path("configs/expected.yaml"),
+    model: Annotated[str | None, typer.Option(help="served model name (with --url)")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="tokenizer path or id (default: the model's path)")] = None,
+    min_agreement: Annotated[float, typer.Option(help="with --baseline: minimum per-sample agreement")] = 1.0,
+    tolerance: Annotated[float, typer.Option(help="with --baseline: maximum |accuracy difference|")] = 0.0,
+    results: Annotated[Path | None, typer.Option(help="results directory")] = None,
+    reference_port: Annotated[int, typer.Option(help="port of the reference pdctl starts for --baseline auto")]
+    = 8300,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 300.0,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+    overrides: list = (),
+) -> None:
+    """Accuracy gate: lm-eval's gsm8k through the P/D proxy, against configs/expected.yaml.
+
+    Runs lm-eval's `local-completions` model (tokenized requests off) with gsm8k's strict-match and
+    flexible-extract filters. With --data-dir, the dataset is read from local jsonl files (same prompts, few-shot
+    source and answer extraction: the task is lm-eval's own gsm8k config). With --baseline, an aggregated reference
+    is evaluated too and the gate also needs |delta accuracy| <= --tolerance and per-sample agreement >=
+    --min-agreement. Exit 1 on FAIL; an unknown model is reported UNGATED, never PASS.
+
+    Examples:
+
+      pdctl eval configs/cpu-demo.yaml --data-dir ../shared/data/gsm8k --limit 20 --baseline auto
+
+      pdctl eval --url http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
+    """
+    import time as _time
+
+    from pdctl.gates import accuracy
+
+    table = accuracy.load_expected(expected) if expected.is_file() else {}
+    if not expected.is_file():
+        err.print(f"warning: {expected} not found: nothing is gated", style="yellow")
+    stamp = _time.strftime("%Y%m%d-%H%M%S")
+
+    def evaluate(proxy_url: str, ref_url: str | None, name: str, tok: str | None, out_dir: Path) -> int:
+        with err.status(f"lm-eval gsm8k via P/D {proxy_url} (limit {limit}) ..."):
+            pd = accuracy.run_lm_eval(proxy_url, name, out_dir / "pd", tokenizer=tok, limit=limit,
+                                      num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
+        task = pd.results["pdctl_task"]
+        values, errs = pd.metrics(task)
+        verdicts = accuracy.judge(name, "gsm8k", values, errs, table)
+        summary: dict = {"model": name, "task": task, "limit": limit, "num_fewshot": num_fewshot,
+                         "verdicts": [v.__dict__ for v in verdicts], "status": accuracy.gate_status(verdicts)}
+        if ref_url:
+            with err.status(f"lm-eval gsm8k via the aggregated reference {ref_url} ..."):
+                ref = accuracy.run_lm_eval(ref_url, name, out_dir / "baseline", tokenizer=tok, limit=limit,
+                                           num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
+            ref_values, _ = ref.metrics(task)
+            rate, n = accuracy.agreement(pd.samples, ref.samples)
+            deltas = {m: values.get(m, 0.0) - ref_values.get(m, 0.0) for m in values}
+            ok = rate >= min_agreement and all(abs(d) <= tolerance for d in deltas.values()) and n > 0
+            summary["baseline"] = {"values": ref_values, "delta": deltas, "agreement": rate, "samples": n,
+                                   "status": "PASS" if ok else "FAIL"}
+            if not ok:
+                summary["status"] = "FAIL"
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if json_:
+            print(json.dumps(summary, indent=2))
+        else:
+            t = Table(title=f"{name}: {task} ({num_fewshot}-shot, limit {limit}) via P/D")
+            for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Expected", "Status"):
+                t.add_column(col)
+            for v in verdicts:
+                metric, _, filt = v.metric.partition(",")
+                t.add_row(task, filt, str(num_fewshot), metric, _fmt(v.measured, ".4f"), _fmt(v.stderr, ".4f"),
+                          "-" if v.expected is None else f"{v.expected} ± {v.rtol}", v.status)
+            out.print(t)
+            if "baseline" in summary:
+                b = summary["baseline"]
+                out.print(f"baseline: agreement {100 * b['agreement']:.1f}% over {b['samples']} samples, delta "
+                          + ", ".join(f"{k} {d:+.4f}" for k, d in b["delta"].items()) + f" -> {b['status']}",
+                          highlight=False)
+            if summary["status"] == "UNGATED":
+                err.print(f"warning: no expected accuracy for model '{name}' in {expected}: not gated",
+                          style="yellow")
+            out.print(f"{summary['status']}  (results: {out_dir})", highlight=False)
+        return 1 if summary["status"] == "FAIL" else 0
+
+    if topology is None:
+        if not url:
+            raise UserError("give a TOPOLOGY, or --url of a running P/D proxy")
+        if baseline == "auto":
+            raise UserError("--baseline auto needs a TOPOLOGY; with --url give the reference's URL")
+        from pdctl.launch import probe
+
+        name = model or json.loads(probe.http_get(url.rstrip("/") + "/v1/models")[1])["data"][0]["id"]
+        out_dir = results or Path("results") / f"eval-{stamp}"
+        raise typer.Exit(evaluate(url, baseline, name, tokenizer, out_dir))
+
+    from pdctl.launch import run as run_mod
+    from pdctl.launch.local import LocalBackend
+    from pdctl.plan import Plan, reference_spec
+    from pdctl.topology import is_local_path, resolve_path
+
+    loaded = _load(topology, overrides)
+    t = loaded.topology
+    sd = _state_dir(loaded, state_dir)
+    p = build_plan(t, base_dir=loaded.base_dir, state_dir=sd, python=sys.executable)
+    ref = None
+    if baseline == "auto":
+        ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=sd, port=reference_port,
+                             python=sys.executable)
+        p = Plan(p.name, p.state_dir, [*p.processes, ref], p.topology)
+    backend = LocalBackend()
+    problems = run_mod.preflight(loaded, p, backend)
+    if problems:
+        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+    raw = t.model_path("decode")
+    tok = tokenizer or (str(resolve_path(raw, loaded.base_dir)) if is_local_path(raw) else raw)
+    out_dir = results or Path("results") / f"eval-{t.name}-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "topology.json").write_text(json.dumps(p.topology, indent=2))
+    with err.status(f"bringing up {p.name}{' and an aggregated reference' if ref else ''} ..."):
+        try:
+            launched = run_mod.up(p, backend, attached=True, timeout_s=timeout)
+        except run_mod.LaunchFailed as e:
+            _launch_failed(e)
+            raise typer.Exit(1) from None
+    try:
+        code = evaluate(p.get("proxy").http_url, ref.http_url if ref else baseline, t.model.name, tok, out_dir)
+    finally:
+        run_mod.down(launched, backend)
+    raise typer.Exit(code)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -326,6 +326,12 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                                f"prefill block {pb} and decode block {db} have no integer ratio",
                                "pick block sizes where one divides the other (e.g. 32 -> 64, or 128 -> 32)",
                                related=(("prefill", "block_size"),)))
+        elif pb > db and (p.tp != d.tp or p.kv_layout != d.kv_layout):
+            out.append(Problem(("decode", "tp") if p.tp != d.tp else ("decode", "kv_layout"),
+                               f"prefill block {pb} > decode block {db} needs the same TP and KV layout on both "
+                               f"sides (got TP {p.tp} -> {d.tp}, {p.kv_layout} -> {d.kv_layout})",
+                               "use equal TP and layouts, or a decode block >= the prefill block",
+                               related=(("prefill", "block_size"), ("decode", "block_size"))))
     else:
         if db % pb:
             where = "smaller than" if db < pb else "not a multiple of"

@@ -5,10 +5,11 @@ numbers are the proxy's. Each P/D request is two upstream calls. "direct" is the
 so "added" is what the proxy costs. A FastAPI + httpx proxy (the stack of vLLM's toy P/D proxy) is measured the
 same way, as the baseline the HTTP stack was chosen against.
 
+Max requests/s is measured with wrk (C; Debian package `wrk`) on the load core, so the load generator is not the
+bottleneck; latencies at concurrency 1 with a Python client that can time the client-side P-then-D baseline.
+
 Usage: python scripts/bench_proxy.py [--duration 5] [--out results/bench_proxy.json]
 """
-
-from __future__ import annotations
 
 import argparse
 import asyncio
@@ -139,6 +140,7 @@ async def load(mode: str, urls: dict, concurrency: int, stream: bool, duration: 
                 errors += 1
 
         async def worker():
+            nonlocal errors
             while time.perf_counter() < end:
                 try:
                     await one()
@@ -155,6 +157,41 @@ async def load(mode: str, urls: dict, concurrency: int, stream: bool, duration: 
     q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
     return {"requests": len(lat), "errors": errors, "rps": len(lat) / wall, "p50_ms": q[49] * 1e3,
             "p99_ms": q[98] * 1e3}
+
+
+WRK_LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '%s'
+"""
+
+
+def wrk(url: str, concurrency: int, stream: bool, duration: float, core: int) -> dict:
+    """Closed-loop load with wrk: requests/s, p50/p99 latency, errors."""
+    import re
+    import shutil
+    import tempfile
+
+    if not shutil.which("wrk"):
+        return {"wrk_rps": None}
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 8, "stream": stream})
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(WRK_LUA % body)
+    out = subprocess.run(["taskset", "-c", str(core), "wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration))}s",
+                          "--latency", "-s", f.name, url + "/v1/completions"], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+
+    def ms(label: str) -> float | None:
+        m = re.search(rf"^\s+{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        if not m:
+            return None
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    errors = (int(bad.group(1)) if bad else 0) + (sum(map(int, sock.groups())) if sock else 0)
+    return {"wrk_rps": float(rps.group(1)) if rps else None, "wrk_p50_ms": ms("50%"), "wrk_p99_ms": ms("99%"),
+            "wrk_errors": errors}
 
 
 def pinned(core: int):
@@ -199,7 +236,7 @@ def main() -> int:
         "fastapi+httpx": (fa_port, [sys.executable, __file__, "--serve-fastapi", str(fa_port), urls["prefill"],
                                     urls["decode"]]),
     }
-    for port, argv in proxies.values():
+    for _port, argv in proxies.values():
         procs.append(subprocess.Popen(argv, preexec_fn=pinned(proxy_core), start_new_session=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     os.sched_setaffinity(0, {load_core})
@@ -213,20 +250,24 @@ def main() -> int:
                 rows.append({"proxy": "direct (client calls P then D)", "stream": stream, "concurrency": c,
                              **direct, "added_p50_ms": 0.0, "added_p99_ms": 0.0})
                 for name, (port, _) in proxies.items():
-                    r = asyncio.run(load("proxy", {**urls, "proxy": f"http://127.0.0.1:{port}"}, c, stream,
-                                         a.duration))
+                    purl = f"http://127.0.0.1:{port}"
+                    r = asyncio.run(load("proxy", {**urls, "proxy": purl}, c, stream, a.duration))
                     rows.append({"proxy": name, "stream": stream, "concurrency": c, **r,
                                  "added_p50_ms": r["p50_ms"] - direct["p50_ms"],
-                                 "added_p99_ms": r["p99_ms"] - direct["p99_ms"]})
+                                 "added_p99_ms": r["p99_ms"] - direct["p99_ms"],
+                                 **wrk(purl, c, stream, a.duration, load_core)})
     finally:
         for p in procs:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(10)
-    hdr = f"{'proxy':32} {'stream':6} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50':>7} {'+p99':>7} err"
-    print(hdr)
+    print(f"{'proxy':32} {'stream':6} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50':>6} {'+p99':>6} "
+          f"{'err':>3} | {'wrk req/s':>9} {'p50':>7} {'p99':>7} {'err':>3}")
     for r in rows:
-        print(f"{r['proxy']:32} {str(r['stream']):6} {r['concurrency']:>4} {r['rps']:>8.0f} {r['p50_ms']:>8.2f} "
-              f"{r['p99_ms']:>8.2f} {r['added_p50_ms']:>7.2f} {r['added_p99_ms']:>7.2f} {r['errors']}")
+        w = r.get("wrk_rps")
+        wrk_cols = (f"{w:>9.0f} {r['wrk_p50_ms'] or 0:>7.2f} {r['wrk_p99_ms'] or 0:>7.2f} {r['wrk_errors']:>3}"
+                    if w else f"{'-':>9}")
+        print(f"{r['proxy']:32} {str(r['stream']):6} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
+              f"{r['p99_ms']:>7.2f} {r['added_p50_ms']:>6.2f} {r['added_p99_ms']:>6.2f} {r['errors']:>3} | {wrk_cols}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "proxy_core": proxy_core,
                                        "load_core": load_core, "rows": rows}, indent=2))

@@ -94,3 +94,40 @@ def wait_for(cond, timeout: float, interval: float = 0.5) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+class Reference:
+    """An aggregated vLLM server (no connector) for a topology, started and stopped by its process group."""
+
+    def __init__(self, config: str, state_dir: Path, port: int):
+        from pdctl.plan import reference_spec
+        from pdctl.topology import load_topology
+
+        loaded = load_topology(CONFIGS / config)
+        self.spec = reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=state_dir, port=port,
+                                   python=sys.executable)
+        self.url = self.spec.http_url
+
+    def __enter__(self):
+        Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.spec.log_path, "ab")
+        self.proc = subprocess.Popen(self.spec.argv, env={**os.environ, **self.spec.env}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        from pdctl.launch import probe
+
+        if not wait_for(lambda: probe.healthy(self.spec.readiness_url) or self.proc.poll() is not None, 240):
+            raise AssertionError("reference never became healthy")
+        assert self.proc.poll() is None, Path(self.spec.log_path).read_text()[-3000:]
+        return self
+
+    def __exit__(self, *exc):
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        if not wait_for(lambda: not live([pgid]), 20):
+            for pid in live([pgid]):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()

@@ -8,12 +8,25 @@ import subprocess
 import pytest
 
 from tests.conftest import CONFIGS, REPO
-from tests.e2e.conftest import PDCTL, Up, live, pdctl, post, prompt_tokens_by_source, state_pgids, wait_for
+from tests.e2e.conftest import (
+    PDCTL,
+    Reference,
+    Up,
+    get_text,
+    live,
+    pdctl,
+    post,
+    prompt_tokens_by_source,
+    state_pgids,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
 def homog(tmp_path_factory):
-    with Up("cpu-homog.yaml", tmp_path_factory.mktemp("homog")) as up:
+    d = tmp_path_factory.mktemp("homog")
+    with Up("cpu-homog.yaml", d) as up, Reference("cpu-homog.yaml", d / "ref", 8310) as ref:
+        up.reference = ref.url
         yield up
 
 
@@ -51,6 +64,62 @@ def test_pd_request_through_the_proxy(homog):
                {"model": "tiny", "prompt": "through the proxy: seven friends each buy three pens", "max_tokens": 5,
                 "temperature": 0})
     assert out["usage"]["completion_tokens"] == 5
+
+
+def _sse_text(raw: str) -> str:
+    out = []
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            out.append(chunk["choices"][0].get("text") or chunk["choices"][0].get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def _post_raw(url: str, body: dict) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read().decode()
+
+
+PROMPT = "the proxy test: a farmer has twelve boxes of eggs and sells five of them to a store so the total is"
+
+
+def test_proxy_completion_equals_aggregated(homog):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+    pd = post(homog.urls["proxy"] + "/v1/completions", body)["choices"][0]
+    ref = post(homog.reference + "/v1/completions", body)["choices"][0]
+    assert pd["token_ids"] == ref["token_ids"] and pd["text"] == ref["text"]
+
+
+def test_proxy_streaming_equals_aggregated(homog):
+    body = {"model": "tiny", "prompt": PROMPT + " again", "max_tokens": 16, "temperature": 0}
+    ref = post(homog.reference + "/v1/completions", body)["choices"][0]["text"]
+    raw = _post_raw(homog.urls["proxy"] + "/v1/completions",
+                    {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert _sse_text(raw) == ref
+    assert '"usage"' in raw  # stream_options reached the decode
+    assert raw.rstrip().endswith("data: [DONE]")
+
+
+def test_proxy_chat_equals_aggregated(homog):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "how many apples are left?"}],
+            "max_tokens": 12, "temperature": 0}
+    pd = post(homog.urls["proxy"] + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    ref = post(homog.reference + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert pd == ref
+    raw = _post_raw(homog.urls["proxy"] + "/v1/chat/completions", {**body, "stream": True})
+    assert _sse_text(raw) == ref
+
+
+def test_proxy_metrics_count_requests(homog):
+    from pdctl.launch.probe import parse_metrics
+
+    m = parse_metrics(get_text(homog.urls["proxy"] + "/metrics"))
+    assert m['pdctl_proxy_requests_total{route="/v1/completions",status="200"}'] >= 3
+    assert m['pdctl_proxy_requests_total{route="/v1/chat/completions",status="200"}'] >= 2
+    assert m["pdctl_proxy_kv_transfer_missing_total"] == 0
 
 
 def test_logs_command(homog):
@@ -135,3 +204,19 @@ def test_sigint_on_foreground_up_leaves_nothing(tmp_path):
     assert code == 130
     assert wait_for(lambda: not live(pgids), 5), live(pgids)
     assert not (tmp_path / "state.json").exists()
+
+
+def test_zz_ready_drops_when_the_decode_stops(homog):
+    """Last in this module: stops the shared topology's decode."""
+    import os
+    import signal as sig
+
+    from pdctl.launch import probe
+
+    assert probe.http_get(homog.urls["proxy"] + "/ready")[0] == 200
+    st = json.loads((homog.state_dir / "state.json").read_text())
+    os.killpg(st["processes"]["decode-0"]["pgid"], sig.SIGTERM)
+    assert wait_for(lambda: probe.http_get(homog.urls["proxy"] + "/ready")[0] == 503, 30)
+    status = json.loads(pdctl("status", "--state-dir", homog.state_dir, "--json").stdout)
+    decode = next(i for i in status["instances"] if i["name"] == "decode-0")
+    assert not decode["healthy"] and status["ready"] is False
