@@ -66,14 +66,37 @@ def convert(raw_src: torch.Tensor, src: Side, dst: Side, num_tokens: int, head_o
     return from_sequence(k, v, dst, dst.blocks_for(num_tokens))
 
 
+def _regroup(src: torch.Tensor, src_side: Side, dst_side: Side, ratio: int, merge: bool) -> torch.Tensor:
+    """Concatenate (merge) or cut (split) blocks along tokens: one strided copy per layout token view."""
+    if src_side.layout is not dst_side.layout:
+        raise ValueError("regroup keeps the layout; use convert() to change it")
+    lay = src_side.layout
+    unit = lay.token_unit()
+    small = src_side if merge else dst_side
+    if small.shape.block_size % unit:
+        raise ValueError(f"{lay.name} regroups in units of {unit} tokens; block {small.shape.block_size} is not one")
+    n_big = src.shape[0] // ratio if merge else src.shape[0]
+    out = torch.empty((n_big if merge else n_big * ratio, dst_side.shape.elems), dtype=src.dtype, device=src.device)
+    big, little = (out, src) if merge else (src, out)
+    big_side = dst_side if merge else src_side
+    u = small.shape.block_size  # the largest unit: whole small blocks, so chunks are as long as they can be
+    for bv, lv in zip(lay.token_views(big, big_side.shape, u), lay.token_views(little, small.shape, u), strict=True):
+        # little: [n_big*ratio, *outer, u, c] -> [n_big, ratio, *outer, u, c] -> [n_big, *outer, ratio, u, c]
+        lv = lv.unflatten(0, (n_big, ratio)).movedim(1, -3)
+        bv = bv.unflatten(-2, (ratio, lv.shape[-2]))
+        (bv.copy_(lv) if merge else lv.copy_(bv))
+    return out
+
+
 def merge_in_place(cache_blocks: torch.Tensor, ratio: int, received: Side, local: Side) -> torch.Tensor:
     """P < D: each local block holds `ratio` received blocks' raw bytes back to back; return it in local layout.
 
     cache_blocks: [B, E_local] (E_local == ratio * E_received).
     """
+    if received.layout is local.layout:
+        return _regroup(cache_blocks.reshape(-1, received.shape.elems), received, local, ratio, merge=True)
     b = cache_blocks.shape[0]
-    sub = cache_blocks.reshape(b * ratio, -1)
-    k, v = received.layout.unpack(sub, received.shape)
+    k, v = received.layout.unpack(cache_blocks.reshape(b * ratio, -1), received.shape)
     h, n, d = received.shape.heads, received.shape.block_size, received.shape.head_dim
     k = k.reshape(b, ratio, h, n, d).transpose(1, 2).reshape(b, h, ratio * n, d)
     v = v.reshape(b, ratio, h, n, d).transpose(1, 2).reshape(b, h, ratio * n, d)
@@ -86,6 +109,8 @@ def split_in_place(remote_blocks: torch.Tensor, ratio: int, received: Side, loca
     The inverse pairing of merge_in_place: decode block c of received block b holds its tokens c*N..(c+1)*N.
     """
     b = remote_blocks.shape[0]
+    if received.layout is local.layout:
+        return _regroup(remote_blocks.reshape(b, -1), received, local, ratio, merge=False)
     k, v = received.layout.unpack(remote_blocks.reshape(b, -1), received.shape)
     h, n, d = local.shape.heads, local.shape.block_size, local.shape.head_dim
     k = k.reshape(b, h, ratio, n, d).transpose(1, 2).reshape(b * ratio, h, n, d)

@@ -44,6 +44,16 @@ class Layout:
     def check(self, s: BlockShape) -> None:
         """Raise ValueError when this layout cannot hold blocks of shape s."""
 
+    def token_views(self, raw: torch.Tensor, s: BlockShape, unit: int) -> list[torch.Tensor]:
+        """Views (no copies) of raw [B, E] that together cover it, each [B, *outer, N // unit, chunk]: groups of
+        `unit` consecutive tokens whose bytes are one contiguous chunk. Concatenating blocks along tokens is then
+        one strided copy per view (merge/split without a canonical round trip)."""
+        raise NotImplementedError
+
+    def token_unit(self) -> int:
+        """The smallest `unit` token_views accepts (units must be multiples of it)."""
+        return 1
+
 
 class HND(Layout):
     """vLLM's LBHNC on CUDA/XPU: per block [H, N, 2D], a token's K then V in the last dim."""
@@ -56,6 +66,9 @@ class HND(Layout):
 
     def pack(self, k, v, s):
         return torch.cat([k, v], dim=-1).reshape(k.shape[0], -1)
+
+    def token_views(self, raw, s, unit):
+        return [raw.reshape(-1, s.heads, s.block_size // unit, unit * 2 * s.head_dim)]
 
 
 class NHD(Layout):
@@ -70,6 +83,9 @@ class NHD(Layout):
 
     def pack(self, k, v, s):
         return torch.cat([k, v], dim=-1).transpose(1, 2).reshape(k.shape[0], -1)
+
+    def token_views(self, raw, s, unit):
+        return [raw.reshape(-1, s.block_size // unit, unit * s.heads * 2 * s.head_dim)]
 
 
 class CpuVec(Layout):
@@ -87,6 +103,12 @@ class CpuVec(Layout):
         b = k.shape[0]
         kt = k.transpose(-1, -2).reshape(b, s.heads, 1, -1)
         return torch.cat([kt, v.reshape(b, s.heads, 1, -1)], dim=2).reshape(b, -1)
+
+    def token_views(self, raw, s, unit):
+        n, d = s.block_size, s.head_dim
+        x = raw.reshape(-1, s.heads, 2, n * d)
+        return [x[:, :, 0].unflatten(-1, (d, n // unit, unit)),  # K^T: per dim, tokens contiguous
+                x[:, :, 1].unflatten(-1, (n // unit, unit * d))]  # V: per token, dims contiguous
 
 
 class CpuAmx(Layout):
@@ -112,6 +134,16 @@ class CpuAmx(Layout):
         kr = k.reshape(b, h, n // 16, 16, d // 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(b, h, 1, -1)
         vr = v.reshape(b, h, n // 2, 2, d // 16, 16).permute(0, 1, 4, 2, 5, 3).reshape(b, h, 1, -1)
         return torch.cat([kr, vr], dim=2).reshape(b, -1)
+
+    def token_unit(self):
+        return 16
+
+    def token_views(self, raw, s, unit):
+        n, d = s.block_size, s.head_dim
+        x = raw.reshape(-1, s.heads, 2, n * d)
+        # K: 16-token groups outermost. V: token pairs inside each 16-dim group (unit/2 pairs of 32 elements).
+        return [x[:, :, 0].unflatten(-1, (n // unit, unit * d)),
+                x[:, :, 1].unflatten(-1, (d // 16, n // unit, unit * 16))]
 
 
 LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (HND(), NHD(), CpuVec(), CpuAmx())}
