@@ -94,6 +94,26 @@ def _state_dir(loaded: topo_mod.Loaded, state_dir: Path | None) -> Path:
     return (state_dir or Path(".pdctl") / loaded.topology.name).absolute()
 
 
+def _plan_with_reference(loaded: topo_mod.Loaded, state_dir: Path | None, reference_port: int | None):
+    """The topology's plan, plus an aggregated reference instance when a port is given; pre-flight checked."""
+    from pdctl.launch import run as run_mod
+    from pdctl.launch.local import LocalBackend
+    from pdctl.plan import Plan, reference_spec
+
+    t = loaded.topology
+    sd = _state_dir(loaded, state_dir)
+    p = build_plan(t, base_dir=loaded.base_dir, state_dir=sd, python=sys.executable)
+    ref = None
+    if reference_port:
+        ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=sd, port=reference_port, python=sys.executable)
+        p = Plan(p.name, p.state_dir, [*p.processes, ref], p.topology)
+    backend = LocalBackend()
+    problems = run_mod.preflight(loaded, p, backend)
+    if problems:
+        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+    return p, ref, backend
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Commands
 
@@ -536,19 +556,10 @@ def check(
         raise typer.Exit(0 if report.passed else 1)
 
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend
-    from pdctl.plan import Plan, reference_spec
 
     loaded = _load(topology, overrides)
     t = loaded.topology
-    sd = _state_dir(loaded, state_dir)
-    p = build_plan(t, base_dir=loaded.base_dir, state_dir=sd, python=sys.executable)
-    ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=sd, port=reference_port, python=sys.executable)
-    p = Plan(p.name, p.state_dir, [*p.processes, ref], p.topology)
-    backend = LocalBackend()
-    problems = run_mod.preflight(loaded, p, backend)
-    if problems:
-        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+    p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port)
     vocab = loaded.model_info.vocab_size or vocab
     max_prompt = (t.model.max_model_len or 2048) - max_tokens - 1
     prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
@@ -569,6 +580,27 @@ def check(
         run_mod.down(launched, backend)
     _render_parity(report, json_, junit)
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _render_accuracy(summary: dict, expected_file: str) -> None:
+    """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts."""
+    task, shots = summary["task"], summary["num_fewshot"]
+    t = Table(title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
+    for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Expected", "Status"):
+        t.add_column(col)
+    for v in summary["verdicts"]:
+        metric, _, filt = v["metric"].partition(",")
+        t.add_row(task, filt, str(shots), metric, _fmt(v["measured"], ".4f"), _fmt(v["stderr"], ".4f"),
+                  "-" if v["expected"] is None else f"{v['expected']} ± {v['rtol']}", v["status"])
+    out.print(t)
+    if "baseline" in summary:
+        b = summary["baseline"]
+        out.print(f"baseline: agreement {100 * b['agreement']:.1f}% over {b['samples']} samples, delta "
+                  + ", ".join(f"{k} {d:+.4f}" for k, d in b["delta"].items()) + f" -> {b['status']}",
+                  highlight=False)
+    if summary["status"] == "UNGATED":
+        err.print(f"warning: no expected accuracy for model '{summary['model']}' in {expected_file}: not gated",
+                  style="yellow")
 
 
 @app.command("eval")
@@ -619,46 +651,15 @@ def eval_(
     stamp = _time.strftime("%Y%m%d-%H%M%S")
 
     def evaluate(proxy_url: str, ref_url: str | None, name: str, tok: str | None, out_dir: Path) -> int:
-        with err.status(f"lm-eval gsm8k via P/D {proxy_url} (limit {limit}) ..."):
-            pd = accuracy.run_lm_eval(proxy_url, name, out_dir / "pd", tokenizer=tok, limit=limit,
-                                      num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
-        task = pd.results["pdctl_task"]
-        values, errs = pd.metrics(task)
-        verdicts = accuracy.judge(name, "gsm8k", values, errs, table)
-        summary: dict = {"model": name, "task": task, "limit": limit, "num_fewshot": num_fewshot,
-                         "verdicts": [v.__dict__ for v in verdicts], "status": accuracy.gate_status(verdicts)}
-        if ref_url:
-            with err.status(f"lm-eval gsm8k via the aggregated reference {ref_url} ..."):
-                ref = accuracy.run_lm_eval(ref_url, name, out_dir / "baseline", tokenizer=tok, limit=limit,
-                                           num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
-            ref_values, _ = ref.metrics(task)
-            rate, n = accuracy.agreement(pd.samples, ref.samples)
-            deltas = {m: values.get(m, 0.0) - ref_values.get(m, 0.0) for m in values}
-            ok = rate >= min_agreement and all(abs(d) <= tolerance for d in deltas.values()) and n > 0
-            summary["baseline"] = {"values": ref_values, "delta": deltas, "agreement": rate, "samples": n,
-                                   "status": "PASS" if ok else "FAIL"}
-            if not ok:
-                summary["status"] = "FAIL"
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        with err.status(f"lm-eval gsm8k via P/D {proxy_url}" + (f" and the reference {ref_url}" if ref_url else "")
+                        + f" (limit {limit}) ..."):
+            summary = accuracy.run_gate(proxy_url, ref_url, name, out_dir, table, tokenizer=tok, limit=limit,
+                                        num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir,
+                                        min_agreement=min_agreement, tolerance=tolerance)
         if json_:
             print(json.dumps(summary, indent=2))
         else:
-            t = Table(title=f"{name}: {task} ({num_fewshot}-shot, limit {limit}) via P/D")
-            for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Expected", "Status"):
-                t.add_column(col)
-            for v in verdicts:
-                metric, _, filt = v.metric.partition(",")
-                t.add_row(task, filt, str(num_fewshot), metric, _fmt(v.measured, ".4f"), _fmt(v.stderr, ".4f"),
-                          "-" if v.expected is None else f"{v.expected} ± {v.rtol}", v.status)
-            out.print(t)
-            if "baseline" in summary:
-                b = summary["baseline"]
-                out.print(f"baseline: agreement {100 * b['agreement']:.1f}% over {b['samples']} samples, delta "
-                          + ", ".join(f"{k} {d:+.4f}" for k, d in b["delta"].items()) + f" -> {b['status']}",
-                          highlight=False)
-            if summary["status"] == "UNGATED":
-                err.print(f"warning: no expected accuracy for model '{name}' in {expected}: not gated",
-                          style="yellow")
+            _render_accuracy(summary, str(expected))
             out.print(f"{summary['status']}  (results: {out_dir})", highlight=False)
         return 1 if summary["status"] == "FAIL" else 0
 
@@ -674,23 +675,11 @@ def eval_(
         raise typer.Exit(evaluate(url, baseline, name, tokenizer, out_dir))
 
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend
-    from pdctl.plan import Plan, reference_spec
     from pdctl.topology import is_local_path, resolve_path
 
     loaded = _load(topology, overrides)
     t = loaded.topology
-    sd = _state_dir(loaded, state_dir)
-    p = build_plan(t, base_dir=loaded.base_dir, state_dir=sd, python=sys.executable)
-    ref = None
-    if baseline == "auto":
-        ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=sd, port=reference_port,
-                             python=sys.executable)
-        p = Plan(p.name, p.state_dir, [*p.processes, ref], p.topology)
-    backend = LocalBackend()
-    problems = run_mod.preflight(loaded, p, backend)
-    if problems:
-        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+    p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port if baseline == "auto" else None)
     raw = t.model_path("decode")
     tok = tokenizer or (str(resolve_path(raw, loaded.base_dir)) if is_local_path(raw) else raw)
     out_dir = results or Path("results") / f"eval-{t.name}-{stamp}"
@@ -707,6 +696,188 @@ def eval_(
     finally:
         run_mod.down(launched, backend)
     raise typer.Exit(code)
+
+
+@app.command()
+@topology_command
+def bench(
+    topology: TopologyArg,
+    skip_check: Annotated[bool, typer.Option(help="skip the parity gate")] = False,
+    skip_eval: Annotated[bool, typer.Option(help="skip the accuracy gate")] = False,
+    skip_perf: Annotated[bool, typer.Option(help="skip the load benchmark")] = False,
+    results: Annotated[Path | None, typer.Option(help="results directory")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="GSM8K train.jsonl/test.jsonl here instead of the hub")] = None,
+    limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate")] = 20,
+    expected: Annotated[Path, typer.Option(help="expected accuracy table")] = Path("configs/expected.yaml"),
+    requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
+    prompt_len: Annotated[int, typer.Option(help="load benchmark: prompt tokens")] = 256,
+    max_tokens: Annotated[int, typer.Option(help="load benchmark: output tokens")] = 32,
+    concurrency: Annotated[int, typer.Option(help="requests in flight (eval and load)")] = 4,
+    reference_port: Annotated[int, typer.Option(help="port of the aggregated reference")] = 8300,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 300.0,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+    overrides: list = (),
+) -> None:
+    """The whole job in one command: up -> parity check -> accuracy gate -> load benchmark -> down.
+
+    Brings the topology up beside an aggregated reference, runs `pdctl check`'s parity gate, `pdctl eval`'s
+    accuracy gate (P/D and reference, per-sample agreement), then the same streaming load against both (TTFT,
+    TPOT, ITL, end-to-end p50/p99, throughput, NIXL transfer time and bytes) and reports P/D / aggregated ratios.
+    Exit 1 if a gate failed. Every artefact, with the resolved topology, lands under --results.
+
+    Examples:
+
+      pdctl bench configs/cpu-demo.yaml --decode-block-size 128 --data-dir ../shared/data/gsm8k
+
+      pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --decode-block-size 64 --limit 256
+    """
+    import time as _time
+
+    from pdctl.bench.run import BenchOptions, run_bench
+    from pdctl.gates import accuracy
+    from pdctl.launch import run as run_mod
+
+    loaded = _load(topology, overrides)
+    t = loaded.topology
+    p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port)
+    out_dir = results or Path("results") / f"bench-{t.name}-{_time.strftime('%Y%m%d-%H%M%S')}"
+    opts = BenchOptions(skip_check, skip_eval, skip_perf, data_dir, limit, 5,
+                        accuracy.load_expected(expected) if expected.is_file() else {}, requests, prompt_len,
+                        max_tokens, concurrency, timeout)
+    t0 = _time.monotonic()
+    with err.status("bench ...") as status:
+        def phase(text: str) -> None:
+            status.update(f"[{_time.monotonic() - t0:5.0f} s] {text} ...")
+            err.print(f"[{_time.monotonic() - t0:5.0f} s] {text}", highlight=False)
+
+        try:
+            summary = run_bench(loaded, p, ref, backend, out_dir, opts, phase)
+        except run_mod.LaunchFailed as e:
+            _launch_failed(e)
+            raise typer.Exit(1) from None
+    if json_:
+        print(json.dumps(summary, indent=2))
+    else:
+        _render_bench(summary, str(expected), out_dir)
+    raise typer.Exit(1 if summary["status"] == "FAIL" else 0)
+
+
+def _render_bench(s: dict, expected_file: str, out_dir: Path) -> None:
+    if "accuracy" in s:
+        _render_accuracy(s["accuracy"], expected_file)
+    if "perf" in s:
+        pd, agg, r = s["perf"]["pd"], s["perf"]["aggregated"], s["perf"]["ratio"]
+        t = Table(title="load: P/D vs aggregated (ms; p50 / p99)")
+        for col in ("", "TTFT", "TPOT", "ITL", "end-to-end", "req/s", "out tok/s", "errors"):
+            t.add_column(col)
+        for name, x in (("P/D", pd), ("aggregated", agg)):
+            t.add_row(name, f"{x['ttft_ms_p50']:.1f} / {x['ttft_ms_p99']:.1f}",
+                      f"{x['tpot_ms_p50']:.1f} / {x['tpot_ms_p99']:.1f}",
+                      f"{x['itl_ms_p50']:.1f} / {x['itl_ms_p99']:.1f}",
+                      f"{x['e2e_ms_p50']:.0f} / {x['e2e_ms_p99']:.0f}", f"{x['req_per_s']:.2f}",
+                      f"{x['out_tok_per_s']:.1f}", str(x["errors"]))
+        t.add_row("P/D / aggregated", f"{r['ttft_ms_p50']:.2f}x", f"{r['tpot_ms_p50']:.2f}x", f"{r['itl_ms_p50']:.2f}x",
+                  f"{r['e2e_ms_p50']:.2f}x", f"{r['req_per_s']:.2f}x", f"{r['out_tok_per_s']:.2f}x", "")
+        out.print(t)
+        if pd.get("kv_bytes") is not None:
+            out.print(f"KV transfer (decode metrics): {pd['kv_bytes'] / 2**20:.1f} MiB in "
+                      f"{1e3 * (pd['kv_xfer_s'] or 0):.1f} ms of NIXL transfer time", highlight=False)
+    summary = Table(title=f"bench {s['name']}: prefill block {s['prefill_block']} TP {s['prefill_tp']} -> decode "
+                          f"block {s['decode_block']} TP {s['decode_tp']} {s['decode_layout']}, {s['connector']}")
+    for col in ("gate", "result", "detail"):
+        summary.add_column(col)
+    if "parity" in s:
+        pz = s["parity"]
+        summary.add_row("parity", pz["status"], f"{100 * pz['pass_rate']:.0f}% of {pz['prompts']} prompts, KV "
+                        + ("travelled" if pz["kv_travelled"] else "did NOT travel"))
+    if "accuracy" in s:
+        a = s["accuracy"]
+        detail = ", ".join(f"{v['metric']} {_fmt(v['measured'], '.3f')}" for v in a["verdicts"])
+        if "baseline" in a:
+            detail += f"; agreement {100 * a['baseline']['agreement']:.0f}%"
+        summary.add_row("accuracy", a["status"], detail)
+    if "perf" in s:
+        r = s["perf"]["ratio"]
+        summary.add_row("load", s["perf"]["status"], f"TTFT {r['ttft_ms_p50']:.2f}x, TPOT {r['tpot_ms_p50']:.2f}x "
+                        "of aggregated (p50)")
+    summary.add_row("overall", s["status"], f"time to ready {s['time_to_ready_s']:.0f} s; results {out_dir}")
+    out.print(summary)
+
+
+@app.command()
+def sweep(
+    topology: TopologyArg,
+    matrix: Annotated[Path, typer.Option(help="YAML with `cases:`, each a name plus bench overrides")],
+    results: Annotated[Path | None, typer.Option(help="results directory (reuse it to resume)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="GSM8K train.jsonl/test.jsonl here instead of the hub")] = None,
+    limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate per case")] = 20,
+    expected: Annotated[Path, typer.Option(help="expected accuracy table")] = Path("configs/expected.yaml"),
+    requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
+    concurrency: Annotated[int, typer.Option(help="requests in flight (eval and load)")] = 4,
+    skip_check: Annotated[bool, typer.Option(help="skip the parity gate")] = False,
+    skip_eval: Annotated[bool, typer.Option(help="skip the accuracy gate")] = False,
+    skip_perf: Annotated[bool, typer.Option(help="skip the load benchmark")] = False,
+    reference_port: Annotated[int, typer.Option(help="port of the aggregated reference")] = 8300,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 300.0,
+) -> None:
+    """`pdctl bench` for every case of a matrix: one table, sweep.json, sweep.md and PNG plots.
+
+    Resumable: a case whose summary.json exists under --results is kept, so rerunning an interrupted sweep with
+    the same --results continues where it stopped. A case the topology rules refuse is reported as REFUSED.
+
+    Examples:
+
+      pdctl sweep configs/cpu-demo.yaml --matrix configs/cpu-matrix.yaml --data-dir ../shared/data/gsm8k
+
+      pdctl sweep configs/qwen3-0.6b-cuda-d64.yaml --matrix configs/upstream-matrix.yaml --results results/pr26759
+    """
+    import time as _time
+
+    from pydantic import ValidationError
+
+    from pdctl.bench import sweep as sweep_mod
+    from pdctl.bench.run import BenchOptions, run_bench
+    from pdctl.gates import accuracy
+    from pdctl.launch import run as run_mod
+
+    try:
+        m = sweep_mod.load_matrix(matrix)
+    except (OSError, ValidationError, ValueError) as e:
+        raise UserError(f"{matrix}: {e}") from None
+    out_dir = results or Path("results") / f"sweep-{matrix.stem}"
+    table = accuracy.load_expected(expected) if expected.is_file() else {}
+
+    def run_case(case, case_dir: Path) -> dict:
+        base = {"prefill_block": case.prefill_block_size, "decode_block": case.decode_block_size,
+                "prefill_tp": case.prefill_tp, "decode_tp": case.decode_tp}
+        try:
+            loaded = topo_mod.load_topology(topology, case.overrides())
+        except topo_mod.TopologyError as e:
+            return {**base, "status": "REFUSED", "error": e.render()}
+        try:
+            p, ref, backend = _plan_with_reference(loaded, None, reference_port)
+            opts = BenchOptions(skip_check, skip_eval, skip_perf, data_dir, limit, 5, table, requests, 256, 32,
+                                concurrency, timeout)
+            return run_bench(loaded, p, ref, backend, case_dir, opts,
+                             lambda text: err.print(f"  {case.name}: {text}", highlight=False))
+        except (run_mod.LaunchFailed, UserError, RuntimeError) as e:
+            return {**base, "status": "FAIL", "error": str(e)}
+
+    t0 = _time.monotonic()
+    rows = sweep_mod.run_sweep(m, out_dir, run_case, lambda c, state: err.print(
+        f"[{_time.monotonic() - t0:5.0f} s] case {c.name}: {state}", highlight=False))
+    t = Table(title=f"sweep {matrix} ({out_dir})")
+    shown = [sweep_mod.row(r) for r in rows]
+    for col in (c for c in shown[0] if c != "error"):
+        t.add_column(col)
+    for r in shown:
+        t.add_row(*("-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+                    for k, v in r.items() if k != "error"))
+    out.print(t)
+    out.print(f"reports: {out_dir / 'sweep.md'}, {out_dir / 'sweep.json'}, {out_dir / 'accuracy.png'}, "
+              f"{out_dir / 'latency.png'}", highlight=False)
+    raise typer.Exit(1 if any(r.get("status") == "FAIL" for r in rows) else 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

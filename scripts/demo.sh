@@ -23,5 +23,10 @@ $PDCTL status cpu-demo
 step "down"
 $PDCTL down cpu-demo
 trap - EXIT
-step "parity gate: P/D == aggregated, token for token (brings its own servers up and down)"
-$PDCTL check "$TOPO"
+# GSM8K for the accuracy gate: GSM8K_DIR (train.jsonl + test.jsonl), else ../shared/data/gsm8k beside this
+# checkout, else lm-eval downloads it from the hub.
+DATA=${GSM8K_DIR:-../shared/data/gsm8k}
+DATA_ARGS=()
+[ -f "$DATA/test.jsonl" ] && DATA_ARGS=(--data-dir "$DATA")
+step "pdctl bench: up -> parity -> gsm8k accuracy (limit 10) -> load P/D vs aggregated -> down"
+$PDCTL bench "$TOPO" "${DATA_ARGS[@]}" --limit 10 --requests 16

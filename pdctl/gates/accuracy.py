@@ -118,3 +118,30 @@ def agreement(a: list[dict], b: list[dict]) -> tuple[float, int]:
     if not common:
         return 0.0, 0
     return sum(text(s) == bm[key(s)] for s in common) / len(common), len(common)
+
+
+def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path, expected: dict, *,
+             tokenizer: str | None, limit: int | None, num_fewshot: int, concurrency: int, data_dir: Path | None,
+             min_agreement: float = 1.0, tolerance: float = 0.0) -> dict:
+    """lm-eval through P/D (and the baseline), judged: the summary that `pdctl eval` and `pdctl bench` report."""
+    pd = run_lm_eval(proxy_url, model, out_dir / "pd", tokenizer=tokenizer, limit=limit, num_fewshot=num_fewshot,
+                     concurrency=concurrency, data_dir=data_dir)
+    task = pd.results["pdctl_task"]
+    values, errs = pd.metrics(task)
+    verdicts = judge(model, "gsm8k", values, errs, expected)
+    summary: dict = {"model": model, "task": task, "limit": limit, "num_fewshot": num_fewshot,
+                     "verdicts": [v.__dict__ for v in verdicts], "status": gate_status(verdicts)}
+    if baseline_url:
+        ref = run_lm_eval(baseline_url, model, out_dir / "baseline", tokenizer=tokenizer, limit=limit,
+                          num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
+        ref_values, _ = ref.metrics(task)
+        rate, n = agreement(pd.samples, ref.samples)
+        deltas = {m: values.get(m, 0.0) - ref_values.get(m, 0.0) for m in values}
+        ok = n > 0 and rate >= min_agreement and all(abs(d) <= tolerance for d in deltas.values())
+        summary["baseline"] = {"values": ref_values, "delta": deltas, "agreement": rate, "samples": n,
+                               "status": "PASS" if ok else "FAIL"}
+        if not ok:
+            summary["status"] = "FAIL"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

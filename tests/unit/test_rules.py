@@ -73,10 +73,23 @@ def test_parse_bytes(text, n):
 
 
 def test_example_configs_validate(run_cli):
+    import yaml
+
     from tests.conftest import CONFIGS
 
-    files = sorted(CONFIGS.glob("*.yaml"))
+    files = [f for f in sorted(CONFIGS.glob("*.yaml")) if "prefill" in (yaml.safe_load(f.read_text()) or {})]
     assert len(files) >= 6
     for f in files:
         code, out, err = run_cli("validate", f)
         assert code == 0, (f, err)
+
+
+def test_example_matrices_load():
+    from pdctl.bench.sweep import load_matrix
+    from tests.conftest import CONFIGS
+
+    assert [c.name for c in load_matrix(CONFIGS / "cpu-matrix.yaml").cases] == [
+        "homog-32-32", "p32-d64", "p32-d128", "p64-d32"]
+    up = load_matrix(CONFIGS / "upstream-matrix.yaml")
+    assert len(up.cases) == 4
+    assert {o.flag for o in up.cases[1].overrides()} >= {"--decode-tp 2", "--decode-block-size 64"}

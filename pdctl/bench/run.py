@@ -1,0 +1,83 @@
+"""`pdctl bench`: up -> parity -> accuracy -> load benchmark -> down, one summary. The phases are the gates' own."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdctl.bench import load
+from pdctl.gates import accuracy, check, parity
+from pdctl.launch import run as run_mod
+from pdctl.launch.backend import Backend
+from pdctl.plan import Plan, ProcessSpec
+from pdctl.topology import Loaded, is_local_path, resolve_path
+
+
+@dataclass
+class BenchOptions:
+    skip_check: bool = False
+    skip_eval: bool = False
+    skip_perf: bool = False
+    data_dir: Path | None = None
+    limit: int | None = 20
+    num_fewshot: int = 5
+    expected: dict | None = None
+    requests: int = 32
+    prompt_len: int = 256
+    max_tokens: int = 32
+    concurrency: int = 4
+    timeout_s: float = 300.0
+
+
+def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, out_dir: Path, o: BenchOptions,
+              phase: Callable[[str], None] = lambda _: None) -> dict:
+    t = loaded.topology
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "topology.json").write_text(json.dumps(plan.topology, indent=2))
+    summary: dict = {"name": t.name, "prefill_block": t.prefill.block_size, "decode_block": t.decode.block_size,
+                     "prefill_tp": t.prefill.tp, "decode_tp": t.decode.tp, "decode_layout": t.decode.kv_layout,
+                     "connector": t.connector.kind}
+    phase(f"up: {plan.name} and an aggregated reference")
+    t0 = time.perf_counter()
+    state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+    summary["time_to_ready_s"] = time.perf_counter() - t0
+    proxy = plan.get("proxy").http_url
+    decodes = [s.http_url for s in plan.by_role("decode")]
+    vocab = loaded.model_info.vocab_size or 1000
+    try:
+        if not o.skip_check:
+            phase("parity check")
+            prompts = check.default_prompts([t.prefill.block_size, t.decode.block_size], vocab,
+                                            min((t.model.max_model_len or 2048) - 17, 1024), o.data_dir)
+            rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1)
+            (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
+            summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
+                                 "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)}
+        if not o.skip_eval:
+            phase(f"accuracy: lm-eval gsm8k, limit {o.limit}, P/D and reference")
+            raw = t.model_path("decode")
+            tok = str(resolve_path(raw, loaded.base_dir)) if is_local_path(raw) else raw
+            summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
+                                                    o.expected or {}, tokenizer=tok, limit=o.limit,
+                                                    num_fewshot=o.num_fewshot, concurrency=o.concurrency,
+                                                    data_dir=o.data_dir)
+        if not o.skip_perf:
+            phase(f"load: {o.requests} requests x {o.prompt_len} prompt + {o.max_tokens} output tokens, "
+                  f"concurrency {o.concurrency}, P/D then aggregated")
+            work = load.workload(o.requests, o.prompt_len, vocab, seed=int(time.time()))
+            pd = load.run_load("P/D", proxy, t.model.name, work, o.max_tokens, o.concurrency, decodes)
+            # Fresh prompts for the reference too: neither side may answer from its prefix cache.
+            work = load.workload(o.requests, o.prompt_len, vocab, seed=int(time.time()) + 1)
+            agg = load.run_load("aggregated", ref.http_url, t.model.name, work, o.max_tokens, o.concurrency)
+            summary["perf"] = {"pd": pd.to_dict(), "aggregated": agg.to_dict(), "ratio": load.ratios(pd, agg),
+                               "status": "PASS" if pd.errors == 0 and agg.errors == 0 else "FAIL"}
+    finally:
+        phase("down")
+        run_mod.down(state, backend)
+    gates = [summary[k]["status"] for k in ("parity", "accuracy", "perf") if k in summary]
+    summary["status"] = "FAIL" if "FAIL" in gates else "PASS"
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
