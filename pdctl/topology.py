@@ -421,10 +421,10 @@ def _collisions(t: Topology) -> list[Problem]:
     devices: dict[tuple[str, str, int], str] = {}
     out: list[Problem] = []
 
-    def claim(table: dict, key: tuple, owner: str, path: Loc, what: str) -> None:
+    def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error") -> None:
         if key in table and table[key] != owner:
             out.append(Problem(path, f"{what} {key[-1]} of {owner} is also used by {table[key]}",
-                               "give each role its own range (instance i uses base + i)"))
+                               "give each role its own range (instance i uses base + i)", severity=severity))
         table.setdefault(key, owner)
 
     for role in ROLES:
@@ -435,7 +435,9 @@ def _collisions(t: Topology) -> list[Problem]:
             claim(ports, (g.host, g.side_channel_port_of(i)), owner, (role, "side_channel_port"),
                   "NIXL side-channel port")
             for dev in g.devices_of(i) or []:
-                claim(devices, (g.host, g.platform, dev), owner, (role, "devices"), f"{g.platform} device")
+                # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
+                claim(devices, (g.host, g.platform, dev), owner, (role, "devices"), f"{g.platform} device",
+                      "warning" if g.platform == "cpu" else "error")
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
     # One report per colliding field is enough.
     seen: set[Loc] = set()

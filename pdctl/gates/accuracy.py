@@ -105,19 +105,24 @@ def run_lm_eval(base_url: str, model: str, out_dir: Path, *, tokenizer: str | No
 
 
 def agreement(a: list[dict], b: list[dict]) -> tuple[float, int]:
-    """Share of samples (by doc_id) whose generated text is identical in both runs, and how many were compared."""
+    """Share of documents whose generated text is identical in both runs, and how many documents were compared.
+
+    lm-eval logs one sample per (document, filter); a document agrees when all its samples do.
+    """
     def key(s):
-        return s["doc_id"]
+        return s["doc_id"], s.get("filter")
 
     def text(s):
-        resps = s.get("resps") or [[None]]
-        return json.dumps(resps)
+        return json.dumps(s.get("resps") or [[None]])
 
     bm = {key(s): text(s) for s in b}
-    common = [s for s in a if key(s) in bm]
-    if not common:
+    docs: dict = {}
+    for s in a:
+        if key(s) in bm:
+            docs[s["doc_id"]] = docs.get(s["doc_id"], True) and text(s) == bm[key(s)]
+    if not docs:
         return 0.0, 0
-    return sum(text(s) == bm[key(s)] for s in common) / len(common), len(common)
+    return sum(docs.values()) / len(docs), len(docs)
 
 
 def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path, expected: dict, *,

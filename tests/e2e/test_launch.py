@@ -70,8 +70,8 @@ def _sse_text(raw: str) -> str:
     out = []
     for line in raw.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
-            chunk = json.loads(line[6:])
-            out.append(chunk["choices"][0].get("text") or chunk["choices"][0].get("delta", {}).get("content") or "")
+            for choice in json.loads(line[6:])["choices"]:  # the usage chunk has none
+                out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
     return "".join(out)
 
 

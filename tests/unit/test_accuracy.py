@@ -36,9 +36,12 @@ def test_shipped_expectations_include_vllms_gate():
     assert table["Qwen/Qwen3-0.6B"]["gsm8k"]["exact_match,strict-match"] == {"expected": 0.41, "rtol": 0.05}
 
 
-def test_agreement():
-    a = [{"doc_id": 0, "resps": [["x"]]}, {"doc_id": 1, "resps": [["y"]]}]
-    b = [{"doc_id": 0, "resps": [["x"]]}, {"doc_id": 1, "resps": [["z"]]}]
+def test_agreement_per_document_over_filters():
+    def s(doc, flt, text):
+        return {"doc_id": doc, "filter": flt, "resps": [[text]]}
+
+    a = [s(0, "strict", "x"), s(0, "flex", "x"), s(1, "strict", "y"), s(1, "flex", "y")]
+    b = [s(0, "strict", "x"), s(0, "flex", "x"), s(1, "strict", "y"), s(1, "flex", "z")]
     assert accuracy.agreement(a, b) == (0.5, 2) and accuracy.agreement(a, a) == (1.0, 2)
 
 
