@@ -143,6 +143,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if ratio and remote.engine_id in self._remote_agents and not getattr(meta, "_pdctl_split", False):
             meta._pdctl_split = True
             if not self._plan_split(req_id, meta, ratio):
+                self._cached_blocks = ()
                 self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=True)
                 return None
         try:
@@ -202,6 +203,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         return True
 
     def _release(self, groups) -> None:
+        if self._staging_free is None:  # nothing was ever taken
+            return
         for chunk_groups in groups:
             for dests in chunk_groups:
                 self._staging_free.extend(d for d, _, real in dests if not real)
