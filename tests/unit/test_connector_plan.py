@@ -1,0 +1,82 @@
+"""The connector's P > D read planning, without servers: which prefill chunk lands in which decode block."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdctl.connector.nixl import PdctlNixlWorker, _as_decode_sized
+
+
+def worker(block_size=32, staging=8, total_blocks=100):
+    w = object.__new__(PdctlNixlWorker)  # no vLLM engine: only the planning state
+    w.block_size, w._staging_blocks, w._staging_free = block_size, staging, None
+    w.device_kv_caches = {"layer0": torch.zeros(total_blocks, 1, 1, 2)}
+    w._cached_blocks, w._split_plans = (), {}
+    return w
+
+
+def meta(local, remote, tokens):
+    return SimpleNamespace(local_physical_block_ids=[list(local)], remote=SimpleNamespace(
+        num_tokens=tokens, block_ids=[list(remote)]))
+
+
+def test_partial_last_prefill_block_reads_its_missing_chunk_into_staging():
+    w, m = worker(), meta([10, 11, 12], [5, 6], tokens=70)  # P64 -> D32: 70 tokens = 3 decode blocks
+    assert w._plan_split("r", m, 2)
+    assert m.remote.block_ids == [[10, 11, 12, 13]]  # prefill blocks 5, 6 as decode-sized chunks
+    assert m.local_physical_block_ids == [[10, 11, 12, 92]]  # chunk 13 has no decode block: staging (92..99)
+    (groups, tokens), = w._split_plans.values()
+    assert tokens == 70 and [[real for _, _, real in g] for g in groups[0]] == [[True, True], [True, False]]
+    w._release(groups)
+    assert sorted(w._staging_free) == list(range(92, 100))
+
+
+def test_decode_prefix_hit_inside_a_prefill_block():
+    w = worker()
+    w._cached_blocks = (1,)  # the decode holds decode block 0 (tokens 0-31) from its own prefix cache
+    m = meta([11, 12], [5, 6], tokens=70)
+    assert w._plan_split("r", m, 2)
+    # Prefill block 5 is still read whole: its chunk 0 goes to staging (block 0 is cached and shared).
+    assert m.remote.block_ids == [[10, 11, 12, 13]]
+    assert m.local_physical_block_ids == [[92, 11, 12, 93]]
+
+
+def test_aligned_prompt_needs_no_staging_and_release_is_safe():
+    w, m = worker(), meta([10, 11], [5], tokens=64)
+    assert w._plan_split("r", m, 2)
+    assert m.local_physical_block_ids == [[10, 11]] and w._staging_free is None
+    w._release(w._split_plans["r"][0])  # nothing was ever taken: a no-op, not an AttributeError
+
+
+def test_staging_exhausted_falls_back_and_returns_what_it_took():
+    w = worker(staging=1)
+    first = meta([1, 2, 3], [5, 6], tokens=70)
+    assert w._plan_split("a", first, 2) and w._staging_free == []
+    assert not w._plan_split("b", meta([7, 8, 9], [7, 8], tokens=70), 2)
+    assert w._staging_free == []  # b took nothing; a still holds the only slot
+
+
+def test_decode_sized_view_of_the_prefill_metadata():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+    fields = {f: None for f in NixlAgentMetadata.__dataclass_fields__}
+    m = NixlAgentMetadata(**{**fields, "engine_id": "p", "agent_metadata": b"", "kv_caches_base_addr": [0],
+                             "device_id": 0, "num_blocks": 10, "block_lens": [4096], "block_strides": [4096],
+                             "kv_cache_layout": "LBHNC", "block_size": 64, "ssm_sizes": (0, 0),
+                             "attn_backend_name": "CPU_ATTN", "physical_blocks_per_logical_kv_block": 1,
+                             "region_num_blocks": [10], "dcp_size": 1, "pcp_size": 1, "region_members": [],
+                             "packed_member_layouts": {}})
+    v = _as_decode_sized(m, 2)
+    assert (v.block_size, v.num_blocks, v.block_lens, v.block_strides, v.region_num_blocks) == (
+        32, 20, [2048], [2048], [20])
+    assert m.block_size == 64  # the original is untouched
+
+
+@pytest.mark.parametrize("tokens,expected_last", [(64, 2), (65, 3), (1, 1)])
+def test_only_blocks_with_tokens_receive(tokens, expected_last):
+    w, m = worker(), meta([10, 11, 12, 13], [5, 6], tokens=tokens)
+    assert w._plan_split("r", m, 2)
+    (groups, _), = w._split_plans.values()
+    real = [d for g in groups[0] for d, _, r in g if r]
+    assert real == [10, 11, 12, 13][:expected_last]
