@@ -9,7 +9,7 @@ TOPO=configs/cpu-demo.yaml
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "validate and plan"
 $PDCTL validate "$TOPO"
-$PDCTL plan "$TOPO" | head -12
+$PDCTL plan "$TOPO"
 step "up (prefill block 32, decode block 64)"
 trap '$PDCTL down cpu-demo >/dev/null 2>&1 || true' EXIT
 $PDCTL up -d "$TOPO"
