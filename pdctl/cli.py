@@ -1,6 +1,7 @@
 """pdctl's command line: parse, call the library, render. No logic of its own."""
 
 
+import contextlib
 import functools
 import inspect
 import json
@@ -92,6 +93,23 @@ def _load(path: Path, overrides: list) -> topo_mod.Loaded:
 
 def _state_dir(loaded: topo_mod.Loaded, state_dir: Path | None) -> Path:
     return (state_dir or Path(".pdctl") / loaded.topology.name).absolute()
+
+
+@contextlib.contextmanager
+def _brought_up(p: Plan, backend, timeout: float, label: str):
+    """Start a plan (foreground), yield its state, always tear it down; a failed start is rendered, exit 1."""
+    from pdctl.launch import run as run_mod
+
+    with err.status(label):
+        try:
+            launched = run_mod.up(p, backend, attached=True, timeout_s=timeout)
+        except run_mod.LaunchFailed as e:
+            _launch_failed(e)
+            raise typer.Exit(1) from None
+    try:
+        yield launched
+    finally:
+        run_mod.down(launched, backend)
 
 
 def _plan_with_reference(loaded: topo_mod.Loaded, state_dir: Path | None, reference_port: int | None):
@@ -555,7 +573,6 @@ def check(
         _render_parity(report, json_, junit)
         raise typer.Exit(0 if report.passed else 1)
 
-    from pdctl.launch import run as run_mod
 
     loaded = _load(topology, overrides)
     t = loaded.topology
@@ -565,19 +582,10 @@ def check(
     prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
                check_mod.default_prompts([t.prefill.block_size, t.decode.block_size], vocab,
                                          min(max_prompt, 1024), gsm8k_dir, seed))
-    with err.status(f"bringing up {p.name} and an aggregated reference ..."):
-        try:
-            launched = run_mod.up(p, backend, attached=True, timeout_s=timeout)
-        except run_mod.LaunchFailed as e:
-            _launch_failed(e)
-            raise typer.Exit(1) from None
-    try:
-        with err.status(f"sending {len(prompts)} prompts through P/D and to the reference ..."):
-            report = parity.run_parity(p.get("proxy").http_url, ref.http_url,
-                                       [s.http_url for s in p.by_role("decode")], t.model.name, prompts,
-                                       max_tokens, concurrency)
-    finally:
-        run_mod.down(launched, backend)
+    with _brought_up(p, backend, timeout, f"bringing up {p.name} and an aggregated reference ..."), \
+            err.status(f"sending {len(prompts)} prompts through P/D and to the reference ..."):
+        report = parity.run_parity(p.get("proxy").http_url, ref.http_url, [s.http_url for s in p.by_role("decode")],
+                                   t.model.name, prompts, max_tokens, concurrency)
     _render_parity(report, json_, junit)
     raise typer.Exit(0 if report.passed else 1)
 
@@ -674,7 +682,6 @@ def eval_(
         out_dir = results or Path("results") / f"eval-{stamp}"
         raise typer.Exit(evaluate(url, baseline, name, tokenizer, out_dir))
 
-    from pdctl.launch import run as run_mod
     from pdctl.topology import is_local_path, resolve_path
 
     loaded = _load(topology, overrides)
@@ -685,16 +692,8 @@ def eval_(
     out_dir = results or Path("results") / f"eval-{t.name}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "topology.json").write_text(json.dumps(p.topology, indent=2))
-    with err.status(f"bringing up {p.name}{' and an aggregated reference' if ref else ''} ..."):
-        try:
-            launched = run_mod.up(p, backend, attached=True, timeout_s=timeout)
-        except run_mod.LaunchFailed as e:
-            _launch_failed(e)
-            raise typer.Exit(1) from None
-    try:
+    with _brought_up(p, backend, timeout, f"bringing up {p.name}{' and an aggregated reference' if ref else ''} ..."):
         code = evaluate(p.get("proxy").http_url, ref.http_url if ref else baseline, t.model.name, tok, out_dir)
-    finally:
-        run_mod.down(launched, backend)
     raise typer.Exit(code)
 
 
