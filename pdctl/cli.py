@@ -682,13 +682,11 @@ def eval_(
         out_dir = results or Path("results") / f"eval-{stamp}"
         raise typer.Exit(evaluate(url, baseline, name, tokenizer, out_dir))
 
-    from pdctl.topology import is_local_path, resolve_path
 
     loaded = _load(topology, overrides)
     t = loaded.topology
     p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port if baseline == "auto" else None)
-    raw = t.model_path("decode")
-    tok = tokenizer or (str(resolve_path(raw, loaded.base_dir)) if is_local_path(raw) else raw)
+    tok = tokenizer or topo_mod.resolved_model(t, "decode", loaded.base_dir)
     out_dir = results or Path("results") / f"eval-{t.name}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "topology.json").write_text(json.dumps(p.topology, indent=2))

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pdctl.topology import ROLES, InstanceGroup, Role, Topology, is_local_path, resolve_path
+from pdctl.topology import ROLES, InstanceGroup, Role, Topology, resolved_model
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference"]
 
@@ -152,8 +152,7 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
     processes: list[ProcessSpec] = []
     for role in ROLES:
         g = t.group(role)
-        raw_model = t.model_path(role)
-        model = str(resolve_path(raw_model, base_dir)) if is_local_path(raw_model) else raw_model
+        model = resolved_model(t, role, base_dir)
         for i in range(g.count):
             name = f"{role}-{i}"
             host = connect_host(g.host)
@@ -187,9 +186,7 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
 def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:
     """An aggregated server for the parity gate: the decode's block size, TP, devices and mode, no connector."""
     g = t.decode
-    raw_model = t.model_path("decode")
-    model = str(resolve_path(raw_model, base_dir)) if is_local_path(raw_model) else raw_model
-    argv = _server_argv(t, "decode", 0, model, python, connector=False)
+    argv = _server_argv(t, "decode", 0, resolved_model(t, "decode", base_dir), python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
     env = {k: v for k, v in _server_env(g, 0).items() if not k.startswith("VLLM_NIXL_")}
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,

@@ -313,6 +313,12 @@ def is_local_path(value: str) -> bool:
     return value.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", value)
 
 
+def resolved_model(t: Topology, role: Role, base_dir: Path) -> str:
+    """The role's model as its servers get it: a local path made absolute, a hub id as it is."""
+    raw = t.model_path(role)
+    return str(resolve_path(raw, base_dir)) if is_local_path(raw) else raw
+
+
 def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[Problem]:
     out: list[Problem] = []
     p, d = t.prefill, t.decode

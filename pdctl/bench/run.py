@@ -13,7 +13,7 @@ from pdctl.gates import accuracy, check, parity
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
 from pdctl.plan import Plan, ProcessSpec
-from pdctl.topology import Loaded, is_local_path, resolve_path
+from pdctl.topology import Loaded, resolved_model
 
 
 @dataclass
@@ -58,8 +58,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                                  "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)}
         if not o.skip_eval:
             phase(f"accuracy: lm-eval gsm8k, limit {o.limit}, P/D and reference")
-            raw = t.model_path("decode")
-            tok = str(resolve_path(raw, loaded.base_dir)) if is_local_path(raw) else raw
+            tok = resolved_model(t, "decode", loaded.base_dir)
             summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
                                                     o.expected or {}, tokenizer=tok, limit=o.limit,
                                                     num_fewshot=o.num_fewshot, concurrency=o.concurrency,

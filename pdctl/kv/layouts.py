@@ -32,8 +32,6 @@ class Layout:
     """Base: subclasses implement unpack/pack for raw blocks of shape [B, E]."""
 
     name = "abstract"
-    #: one head's K and V are one contiguous range (heads outermost): TP head slices are byte ranges
-    head_major = True
 
     def unpack(self, raw: torch.Tensor, s: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -75,7 +73,6 @@ class NHD(Layout):
     """vLLM's LBNHC: per block [N, H, 2D], token-major: a token range is one byte range."""
 
     name = "NHD"
-    head_major = False
 
     def unpack(self, raw, s):
         x = raw.reshape(-1, s.block_size, s.heads, 2 * s.head_dim).transpose(1, 2)
