@@ -152,6 +152,33 @@ class ConnectorSpec(_Strict):
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
 
+class Placement(_Strict):
+    """Where one role's instances run on a cluster engine. Ray: resources/labels/node; Slurm: the rest."""
+
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources a node must have")
+    labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels a node must carry")
+    node: str | None = Field(None, description="Ray: node IP; for the proxy also 'local' (where pdctl runs)")
+    partition: str | None = Field(None, description="Slurm partition")
+    nodelist: list[str] | None = Field(None, min_length=1, description="Slurm node names")
+    gres: str | None = Field(None, description="Slurm generic resources per instance, e.g. gpu:1")
+
+
+RAY_PLACEMENT = ("resources", "labels", "node")
+SLURM_PLACEMENT = ("partition", "nodelist", "gres")
+EngineKind = Literal["local", "ray", "slurm"]
+
+
+class EngineSpec(_Strict):
+    """What runs the plan: this host's process groups, a Ray cluster, or a Slurm cluster."""
+
+    kind: EngineKind = "local"
+    address: str | None = Field(None, description="Ray: the cluster's GCS address host:port")
+    namespace: str | None = Field(None, description="Ray namespace (default: the topology's name)")
+    placement: dict[Literal["prefill", "decode", "proxy"], Placement] = Field(default_factory=dict)
+    placement_timeout_s: float = Field(120.0, gt=0, description="how long an instance may wait for a node")
+    time_limit: str = Field("UNLIMITED", description="Slurm job time limit")
+
+
 class Topology(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
     model: ModelSpec
@@ -159,6 +186,7 @@ class Topology(_Strict):
     decode: DecodeGroup
     proxy: ProxySpec = Field(default_factory=ProxySpec)
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
 
     def group(self, role: Role) -> InstanceGroup:
         return self.prefill if role == "prefill" else self.decode
@@ -417,7 +445,39 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
                            f"{info.max_position}", f"use at most {info.max_position}"))
 
+    out += _engine_problems(t)
     out += _collisions(t)
+    return out
+
+
+def _engine_problems(t: Topology) -> list[Problem]:
+    e = t.engine
+    out: list[Problem] = []
+    if e.kind == "ray" and not e.address and not os.environ.get("RAY_ADDRESS"):
+        out.append(Problem(("engine", "address"), "the ray engine needs the cluster's address",
+                           "set engine.address: HOST:PORT (the head's GCS port), pass --address, or export "
+                           "RAY_ADDRESS"))
+    if e.kind != "ray" and e.address:
+        out.append(Problem(("engine", "address"), f"has no meaning for the {e.kind} engine",
+                           "remove it, or use engine.kind: ray", severity="warning"))
+    own = {"ray": RAY_PLACEMENT, "slurm": SLURM_PLACEMENT, "local": ()}[e.kind]
+    for role, pl in e.placement.items():
+        for key in RAY_PLACEMENT + SLURM_PLACEMENT:
+            if getattr(pl, key) and key not in own:
+                out.append(Problem(("engine", "placement", role, key),
+                                   f"'{key}' is no placement of the {e.kind} engine",
+                                   f"{e.kind} placement keys: {', '.join(own)}" if own else
+                                   "the local engine runs everything on this host; use engine.kind: ray or slurm"))
+    if e.kind == "slurm" and e.placement.get("proxy"):
+        out.append(Problem(("engine", "placement", "proxy"),
+                           "the slurm engine runs the proxy where `pdctl up` runs",
+                           "remove engine.placement.proxy"))
+    if e.kind != "local":
+        for role in ROLES:
+            if t.group(role).host not in ("127.0.0.1", "0.0.0.0"):
+                out.append(Problem((role, "host"),
+                                   f"on the {e.kind} engine an instance listens on its node's address; "
+                                   f"host {t.group(role).host} is ignored", "remove it", severity="warning"))
     return out
 
 
@@ -549,6 +609,8 @@ OVERRIDE_FLAGS: dict[str, tuple[str, Loc]] = {
     "decode_layout": ("--decode-layout", ("decode", "kv_layout")),
     "prefill_count": ("--prefill-count", ("prefill", "count")),
     "decode_count": ("--decode-count", ("decode", "count")),
+    "engine": ("--engine", ("engine", "kind")),
+    "address": ("--address", ("engine", "address")),
 }
 
 

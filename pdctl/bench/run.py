@@ -30,6 +30,7 @@ class BenchOptions:
     max_tokens: int = 32
     concurrency: int = 4
     timeout_s: float = 300.0
+    eval_concurrency: int = 1  # per-sample agreement with the reference is exact only when batches match
 
 
 def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, out_dir: Path, o: BenchOptions,
@@ -61,7 +62,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
             tok = resolved_model(t, "decode", loaded.base_dir)
             summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
                                                     o.expected or {}, tokenizer=tok, limit=o.limit,
-                                                    num_fewshot=o.num_fewshot, concurrency=o.concurrency,
+                                                    num_fewshot=o.num_fewshot, concurrency=o.eval_concurrency,
                                                     data_dir=o.data_dir)
         if not o.skip_perf:
             phase(f"load: {o.requests} requests x {o.prompt_len} prompt + {o.max_tokens} output tokens, "

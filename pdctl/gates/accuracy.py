@@ -104,8 +104,10 @@ def run_lm_eval(base_url: str, model: str, out_dir: Path, *, tokenizer: str | No
     return run
 
 
-def agreement(a: list[dict], b: list[dict]) -> tuple[float, int]:
-    """Share of documents whose generated text is identical in both runs, and how many documents were compared.
+def agreement(a: list[dict], b: list[dict]) -> tuple[float, int, list[dict]]:
+    """Share of documents whose generated text is identical in both runs, how many were compared, and where each
+    disagreeing document's texts first differ (KV damage shows from the first characters; a batch-dependent
+    rounding flip between near-tied tokens shows late).
 
     lm-eval logs one sample per (document, filter); a document agrees when all its samples do.
     """
@@ -115,14 +117,25 @@ def agreement(a: list[dict], b: list[dict]) -> tuple[float, int]:
     def text(s):
         return json.dumps(s.get("resps") or [[None]])
 
+    def raw(s):
+        return "".join(str(x) for r in s.get("resps") or [] for x in (r if isinstance(r, list) else [r]))
+
     bm = {key(s): text(s) for s in b}
+    raw_b = {key(s): raw(s) for s in b}
     docs: dict = {}
+    diverged: dict = {}
     for s in a:
-        if key(s) in bm:
-            docs[s["doc_id"]] = docs.get(s["doc_id"], True) and text(s) == bm[key(s)]
+        if key(s) not in bm:
+            continue
+        ta, tb = text(s), bm[key(s)]
+        docs[s["doc_id"]] = docs.get(s["doc_id"], True) and ta == tb
+        if ta != tb and s["doc_id"] not in diverged:
+            ra, rb = raw(s), raw_b[key(s)]
+            at = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), min(len(ra), len(rb)))
+            diverged[s["doc_id"]] = {"doc_id": s["doc_id"], "first_diff_char": at, "length": max(len(ra), len(rb))}
     if not docs:
-        return 0.0, 0
-    return sum(docs.values()) / len(docs), len(docs)
+        return 0.0, 0, []
+    return sum(docs.values()) / len(docs), len(docs), sorted(diverged.values(), key=lambda d: d["doc_id"])
 
 
 def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path, expected: dict, *,
@@ -140,10 +153,11 @@ def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path
         ref = run_lm_eval(baseline_url, model, out_dir / "baseline", tokenizer=tokenizer, limit=limit,
                           num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
         ref_values, _ = ref.metrics(task)
-        rate, n = agreement(pd.samples, ref.samples)
+        rate, n, diverged = agreement(pd.samples, ref.samples)
         deltas = {m: values.get(m, 0.0) - ref_values.get(m, 0.0) for m in values}
         ok = n > 0 and rate >= min_agreement and all(abs(d) <= tolerance for d in deltas.values())
         summary["baseline"] = {"values": ref_values, "delta": deltas, "agreement": rate, "samples": n,
+                               "concurrency": concurrency, "diverged": diverged,
                                "status": "PASS" if ok else "FAIL"}
         if not ok:
             summary["status"] = "FAIL"

@@ -40,9 +40,13 @@ def test_agreement_per_document_over_filters():
     def s(doc, flt, text):
         return {"doc_id": doc, "filter": flt, "resps": [[text]]}
 
-    a = [s(0, "strict", "x"), s(0, "flex", "x"), s(1, "strict", "y"), s(1, "flex", "y")]
-    b = [s(0, "strict", "x"), s(0, "flex", "x"), s(1, "strict", "y"), s(1, "flex", "z")]
-    assert accuracy.agreement(a, b) == (0.5, 2) and accuracy.agreement(a, a) == (1.0, 2)
+    a = [s(0, "strict", "x"), s(0, "flex", "x"), s(1, "strict", "y y"), s(1, "flex", "y y")]
+    b = [s(0, "strict", "x"), s(0, "flex", "x"), s(1, "strict", "y y"), s(1, "flex", "y z")]
+    rate, n, diverged = accuracy.agreement(a, b)
+    assert (rate, n) == (0.5, 2)
+    # Where the texts part tells KV damage (at once) from a late rounding flip.
+    assert diverged == [{"doc_id": 1, "first_diff_char": 2, "length": 3}]
+    assert accuracy.agreement(a, a) == (1.0, 2, [])
 
 
 @pytest.fixture(scope="module")
