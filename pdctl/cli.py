@@ -119,6 +119,10 @@ def _plan_with_reference(loaded: topo_mod.Loaded, state_dir: Path | None, refere
     from pdctl.plan import Plan, reference_spec
 
     t = loaded.topology
+    if t.engine.kind != "local":
+        raise UserError(f"this command brings a topology up on this host with a reference beside it; for the "
+                        f"{t.engine.kind} engine run `pdctl up -d` and then point it at the running system "
+                        "(pdctl check --proxy URL --reference URL, pdctl eval --url URL)")
     sd = _state_dir(loaded, state_dir)
     p = build_plan(t, base_dir=loaded.base_dir, state_dir=sd, python=sys.executable)
     ref = None
@@ -249,7 +253,7 @@ def _launch_failed(e) -> None:
     if e.log_tail:
         err.print(f"--- last {len(e.log_tail)} lines of {e.log_path}:", highlight=False)
         err.print("\n".join(e.log_tail), markup=False, highlight=False)
-    err.print(f"log: {e.log_path}\nevery process was stopped", highlight=False)
+    err.print((f"log: {e.log_path}\n" if e.log_path else "") + "every process was stopped", highlight=False)
 
 
 @app.command()
@@ -281,12 +285,12 @@ def up(
     from rich.live import Live
 
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend
+    from pdctl.launch.backend import backend_for
 
     loaded = _load(topology, overrides)
     p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=_state_dir(loaded, state_dir),
                    python=sys.executable)
-    backend = LocalBackend()
+    backend = backend_for(p.topology.get("engine"))
     problems = run_mod.preflight(loaded, p, backend)
     if problems:
         raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
@@ -313,8 +317,10 @@ def up(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    p = launched.plan  # as placed: cluster engines fill in node addresses
     proxy = p.get("proxy")
-    out.print(f"[green]ready[/green]: {p.name}  proxy {proxy.http_url}  state {p.state_dir}", highlight=False)
+    where = "" if backend.name == "local" else f"  engine {backend.name}"
+    out.print(f"[green]ready[/green]: {p.name}  proxy {proxy.http_url}  state {p.state_dir}{where}", highlight=False)
     if detach:
         return
 
@@ -325,7 +331,8 @@ def up(
     if exited:
         spec = p.get(exited)
         err.print(f"[red]{exited} exited[/red]; stopping everything. log: {spec.log_path}", highlight=False)
-        err.print("\n".join(run_mod.tail(spec.log_path, run_mod.LOG_TAIL_LINES)), markup=False, highlight=False)
+        err.print("\n".join(backend.log_tail(launched, exited, run_mod.LOG_TAIL_LINES)), markup=False,
+                  highlight=False)
     run_mod.down(launched, backend)
     err.print("stopped every process", highlight=False)
     raise typer.Exit(1 if exited else (130 if signal.SIGINT in got else 0))
@@ -359,7 +366,7 @@ def down(name: NameArg = None, state_dir: StateDirOpt = None,
       pdctl down --state-dir /tmp/demo128
     """
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend
+    from pdctl.launch.backend import backend_of
 
     try:
         d, st = _state_or_exit(name, state_dir)
@@ -369,7 +376,7 @@ def down(name: NameArg = None, state_dir: StateDirOpt = None,
     if st is None:
         out.print(f"nothing to stop: no state in {d}", highlight=False)
         return
-    report = run_mod.down(st, LocalBackend(), grace)
+    report = run_mod.down(st, backend_of(st), grace)
     for n in report.stopped:
         out.print(f"stopped {n}" + (" (SIGKILL after the grace period)" if n in report.killed else ""))
     for n in report.already_gone:
@@ -394,22 +401,25 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
     import dataclasses
 
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend
+    from pdctl.launch.backend import backend_of
 
     d, st = _state_or_exit(name, state_dir)
     if st is None:
         raise UserError(f"nothing is up in {d}")
-    rows = run_mod.status(st, LocalBackend())
+    rows = run_mod.status(st, backend_of(st))
     if json_:
-        print(json.dumps({"name": st.plan.name, "state_dir": str(d), "ready": all(r.healthy for r in rows),
+        print(json.dumps({"name": st.plan.name, "state_dir": str(d), "engine": st.backend,
+                          "ready": all(r.healthy for r in rows),
                           "instances": [dataclasses.asdict(r) for r in rows]}, indent=2))
         return
     table = Table(title=f"{st.plan.name} ({d})")
-    for col in ("instance", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "run", "wait", "KV"):
+    for col in ("instance", "where", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "run", "wait",
+                "KV"):
         table.add_column(col)
     for r in rows:
         health = "[green]ok[/]" if r.healthy else ("[yellow]running[/]" if r.running else "[red]down[/]")
-        table.add_row(r.name, _fmt(r.pid), str(r.http_port), _fmt(r.side_channel_port), _fmt(r.block_size),
+        table.add_row(r.name, r.where, _fmt(r.pid), f"{r.host}:{r.http_port}", _fmt(r.side_channel_port),
+                      _fmt(r.block_size),
                       _fmt(r.tp), health, _fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""),
                       _fmt(r.requests_running, ".0f"), _fmt(r.requests_waiting, ".0f"),
                       _fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else ""))
@@ -434,11 +444,12 @@ def logs(
     """
     import time as _time
 
-    from pdctl.launch import run as run_mod
+    from pdctl.launch.backend import backend_of
 
     d, st = _state_or_exit(name, state_dir)
     if st is None:
         raise UserError(f"nothing is up in {d}")
+    backend = backend_of(st)
     role, _, index = (which or "").partition("/")
     specs = [s for s in st.plan.processes if (not role or s.role == role) and (not index or str(s.index) == index)]
     if not specs:
@@ -446,8 +457,11 @@ def logs(
     for s in specs:
         if len(specs) > 1:
             out.print(f"==> {s.name} ({s.log_path}) <==", highlight=False)
-        print("\n".join(run_mod.tail(s.log_path, lines)))
+        print("\n".join(backend.log_tail(st, s.name, lines)))
     if follow:
+        missing = [s.log_path for s in specs if not Path(s.log_path).is_file()]
+        if missing:
+            raise UserError(f"-f follows log files on this host; not here: {', '.join(missing)}")
         files = {s.name: open(s.log_path, errors="replace") for s in specs}
         for f in files.values():
             f.seek(0, 2)

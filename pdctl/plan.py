@@ -193,3 +193,29 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
                        block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout)
+
+
+def with_hosts(plan: Plan, hosts: dict[str, str]) -> Plan:
+    """The plan with the named processes moved to the given node addresses (cluster engines learn them only once
+    each instance is placed): listen address, NIXL side-channel host, readiness URL, and the proxy's upstreams."""
+    from dataclasses import replace
+
+    moved: dict[str, str] = {}  # old base URL -> new
+    out = []
+    for s in plan.processes:
+        h = hosts.get(s.name)
+        if h is None:
+            out.append(s)
+            continue
+        argv = list(s.argv)
+        if "--host" in argv:
+            argv[argv.index("--host") + 1] = h
+        env = dict(s.env)
+        if "VLLM_NIXL_SIDE_CHANNEL_HOST" in env:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = h
+        new = replace(s, host=h, argv=argv, env=env,
+                      readiness_url=s.readiness_url.replace(s.http_url, f"http://{h}:{s.ports['http']}", 1))
+        moved[s.http_url] = new.http_url
+        out.append(new)
+    out = [replace(s, argv=[moved.get(a, a) for a in s.argv]) if s.role == "proxy" else s for s in out]
+    return Plan(plan.name, plan.state_dir, out, plan.topology)

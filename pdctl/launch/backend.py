@@ -1,7 +1,9 @@
 """A backend runs a plan: start every process, say whether each still runs, stop them all.
 
 The plan is the same for every backend; only where and how its processes run differs. `local` runs them as
-process groups on this host; cluster backends (Ray, Slurm) implement the same four methods.
+process groups on this host; cluster backends (Ray, Slurm) place them on nodes first, so `launch` returns the
+plan with each instance's real node address filled in (`plan.with_hosts`). What a backend needs to find its
+processes again (actor names, a job id) goes in the state, so `status`, `logs` and `down` work from any shell.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class Backend(ABC):
     def preflight(self, plan: Plan) -> list[str]:
         """Problems that would make a launch fail, found before anything starts (ports taken, ...)."""
 
+    def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
+        """Start every process; the plan as placed (cluster backends fill in node addresses)."""
+        for spec in plan.processes:
+            self.start(plan, spec, state, attached=attached)
+        return plan
+
     @abstractmethod
     def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
         """Start one process and record it in `state`."""
@@ -44,3 +52,29 @@ class Backend(ABC):
     @abstractmethod
     def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
         """Stop every recorded process and everything it started; idempotent."""
+
+    def log_tail(self, state: LaunchState, name: str, n: int) -> list[str]:
+        """The last n lines of a process's log (a cluster backend may fetch them from the node)."""
+        from pdctl.launch.run import tail
+
+        return tail(state.plan.get(name).log_path, n)
+
+
+def backend_for(engine: dict | None) -> Backend:
+    """The backend for a topology's `engine` section (as in the plan's resolved topology)."""
+    kind = (engine or {}).get("kind", "local")
+    if kind == "ray":
+        from pdctl.launch.ray_engine import RayBackend
+
+        return RayBackend(engine or {})
+    if kind == "slurm":
+        from pdctl.launch.slurm_engine import SlurmBackend
+
+        return SlurmBackend(engine or {})
+    from pdctl.launch.local import LocalBackend
+
+    return LocalBackend()
+
+
+def backend_of(state: LaunchState) -> Backend:
+    return backend_for({**state.plan.topology.get("engine", {}), "kind": state.backend})

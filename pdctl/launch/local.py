@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,8 +19,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    # Foreground `up`: if pdctl itself is killed (even -9), its servers get SIGTERM instead of living on.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def guarded(argv: list[str], watch: int | None = None) -> list[str]:
+    """ARGV run under pdctl's guard: when its owner dies, the whole process group goes (a parent-death signal
+    alone stops only the direct child, and vLLM's EngineCore outlived its API server that way). The owner is
+    the parent, or the process `watch` names (then the guard detaches and prints its pid)."""
+    opts = ["--watch", str(watch), "--detach"] if watch is not None else []
+    return [sys.executable, "-m", "pdctl.launch.guard", *opts, "--", *argv]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -72,9 +80,10 @@ class LocalBackend(Backend):
         with open(spec.log_path, "ab") as log:
             log.write(f"--- pdctl: starting {spec.name} at {time.strftime('%F %T')}\n".encode())
             log.flush()
+            # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             proc = subprocess.Popen(
-                spec.argv, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                guarded(spec.argv) if attached else spec.argv, env={**os.environ, **spec.env},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent if attached else None,
             )
         self._children[spec.name] = proc

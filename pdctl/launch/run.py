@@ -82,16 +82,26 @@ def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
     state = LaunchState(plan, backend=backend.name, detached=not attached)
     state_mod.clear_logs(Path(plan.state_dir))
     try:
-        for spec in plan.processes:
-            backend.start(plan, spec, state, attached=attached)
+        state.plan = plan = backend.launch(plan, state, attached=attached)
         state_mod.save(state)
         wait_ready(plan, backend, state, timeout_s, on_progress)
         warm_up(plan)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, LaunchFailed) and not e.log_tail:
+            # The log lives on a cluster node: ask the backend for it.
+            name = e.name
+            e.log_tail = _safe(lambda: backend.log_tail(state, name, LOG_TAIL_LINES), [])
         backend.stop(state)
         state_mod.remove(Path(plan.state_dir))
         raise
     return state
+
+
+def _safe(fn, default):
+    try:
+        return fn()
+    except Exception:
+        return default
 
 
 def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: float,
@@ -190,6 +200,8 @@ class InstanceStatus:
     running: bool
     healthy: bool
     uptime_s: float | None
+    where: str = "local"
+    host: str = "127.0.0.1"
     requests_running: float | None = None
     requests_waiting: float | None = None
     kv_usage: float | None = None
@@ -205,7 +217,7 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
         out.append(InstanceStatus(
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
-            time.time() - rec.started_at if rec and running else None,
+            time.time() - rec.started_at if rec and running else None, rec.where if rec else "-", spec.host,
             (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
             (m or {}).get("vllm:kv_cache_usage_perc"),
         ))

@@ -22,6 +22,7 @@ class ProcessRecord:
     pgid: int
     start_ticks: int  # /proc/<pid>/stat starttime: tells our process from a later one reusing the pid
     started_at: float
+    where: str = "local"  # or the engine's handle: "ray:<node ip>", "slurm:<node>"
 
 
 @dataclass
@@ -31,17 +32,19 @@ class LaunchState:
     detached: bool = True
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
+    engine: dict = field(default_factory=dict)  # the backend's handle: Ray namespace, Slurm job id, ...
 
     def to_json(self) -> str:
         d = {"plan": self.plan.to_dict(), "backend": self.backend, "detached": self.detached,
-             "created_at": self.created_at, "processes": {k: asdict(v) for k, v in self.processes.items()}}
+             "created_at": self.created_at, "engine": self.engine,
+             "processes": {k: asdict(v) for k, v in self.processes.items()}}
         return json.dumps(d, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> LaunchState:
         d = json.loads(text)
         return cls(plan=Plan.from_dict(d["plan"]), backend=d.get("backend", "local"), detached=d["detached"],
-                   created_at=d["created_at"],
+                   created_at=d["created_at"], engine=d.get("engine", {}),
                    processes={k: ProcessRecord(**v) for k, v in d["processes"].items()})
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,21 @@ def test_plan_human_output(run_cli):
     code, out, _ = run_cli("plan", CONFIGS / "cpu-demo.yaml")
     assert code == 0
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT=5600" in out and "--kv-transfer-config" in out
+
+
+def test_with_hosts_moves_instances_and_the_proxys_upstreams():
+    from pdctl.plan import with_hosts
+
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
+    q = with_hosts(p, {"prefill-0": "127.0.0.2", "decode-0": "127.0.0.3"})
+    pre, dec, px = q.get("prefill-0"), q.get("decode-0"), q.get("proxy")
+    assert pre.argv[pre.argv.index("--host") + 1] == "127.0.0.2" and pre.host == "127.0.0.2"
+    assert pre.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.2"
+    assert dec.readiness_url == "http://127.0.0.3:8200/health" and dec.side_channel == ("127.0.0.3", 5700)
+    assert px.argv[px.argv.index("--prefill") + 1] == "http://127.0.0.2:8100"
+    assert px.argv[px.argv.index("--decode") + 1] == "http://127.0.0.3:8200"
+    assert px.host == p.get("proxy").host  # not named: stays where it was
+    # Everything else is untouched, and the original plan is not modified.
+    assert [a for a in pre.argv if "127.0.0" not in a] == [a for a in p.get("prefill-0").argv if "127.0.0" not in a]
+    assert p.get("prefill-0").host == "127.0.0.1"

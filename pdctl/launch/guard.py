@@ -1,0 +1,116 @@
+"""`python -m pdctl.launch.guard [--watch PID --detach] -- ARGV...`: run ARGV so none of it outlives its owner.
+
+A parent-death signal reaches only the direct child: a vLLM API server that gets it exits, but its EngineCore
+and workers (its own children) were seen to live on, orphaned, holding the NIXL side-channel port. The guard
+leads a process group holding the server and all it starts; when its owner dies or it is told to stop, it stops
+the whole group: SIGTERM, then SIGKILL.
+
+The owner is the guard's parent (pdctl in the foreground: parent-death signal), or with --watch a process it
+polls (a Ray actor). A Ray worker SIGKILLs its direct children when it exits, which would take the guard and
+leave the group orphaned: with --detach the guard forks away from its parent first, and prints its pid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+_PR_SET_PDEATHSIG = 1
+GRACE_S = 10.0
+
+
+def _group_has_others(pgid: int, me: int) -> bool:
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me:
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                return True
+    return False
+
+
+def _start_ticks(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def main(argv: list[str]) -> int:
+    watch: int | None = None
+    detach = False
+    while argv and argv[0] != "--":
+        if argv[0] == "--watch" and len(argv) > 1:
+            watch, argv = int(argv[1]), argv[2:]
+        elif argv[0] == "--detach":
+            detach, argv = True, argv[1:]
+        else:
+            break
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv or (detach and watch is None):
+        print("usage: python -m pdctl.launch.guard [--watch PID [--detach]] -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    watched = _start_ticks(watch) if watch is not None else None
+    if detach:
+        pid = os.fork()
+        if pid:
+            print(pid, flush=True)
+            os._exit(0)
+        os.dup2(2, 1)  # stdout was the pipe for the pid; the command's output goes where stderr goes
+        os.setsid()
+    elif os.getpgrp() != os.getpid():
+        os.setpgrp()
+    if watch is None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before the signal was armed
+            return 1
+    child = subprocess.Popen(argv)
+    stopping: list[int] = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    while child.poll() is None and not stopping:
+        if watch is not None and _start_ticks(watch) != watched:
+            stopping.append(signal.SIGTERM)  # the owner is gone (or its pid now names another process)
+            break
+        time.sleep(0.2)
+    code = child.returncode
+    # The server is gone or must go: nothing it started may stay behind.
+    me, pgid = os.getpid(), os.getpgrp()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and _group_has_others(pgid, me):
+        child.poll()
+        time.sleep(0.1)
+    if _group_has_others(pgid, me):
+        for d in os.listdir("/proc"):
+            if d.isdigit() and int(d) != me:
+                try:
+                    if os.getpgid(int(d)) == pgid:
+                        os.kill(int(d), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    child.poll()
+    if code is None:
+        code = child.returncode if child.returncode is not None else 128 + stopping[0]
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
