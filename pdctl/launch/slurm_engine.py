@@ -1,0 +1,211 @@
+"""Slurm backend: one batch job, one job step per vLLM instance, each on the nodes the topology's placement names.
+
+Each step learns its node's address at run time (`pdctl.launch.slurm_step`), so the script can be rendered before
+Slurm has placed anything (`pdctl plan --engine slurm` shows it). `pdctl up` submits it, reads which node each
+step landed on from `squeue`, fills those addresses into the plan, and starts the proxy here. `down` is
+`scancel` of that one job (the cgroup process tracker takes every process of every step with it).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from pdctl.launch.backend import Backend, Liveness, StopReport
+from pdctl.launch.local import LocalBackend
+from pdctl.launch.run import LaunchFailed
+from pdctl.launch.state import LaunchState, ProcessRecord
+from pdctl.plan import Plan, ProcessSpec, with_hosts
+
+NODE_ADDR = "{node_addr}"  # replaced on the node by pdctl.launch.slurm_step
+JOB_PREFIX = "pdctl-"
+
+
+def _placement(engine: dict, role: str) -> dict:
+    return (engine.get("placement") or {}).get(role) or {}
+
+
+def render_batch(plan: Plan, engine: dict, python: str = sys.executable) -> str:
+    """The sbatch script for a plan's servers (pure)."""
+    servers = [s for s in plan.processes if s.role in ("prefill", "decode")]
+    placed = with_hosts(plan, {s.name: NODE_ADDR for s in servers})
+    partitions = {_placement(engine, s.role).get("partition") for s in servers} - {None}
+    nodes: list[str] = []
+    for s in servers:
+        for n in _placement(engine, s.role).get("nodelist") or []:
+            if n not in nodes:
+                nodes.append(n)
+    every_role_listed = all(_placement(engine, s.role).get("nodelist") for s in servers)
+    gres = {_placement(engine, s.role).get("gres") for s in servers} - {None}
+    lines = ["#!/bin/bash",
+             f"# pdctl: the {plan.name} topology's servers, one job step per instance (rendered by pdctl).",
+             f"#SBATCH --job-name={JOB_PREFIX}{plan.name}",
+             f"#SBATCH --ntasks={len(servers)}",
+             f"#SBATCH --nodes={len(nodes) if every_role_listed else len(servers)}",
+             f"#SBATCH --output={plan.state_dir}/logs/slurm-%j.out",
+             f"#SBATCH --time={engine.get('time_limit') or 'UNLIMITED'}",
+             "#SBATCH --no-kill"]  # a lost node ends its own steps, not the whole topology
+    if partitions:
+        lines.append(f"#SBATCH --partition={sorted(partitions)[0]}")
+    if nodes:
+        lines.append(f"#SBATCH --nodelist={','.join(nodes)}")
+    if len(gres) == 1:
+        lines.append(f"#SBATCH --gres={gres.pop()}")
+    lines.append("")
+    for s in placed.processes:
+        if s.role not in ("prefill", "decode"):
+            continue
+        pl = _placement(engine, s.role)
+        srun = ["srun", "--nodes=1", "--ntasks=1", f"--job-name={s.name}", f"--output={s.log_path}",
+                "--open-mode=append", "--export=ALL"]
+        if pl.get("nodelist"):
+            srun.append(f"--nodelist={pl['nodelist'][s.index % len(pl['nodelist'])]}")
+        if pl.get("gres"):
+            srun.append(f"--gres={pl['gres']}")
+        env = [f"{k}={v}" for k, v in s.env.items()]
+        cmd = [*srun, "env", *env, python, "-m", "pdctl.launch.slurm_step", "--", *s.argv]
+        lines.append(shlex.join(cmd) + " &")
+    lines += ["wait", ""]
+    return "\n".join(lines)
+
+
+def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+def steps(job_id: str) -> dict[str, str]:
+    """Running steps of a job: step name -> node name."""
+    r = _run(["squeue", "--steps", "--jobs", job_id, "--noheader", "--format", "%j|%N"])
+    out = {}
+    for line in r.stdout.splitlines():
+        name, _, node = line.strip().partition("|")
+        if name and name != "batch":
+            out[name] = node
+    return out
+
+
+def node_addr(node: str) -> str:
+    r = _run(["scontrol", "show", "node", node, "--oneliner"])
+    for field in r.stdout.split():
+        if field.startswith("NodeAddr="):
+            return field.split("=", 1)[1]
+    return node
+
+
+def job_state(job_id: str) -> tuple[str, str]:
+    r = _run(["squeue", "--jobs", job_id, "--noheader", "--format", "%T|%r"])
+    state, _, reason = r.stdout.strip().partition("|")
+    return state, reason
+
+
+def cluster_nodes() -> list[str]:
+    r = _run(["sinfo", "--Node", "--noheader", "--format", "%N %P %T cpus=%c gres=%G"])
+    return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+
+    def __init__(self, engine: dict) -> None:
+        self.engine = engine
+        self.local = LocalBackend()  # the proxy runs where pdctl runs
+        self._steps: tuple[float, dict[str, str]] | None = None
+
+    def preflight(self, plan: Plan) -> list[str]:
+        problems = []
+        for tool in ("sbatch", "squeue", "scancel", "scontrol"):
+            if not any(os.access(os.path.join(d, tool), os.X_OK) for d in os.environ.get("PATH", "").split(":")):
+                problems.append(f"'{tool}' is not on PATH: the slurm engine runs where Slurm's client tools are")
+        if problems:
+            return problems
+        r = _run(["sinfo", "--noheader", "--format", "%P"])
+        if r.returncode != 0:
+            problems.append(f"cannot reach slurmctld: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        proxy = Plan(plan.name, plan.state_dir, plan.by_role("proxy"), plan.topology)
+        return problems + self.local.preflight(proxy)
+
+    def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
+        script = render_batch(plan, self.engine)
+        os.makedirs(os.path.join(plan.state_dir, "logs"), exist_ok=True)
+        path = os.path.join(plan.state_dir, "job.sbatch")
+        with open(path, "w") as f:
+            f.write(script)
+        r = _run(["sbatch", "--parsable", path])
+        if r.returncode != 0:
+            raise LaunchFailed("job", f"sbatch refused the job: {r.stderr.strip() or r.stdout.strip()}", None)
+        job_id = r.stdout.strip().split(";")[0]
+        state.engine = {"job_id": job_id, "script": path, "slurm_conf": os.environ.get("SLURM_CONF")}
+        servers = [s for s in plan.processes if s.role != "proxy"]
+        for s in servers:  # recorded at once: a failed placement must still scancel the job
+            state.processes[s.name] = ProcessRecord(s.name, 0, 0, 0, time.time(), where=f"slurm:{job_id}")
+        timeout = float(self.engine.get("placement_timeout_s") or 120.0)
+        deadline = time.monotonic() + timeout
+        found: dict[str, str] = {}
+        while True:
+            found = steps(job_id)
+            if all(s.name in found for s in servers):
+                break
+            st, reason = job_state(job_id)
+            if not st:
+                raise LaunchFailed("job", f"Slurm job {job_id} ended before every step started; see "
+                                   f"{plan.state_dir}/logs/slurm-{job_id}.out", None)
+            if time.monotonic() > deadline:
+                missing = [s.name for s in servers if s.name not in found]
+                raise LaunchFailed(missing[0], f"Slurm job {job_id} is {st} ({reason}); not placed within "
+                                   f"{timeout:.0f} s: {', '.join(missing)}. The cluster's nodes:\n  "
+                                   + "\n  ".join(cluster_nodes() or ["(none)"]), None)
+            time.sleep(0.5)
+        addrs = {node: node_addr(node) for node in set(found.values())}
+        plan = with_hosts(plan, {s.name: addrs[found[s.name]] for s in servers})
+        state.plan = plan
+        for s in servers:
+            state.processes[s.name] = ProcessRecord(s.name, 0, 0, 0, time.time(), where=f"slurm:{found[s.name]}")
+        for s in plan.by_role("proxy"):
+            self.local.start(plan, s, state, attached=attached)
+        return plan
+
+    def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
+        raise NotImplementedError("the Slurm backend submits a whole plan as one job (launch)")
+
+    def _running_steps(self, job_id: str) -> dict[str, str]:
+        # One squeue per second at most: readiness polls every instance four times a second.
+        now = time.monotonic()
+        if self._steps is None or now - self._steps[0] > 1.0:
+            self._steps = (now, steps(job_id))
+        return self._steps[1]
+
+    def liveness(self, state: LaunchState, name: str) -> Liveness:
+        rec = state.processes.get(name)
+        if rec is None:
+            return Liveness(False)
+        if not rec.where.startswith("slurm:"):
+            return self.local.liveness(state, name)
+        return Liveness(name in self._running_steps(state.engine.get("job_id", "")))
+
+    def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
+        report = StopReport([], [], [])
+        job_id = state.engine.get("job_id")
+        names = [n for n, r in state.processes.items() if r.where.startswith("slurm:")]
+        if job_id:
+            running = steps(job_id)
+            if job_state(job_id)[0]:
+                # Slurm's own stop: SIGTERM to every step, SIGKILL after the cluster's KillWait.
+                _run(["scancel", job_id])
+                deadline = time.monotonic() + max(grace_s, 40.0)
+                while time.monotonic() < deadline and job_state(job_id)[0]:
+                    time.sleep(0.2)
+            report.stopped += [n for n in names if n in running]
+            report.already_gone += [n for n in names if n not in running]
+        else:
+            report.already_gone += names
+        local = LaunchState(state.plan, "local", state.detached,
+                            {n: r for n, r in state.processes.items() if not r.where.startswith("slurm:")})
+        r = self.local.stop(local, grace_s)
+        report.stopped += r.stopped
+        report.already_gone += r.already_gone
+        report.killed += r.killed
+        self._steps = None
+        return report

@@ -1,0 +1,44 @@
+"""`python -m pdctl.launch.slurm_step -- ARGV...`: one Slurm job step's command, run on its node.
+
+The batch script is rendered before Slurm picks nodes, so the server's listen address and NIXL side-channel
+host are written as {node_addr}; here, on the node, that becomes the node's address from `scontrol show node`
+(the NodeAddr the other side and the proxy reach it at), and the command replaces this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+PLACEHOLDER = "{node_addr}"
+
+
+def node_addr() -> str:
+    name = os.environ.get("SLURMD_NODENAME", "")
+    if name:
+        r = subprocess.run(["scontrol", "show", "node", name, "--oneliner"], capture_output=True, text=True,
+                           timeout=30)
+        for field in r.stdout.split():
+            if field.startswith("NodeAddr="):
+                return field.split("=", 1)[1]
+    return subprocess.run(["hostname", "-i"], capture_output=True, text=True, timeout=10).stdout.split()[0]
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m pdctl.launch.slurm_step -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    addr = node_addr()
+    for k, v in list(os.environ.items()):
+        if PLACEHOLDER in v:
+            os.environ[k] = v.replace(PLACEHOLDER, addr)
+    argv = [a.replace(PLACEHOLDER, addr) for a in argv]
+    print(f"--- pdctl: step on {os.environ.get('SLURMD_NODENAME', '?')} ({addr})", flush=True)
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
