@@ -32,6 +32,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Build models for tests and demos.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+render_app = typer.Typer(help="Render a topology for systems pdctl does not run itself.", no_args_is_help=True)
+app.add_typer(render_app, name="render")
 
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -217,6 +219,59 @@ def _render_plan(p: Plan) -> None:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
         out.print(f"\n[bold]{s.name}[/bold]  log: {s.log_path}", highlight=False)
         out.print(f"{env} {shlex.join(s.argv)}", highlight=False, markup=False, soft_wrap=True)
+
+
+@render_app.command("k8s")
+@topology_command
+def render_k8s(
+    topology: TopologyArg,
+    out_dir: Annotated[Path, typer.Option("-o", "--out", help="directory to write the manifests to")],
+    image: Annotated[str, typer.Option(help="container image with vLLM, NIXL and pdctl installed")] = "",
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "default",
+    validate_: Annotated[bool, typer.Option("--validate/--no-validate", help="check every manifest offline with "
+                                            "kubernetes-validate --strict")] = True,
+    overrides: list = (),
+) -> None:
+    """Kubernetes manifests: a StatefulSet + headless Service per role, the proxy, the topology as a ConfigMap.
+
+    Accelerators are requested per platform (nvidia.com/gpu, habana.ai/gaudi, gpu.intel.com/i915) instead of
+    device ids, and each pod's NIXL side-channel host is its pod IP. A local model path is mounted from the
+    PersistentVolumeClaim 'pdctl-models' at /models. Validated offline; pdctl does not apply them.
+
+    Examples:
+
+      pdctl render k8s configs/cuda-to-gaudi.yaml -o k8s/ --image registry.example/pdctl-vllm:0.11
+
+      pdctl render k8s configs/cpu-demo.yaml -o /tmp/k8s --namespace pd
+    """
+    import yaml
+
+    from pdctl.launch import k8s
+
+    loaded = _load(topology, overrides)
+    t = loaded.topology
+    p = build_plan(t, base_dir=loaded.base_dir, state_dir=Path("/var/lib/pdctl") / t.name, python="python3")
+    manifests = k8s.render(t, p, image=image or k8s.DEFAULT_IMAGE, namespace=namespace)
+    problems = []
+    if validate_:
+        import kubernetes_validate
+
+        for fname, m in manifests.items():
+            try:
+                kubernetes_validate.validate(m, kubernetes_validate.latest_version(), strict=True)
+            except kubernetes_validate.ValidationError as e:
+                problems.append(f"{fname}: {e.message}")
+    if problems:
+        raise UserError("rendered manifests failed validation (a pdctl bug):\n  " + "\n  ".join(problems))
+    class _NoAliases(yaml.SafeDumper):
+        def ignore_aliases(self, data):  # shared label dicts would become &id001 anchors: legal, hard to read
+            return True
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for fname, m in manifests.items():
+        (out_dir / fname).write_text(yaml.dump(m, Dumper=_NoAliases, sort_keys=False))
+    checked = " (validated with kubernetes-validate --strict)" if validate_ else ""
+    out.print(f"wrote {len(manifests)} manifests to {out_dir}{checked}", highlight=False)
 
 
 @model_app.command("tiny")

@@ -1,0 +1,135 @@
+"""Kubernetes manifests for a topology (pure): a StatefulSet + headless Service per role, the proxy's Deployment and
+Service, and a ConfigMap with the resolved topology.
+
+Rendered from the same plan `pdctl up` runs, with what a cluster decides instead of pdctl: the device plugin picks
+the accelerators (a resource request per platform, not device ids), every pod listens on the role's base ports,
+and the NIXL side-channel host is the pod's IP. Validated offline (kubernetes-validate --strict); no cluster runs
+here to apply them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import PurePosixPath
+
+from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
+from pdctl.topology import ROLES, Topology, is_local_path
+
+# The extended resource each platform's device plugin offers.
+DEVICE_RESOURCE = {"cuda": "nvidia.com/gpu", "hpu": "habana.ai/gaudi", "xpu": "gpu.intel.com/i915"}
+DEFAULT_IMAGE = "vllm/vllm-openai:v0.11.0"
+MODELS_MOUNT = "/models"
+MODELS_CLAIM = "pdctl-models"
+# Set by the plan for one host; in a pod the device plugin and the kubelet decide these.
+HOST_ONLY_ENV = {"VLLM_CPU_OMP_THREADS_BIND", "UCX_NET_DEVICES", *DEVICE_ENV.values()}
+
+
+def dns_name(*parts: str) -> str:
+    return re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower()).strip("-")[:63]
+
+
+def _labels(t: Topology, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "pdctl", "app.kubernetes.io/instance": dns_name(t.name),
+            "app.kubernetes.io/component": component}
+
+
+def _model_arg(t: Topology, role: str) -> tuple[str, bool]:
+    raw = t.model_path(role)
+    if is_local_path(raw):
+        return f"{MODELS_MOUNT}/{PurePosixPath(raw).name}", True
+    return raw, False
+
+
+def _server_container(t: Topology, spec: ProcessSpec, image: str) -> tuple[dict, bool]:
+    g = t.group(spec.role)
+    argv = ["python3", *spec.argv[1:]]
+    argv[argv.index("--host") + 1] = "0.0.0.0"
+    model, local = _model_arg(t, spec.role)
+    argv[argv.index("--model") + 1] = model
+    env = [{"name": k, "value": v} for k, v in spec.env.items()
+           if k not in HOST_ONLY_ENV and k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
+    env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    if g.platform in DEVICE_RESOURCE:
+        n = str(g.tp)
+        resources = {"requests": {DEVICE_RESOURCE[g.platform]: n}, "limits": {DEVICE_RESOURCE[g.platform]: n}}
+    else:
+        cores = str(len(g.devices_of(0) or []) or g.tp)
+        resources = {"requests": {"cpu": cores, "memory": "4Gi"}, "limits": {"memory": "16Gi"}}
+    c = {
+        "name": "vllm", "image": image, "command": argv, "env": env, "resources": resources,
+        "ports": [{"name": "http", "containerPort": spec.ports["http"]},
+                  {"name": "nixl-side", "containerPort": spec.ports["side_channel"]}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 3},
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                         "failureThreshold": 90},
+    }
+    if local:
+        c["volumeMounts"] = [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}]
+    return c, local
+
+
+def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: str = "default") -> dict[str, dict]:
+    """File name -> manifest."""
+    name = dns_name(t.name)
+    out: dict[str, dict] = {}
+    meta = {"namespace": namespace}
+    out["00-topology-configmap.yaml"] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {**meta, "name": dns_name(name, "topology"), "labels": _labels(t, "topology")},
+        "data": {"topology.json": json.dumps(plan.topology, indent=2)},
+    }
+    upstreams: list[str] = []
+    for i, role in enumerate(ROLES, start=1):
+        g = t.group(role)
+        spec = plan.by_role(role)[0]
+        svc = dns_name(name, role)
+        labels = _labels(t, role)
+        container, local = _server_container(t, spec, image)
+        pod: dict = {"containers": [container]}
+        if local:
+            pod["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": MODELS_CLAIM,
+                                                                            "readOnly": True}}]
+        out[f"{i}0-{role}-service.yaml"] = {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {**meta, "name": svc, "labels": labels},
+            "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": False,
+                     "ports": [{"name": "http", "port": spec.ports["http"], "targetPort": "http"},
+                               {"name": "nixl-side", "port": spec.ports["side_channel"],
+                                "targetPort": "nixl-side"}]},
+        }
+        out[f"{i}1-{role}-statefulset.yaml"] = {
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {**meta, "name": svc, "labels": labels},
+            "spec": {"serviceName": svc, "replicas": g.count, "podManagementPolicy": "Parallel",
+                     "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": pod}},
+        }
+        for k in range(g.count):
+            upstreams += [f"--{role}", f"http://{svc}-{k}.{svc}.{namespace}.svc:{spec.ports['http']}"]
+    px = plan.by_role("proxy")[0]
+    argv = ["python3", *px.argv[1:]]
+    argv[argv.index("--host") + 1] = "0.0.0.0"
+    # The plan's upstreams are host addresses; in the cluster they are the StatefulSets' stable pod names.
+    kept = [a for k, a in enumerate(argv) if a not in ("--prefill", "--decode")
+            and (k == 0 or argv[k - 1] not in ("--prefill", "--decode"))]
+    labels = _labels(t, "proxy")
+    out["30-proxy-deployment.yaml"] = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {**meta, "name": dns_name(name, "proxy"), "labels": labels},
+        "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
+                     "name": "proxy", "image": image, "command": kept + upstreams,
+                     "ports": [{"name": "http", "containerPort": px.ports["http"]}],
+                     "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+                     "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+                     "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
+                 }]}}},
+    }
+    out["31-proxy-service.yaml"] = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {**meta, "name": dns_name(name, "proxy"), "labels": labels},
+        "spec": {"selector": labels, "ports": [{"name": "http", "port": px.ports["http"], "targetPort": "http"}]},
+    }
+    return out
