@@ -108,3 +108,25 @@ def test_with_hosts_moves_instances_and_the_proxys_upstreams():
     # Everything else is untouched, and the original plan is not modified.
     assert [a for a in pre.argv if "127.0.0" not in a] == [a for a in p.get("prefill-0").argv if "127.0.0" not in a]
     assert p.get("prefill-0").host == "127.0.0.1"
+
+
+def test_slurm_batch_script_places_each_instance_and_defers_its_address_to_the_node():
+    import shlex
+
+    from pdctl.launch.slurm_engine import render_batch
+
+    loaded = load_topology(CONFIGS / "cpu-slurm.yaml", [])
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
+    script = render_batch(p, p.topology["engine"], python="python")
+    lines = script.splitlines()
+    assert "#SBATCH --nodelist=node1,node2" in lines and "#SBATCH --partition=debug" in lines
+    assert "#SBATCH --ntasks=2" in lines and "#SBATCH --no-kill" in lines
+    steps = [shlex.split(line.removesuffix(" &")) for line in lines if line.startswith("srun ")]
+    by_name = {next(a for a in s if a.startswith("--job-name=")).split("=")[1]: s for s in steps}
+    assert set(by_name) == {"prefill-0", "decode-0"} and "--nodelist=node1" in by_name["prefill-0"]
+    dec = by_name["decode-0"]
+    assert "--nodelist=node2" in dec and "--output=/s/logs/decode-0.log" in dec
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST={node_addr}" in dec
+    server = dec[dec.index("--") + 1 :]
+    assert server[server.index("--host") + 1] == "{node_addr}" and server[server.index("--block-size") + 1] == "64"
+    assert script.rstrip().endswith("wait")
