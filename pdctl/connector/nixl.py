@@ -12,6 +12,8 @@ A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is p
   decode's scheduler reserved at start (withheld from the allocator, never borrowed from it); on completion each
   prefill block is reassembled and split into decode blocks in the real layout (pdctl.kv.split_in_place);
 - vLLM's sub-block pairing when the decode already holds prefix-cached blocks (P < D) is corrected;
+- each side's exact CPU cache layout travels in the handshake (the CPU attention ISA, appended to the backend name
+  vLLM already sends): a prefill on another ISA is converted from (P < D) or refused, never misread;
 - pairs it cannot serve fail at handshake with one message naming both sides.
 
 The class keeps the name NixlConnector because several vLLM config checks test that name. Importing this module
@@ -38,6 +40,18 @@ from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_tokens_f
 from pdctl.kv.layouts import BlockShape, layout
 
 __all__ = ["NixlConnector"]
+
+ISA_TAG = "+pdctl-isa="
+
+
+def tag_backend(name: str, isa: str | None) -> str:
+    """The attention backend name with this side's CPU attention ISA appended (vLLM's handshake has no field)."""
+    return f"{name}{ISA_TAG}{isa}" if isa else name
+
+
+def untag_backend(name: str) -> tuple[str, str | None]:
+    base, sep, isa = name.partition(ISA_TAG)
+    return base, (isa or None) if sep else None
 
 log = init_logger("vllm.pdctl.connector")  # under "vllm" so it lands in the server log
 
@@ -94,24 +108,61 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._staging_free: list[int] | None = None  # the last staging_blocks ids of the cache, once registered
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
         self._split_plans: dict[str, tuple[list, int | None]] = {}  # req -> (per-group chunk groups, tokens)
+        self._received_isa: dict[int, str] = {}  # block-size ratio -> the CPU attention ISA those prefills use
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
     # -- handshake -------------------------------------------------------------------------------------------
 
+    def _isa(self, block_size: int) -> str | None:
+        """The CPU attention ISA this host uses for blocks of block_size tokens (None off CPU_ATTN)."""
+        if not self._cpu_attn or not self.device_kv_caches:
+            return None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cache = next(iter(self.device_kv_caches.values()))
+        return _get_attn_isa(cache.dtype, block_size, cache.shape[-1] // 2, self.vllm_config.cache_config.cache_dtype)
+
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        # advertise_isa: claim another ISA than this host's, to prove the mismatch is caught (tests).
+        isa = self._isa(self.block_size) and (self.pdctl_settings.get("advertise_isa") or self._isa(self.block_size))
+        if isa and self.xfer_handshake_metadata is not None:
+            # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other.
+            import msgspec
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+                NixlAgentMetadata,
+                NixlHandshakePayload,
+            )
+
+            payload = self.xfer_handshake_metadata
+            meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+            meta = dataclasses.replace(meta, attn_backend_name=tag_backend(meta.attn_backend_name, isa))
+            self.xfer_handshake_metadata = NixlHandshakePayload(
+                compatibility_hash=payload.compatibility_hash,
+                agent_metadata_bytes=msgspec.msgpack.Encoder().encode(meta))
+            log.info("pdctl connector: advertising CPU attention ISA %s (block %d)", isa, self.block_size)
+
     def _describe_local(self) -> str:
+        isa = self._isa(self.block_size)
         return (f"decode: block {self.block_size}, TP {self.world_size}, layout {self.kv_cache_layout}, "
-                f"backend {self.backend_name}")
+                f"backend {self.backend_name}" + (f" (ISA {isa})" if isa else ""))
 
     def add_remote_agent(self, nixl_agent_meta, remote_tp_rank: int = 0, remote_tp_size: int = 1,
                          remote_dcp_size: int = 1) -> str:
+        backend, remote_isa = untag_backend(nixl_agent_meta.attn_backend_name)
+        nixl_agent_meta = dataclasses.replace(nixl_agent_meta, attn_backend_name=backend)
         remote = (f"prefill: block {nixl_agent_meta.block_size}, TP {remote_tp_size}, layout "
-                  f"{nixl_agent_meta.kv_cache_layout}, backend {nixl_agent_meta.attn_backend_name}")
+                  f"{nixl_agent_meta.kv_cache_layout}, backend {backend}" + (f" (ISA {remote_isa})" if remote_isa
+                                                                            else ""))
+
         def refuse(why: str):
             raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): {why}")
 
-        if self._cpu_attn and nixl_agent_meta.attn_backend_name != self.backend_name:
+        if self._cpu_attn and backend != self.backend_name:
             refuse("CPU_ATTN decode receiving from another attention backend")
+        if self._cpu_attn:
+            self._check_isa(nixl_agent_meta.block_size, remote_isa, refuse)
         if nixl_agent_meta.block_size > self.block_size:
             ratio, rest = divmod(nixl_agent_meta.block_size, self.block_size)
             if rest:
@@ -131,6 +182,27 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                      "split after receive (staging %d blocks)", ratio * self.block_size, self.block_size, ratio,
                      self._staging_blocks)
         return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
+
+    def _check_isa(self, remote_block: int, remote_isa: str | None, refuse) -> None:
+        """Which layout the prefill's blocks arrive in, by block-size ratio; refuse what cannot be converted."""
+        assumed = self._isa(remote_block)  # what this host would use for the prefill's block size
+        if remote_isa is None:
+            log.warning("pdctl connector: the prefill did not say its CPU attention ISA (not pdctl's connector?); "
+                        "assuming %s", assumed)
+            remote_isa = assumed
+        same = layout(remote_isa) is layout(assumed) if assumed else True
+        ratio = self.block_size // remote_block if remote_block <= self.block_size else 0
+        if not same and ratio <= 1:
+            refuse(f"the prefill's CPU attention ISA {remote_isa} stores KV differently from this decode's "
+                   f"{assumed}; pdctl converts between them only when the prefill block is smaller than the "
+                   "decode block (merge after receive)")
+        known = self._received_isa.setdefault(ratio, remote_isa)
+        if layout(known) is not layout(remote_isa):
+            refuse(f"another prefill with the same block size uses ISA {known}; one ISA per block-size ratio")
+        if ratio > 1:
+            log.info("pdctl connector: prefill block %d < decode block %d: NIXL reads %d sub-blocks per decode block "
+                     "in place (transfer plan), then one merge pass %s -> %s (post-receive transform)", remote_block,
+                     self.block_size, ratio, remote_isa, self._isa(self.block_size))
 
     # -- pairing ---------------------------------------------------------------------------------------------
 
@@ -262,14 +334,15 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
     # -- receive ---------------------------------------------------------------------------------------------
 
-    def _side(self, cache: torch.Tensor, block_size: int) -> Side:
+    def _side(self, cache: torch.Tensor, block_size: int, isa: str | None = None) -> Side:
         """This cache's layout for blocks of block_size tokens (for CPU_ATTN the ISA depends on the block size;
-        the prefill is assumed to run the same ISA, which vLLM's handshake does not carry)."""
+        received blocks use the ISA the prefill advertised at handshake)."""
         _, heads, _, two_d = cache.shape
         if self._cpu_attn:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            name = _get_attn_isa(cache.dtype, block_size, two_d // 2, self.vllm_config.cache_config.cache_dtype)
+            name = isa or _get_attn_isa(cache.dtype, block_size, two_d // 2,
+                                        self.vllm_config.cache_config.cache_dtype)
         else:
             name = "NHD" if self.kv_cache_layout in ("NHD", "LBNHC") else "HND"
         return Side(layout(name), BlockShape(heads, block_size, two_d // 2))
@@ -290,7 +363,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                 if written:
                     blocks = cache.index_select(0, idx).reshape(written, -1)
                     if convert and block_size_ratio > 1:
-                        received = self._side(cache, self.block_size // block_size_ratio)
+                        received = self._side(cache, self.block_size // block_size_ratio,
+                                               self._received_isa.get(block_size_ratio))
                         blocks = merge_in_place(blocks, block_size_ratio, received, local)
                     if sub_in_last:
                         first = sub_in_last * (self.block_size // block_size_ratio)

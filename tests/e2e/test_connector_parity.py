@@ -70,6 +70,19 @@ def test_p128_d32_with_8_requests_in_flight(tmp_path):
     assert code == 0 and doc["passed"], (failed, doc["proof"])
 
 
+def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
+    # The prefill says (through pdctl's handshake tag) that it packs KV for AMX; this host's decode uses vec.
+    # At equal block sizes nothing would convert it: refused at the warm-up, never misread.
+    try:
+        r = pdctl("up", "-d", CONFIGS / "cpu-demo.yaml", "--state-dir", tmp_path, "--decode-block-size", "32",
+                  "--set", 'connector.extra_config={"pdctl": {"advertise_isa": "amx"}}', timeout=400)
+    finally:
+        pdctl("down", "--state-dir", tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "warm-up P/D request failed: pdctl connector: unsupported P/D pair" in r.stderr
+    assert "(ISA amx)" in r.stderr and "(ISA vec)" in r.stderr and "stores KV differently" in r.stderr
+
+
 def test_unservable_pair_is_refused_at_start_with_both_sides_named(tmp_path):
     # A decode that reserved no staging area cannot take a bigger-block prefill: refused at the warm-up.
     try:

@@ -80,3 +80,59 @@ def test_only_blocks_with_tokens_receive(tokens, expected_last):
     (groups, _), = w._split_plans.values()
     real = [d for g in groups[0] for d, _, r in g if r]
     assert real == [10, 11, 12, 13][:expected_last]
+
+
+# -- the CPU attention ISA in the handshake ------------------------------------------------------------------
+
+
+def test_backend_tag_round_trip():
+    from pdctl.connector.nixl import tag_backend, untag_backend
+
+    assert untag_backend(tag_backend("CPU_ATTN", "amx")) == ("CPU_ATTN", "amx")
+    assert untag_backend("CPU_ATTN") == ("CPU_ATTN", None)  # a stock prefill sends no ISA
+    assert tag_backend("FLASH_ATTN", None) == "FLASH_ATTN"
+
+
+def isa_worker(monkeypatch, block_size, host_isa):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+    w = object.__new__(PdctlNixlWorker)
+    w.block_size, w.world_size, w.kv_cache_layout, w.backend_name = block_size, 1, "HND", "CPU_ATTN"
+    w._cpu_attn, w._received_isa, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
+    w._physical_blocks_per_logical_kv_block, w._split_ratio = 1, {}
+    monkeypatch.setattr(PdctlNixlWorker, "_isa", lambda self, n: host_isa)
+    seen = []
+    monkeypatch.setattr(NixlPullConnectorWorker, "add_remote_agent",
+                        lambda self, meta, *a, **k: seen.append(meta.attn_backend_name) or "ok")
+    return w, seen
+
+
+def remote_meta(block_size, backend):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+    return NixlAgentMetadata(engine_id="p", agent_metadata=b"", kv_caches_base_addr=[0], device_id=0,
+                             num_blocks=10, block_lens=[4096], block_strides=[4096], kv_cache_layout="HND",
+                             block_size=block_size, ssm_sizes=(0, 0), attn_backend_name=backend,
+                             physical_blocks_per_logical_kv_block=1)
+
+
+def test_amx_prefill_into_vec_decode_is_merged_from_its_own_layout(monkeypatch):
+    w, seen = isa_worker(monkeypatch, 64, "vec")
+    assert w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=amx")) == "ok"
+    assert seen == ["CPU_ATTN"]  # vLLM's own code sees the plain backend name
+    assert w._received_isa == {2: "amx"}  # the merge reads the received sub-blocks as AMX-packed
+
+
+def test_other_isa_at_equal_block_size_is_refused_naming_both(monkeypatch):
+    w, seen = isa_worker(monkeypatch, 32, "vec")
+    with pytest.raises(RuntimeError, match=r"ISA amx\).*\(ISA vec\).*ISA amx stores KV differently"):
+        w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=amx"))
+    assert seen == []
+
+
+def test_same_layout_isas_and_untagged_prefills_pass(monkeypatch):
+    w, seen = isa_worker(monkeypatch, 32, "vec")
+    w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=vec16"))  # vec16 and vec share one layout
+    w2, seen2 = isa_worker(monkeypatch, 64, "vec")
+    w2.add_remote_agent(remote_meta(32, "CPU_ATTN"))  # stock prefill: this host's ISA is assumed
+    assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {2: "vec"}

@@ -154,3 +154,18 @@ def test_split_in_place_matches_convert(name, ratio):
     chunks = raw.reshape(3 * ratio, -1)
     assert torch.equal(split_in_place(chunks.reshape(3, -1), ratio, recv, local), split_in_place(raw, ratio, recv,
                                                                                                   local))
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_merge_across_cpu_isas_amx_prefill_into_vec_decode(ratio):
+    """What the connector does when the handshake says the prefill packs KV for AMX and this decode uses vec."""
+    recv = Side(layout("amx"), BlockShape(2, 32, 64))
+    local = Side(layout("vec"), BlockShape(2, 32 * ratio, 64))
+    raw = torch.randn(2 * ratio, recv.shape.elems)
+    merged = merge_in_place(raw.reshape(2, -1), ratio, recv, local)
+    k_in, v_in = layout("amx").unpack(raw, recv.shape)  # [blocks, heads, tokens, dim] per received block
+    k_out, v_out = layout("vec").unpack(merged, local.shape)
+    for t in range(2 * ratio * 32):
+        b, j = divmod(t, 32)
+        assert torch.equal(k_out[t // (32 * ratio), :, t % (32 * ratio)], k_in[b, :, j])
+        assert torch.equal(v_out[t // (32 * ratio), :, t % (32 * ratio)], v_in[b, :, j])
