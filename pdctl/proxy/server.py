@@ -31,6 +31,7 @@ class Instance:
     url: str
     role: str
     inflight: int = 0
+    healthy: bool = True  # last health probe (or request) reached it
 
 
 @dataclass
@@ -40,12 +41,15 @@ class Pool:
     _rr: count = field(default_factory=count)
 
     def pick(self) -> Instance:
+        # Instances that failed their last probe get no traffic; with none healthy, every one is tried (the
+        # request then fails fast with the instance named, instead of waiting for a probe).
+        pool = [i for i in self.instances if i.healthy] or self.instances
         if self.policy == "round_robin":
-            return self.instances[next(self._rr) % len(self.instances)]
+            return pool[next(self._rr) % len(pool)]
         # Ties broken round-robin so equal loads still spread.
         start = next(self._rr)
-        n = len(self.instances)
-        return min((self.instances[(start + i) % n] for i in range(n)), key=lambda x: x.inflight)
+        n = len(pool)
+        return min((pool[(start + i) % n] for i in range(n)), key=lambda x: x.inflight)
 
 
 @dataclass
@@ -56,6 +60,7 @@ class ProxyConfig:
     strict: bool = False
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
+    health_interval_s: float = 2.0  # how often every instance's /health is probed for routing
 
 
 def usable_kv_params(params: object) -> bool:
@@ -89,13 +94,26 @@ class Proxy:
         app.on_cleanup.append(self._close)
         return app
 
+    async def _probe_forever(self) -> None:
+        while True:
+            insts = self.prefill.instances + self.decode.instances
+            oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
+            for inst, ok in zip(insts, oks, strict=True):
+                if inst.healthy != ok:
+                    log.warning("%s %s is %s", inst.role, inst.url, "back: routing to it again" if ok else
+                                "down: no longer routing to it")
+                inst.healthy = ok
+            await asyncio.sleep(self.cfg.health_interval_s)
+
     async def _open(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
                                         sock_read=self.cfg.read_timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                              auto_decompress=False)
+        self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
     async def _close(self, _app: web.Application) -> None:
+        self._prober.cancel()
         if self.session:
             await self.session.close()
 
@@ -116,6 +134,8 @@ class Proxy:
         insts = self.prefill.instances + self.decode.instances
         oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
         per = {f"{i.role} {i.url}": ok for i, ok in zip(insts, oks, strict=True)}
+        for inst, ok in zip(insts, oks, strict=True):
+            inst.healthy = ok
         ready = any(ok for i, ok in zip(insts, oks, strict=True) if i.role == "prefill") and any(
             ok for i, ok in zip(insts, oks, strict=True) if i.role == "decode")
         return web.json_response({"ready": ready, "instances": per}, status=200 if ready else 503)
@@ -190,6 +210,8 @@ class Proxy:
                 pre = json.loads(raw)
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
             self.metrics.upstream_error(p.url)
+            if isinstance(e, aiohttp.ClientConnectorError):
+                p.healthy = False  # nothing listens there: route around it until a probe finds it back
             return web.json_response(error_body(f"prefill {p.url} unavailable: {e!s}", "upstream_unavailable",
                                                 503), status=503)
         except ValueError:
@@ -225,6 +247,8 @@ class Proxy:
             upstream = await self.session.post(d.url + route, json=body, headers=headers)
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
             self.metrics.upstream_error(d.url)
+            if isinstance(e, aiohttp.ClientConnectorError):
+                d.healthy = False
             return web.json_response(error_body(f"decode {d.url} unavailable: {e!s}", "upstream_unavailable",
                                                 503), status=503)
         async with upstream:

@@ -99,6 +99,8 @@ def test_lost_node_shows_down_and_down_cleans_up(cluster, on_ray):
             return e.code
 
     assert wait_for(lambda: ready_code() == 503, 30)
+    proxy_log = on_ray.state / "logs" / "proxy.log"
+    assert wait_for(lambda: "is down: no longer routing to it" in proxy_log.read_text(), 15)
     # Its server, EngineCore and worker went with the node (the guard stops the whole group).
     assert wait_for(lambda: not live([pids["decode-0"]]), 30), live([pids["decode-0"]])
 

@@ -272,6 +272,42 @@ def test_policies():
     assert {even.pick().url for _ in range(4)} == {"a", "b"}  # ties spread
 
 
+def test_unhealthy_instances_get_no_traffic_and_come_back(pd):
+    # Two decodes; one stops answering /health (a lost node): after a probe every request goes to the other.
+    second = Backend("decode")
+    d2 = pd.loop.serve(second.app())
+    proxy, url = pd.make(health_interval_s=0.2)
+    proxy.decode.instances.append(type(proxy.decode.instances[0])(d2, "decode"))
+    second.healthy = False
+    time.sleep(0.8)
+    for _ in range(6):
+        assert post(url + "/v1/completions", BODY)[0] == 200
+    assert len(pd.decode.requests) == 6 and not second.requests
+    second.healthy = True
+    time.sleep(0.8)
+    for _ in range(6):
+        assert post(url + "/v1/completions", BODY)[0] == 200
+    assert second.requests  # probed healthy again: back in the rotation
+
+
+def test_connection_refused_marks_an_instance_down_at_once(pd):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy, url = pd.make(health_interval_s=60)  # no probe in this test's lifetime after the first
+    time.sleep(0.3)
+    proxy.decode.instances.insert(0, type(proxy.decode.instances[0])(dead, "decode"))
+    codes = [post(url + "/v1/completions", BODY)[0] for _ in range(4)]
+    assert codes.count(503) <= 1 and codes[-3:] == [200, 200, 200]
+
+
+def test_policies_skip_unhealthy():
+    from pdctl.proxy.server import Instance, Pool
+
+    rr = Pool([Instance("a", "decode", healthy=False), Instance("b", "decode")], "round_robin")
+    assert {rr.pick().url for _ in range(4)} == {"b"}
+    none = Pool([Instance("a", "decode", healthy=False)], "least_outstanding")
+    assert none.pick().url == "a"  # nothing healthy: still tried, so the client gets a named error
+
+
 def test_metrics_format_and_histograms(pd):
     post(pd.url + "/v1/completions", BODY)
     text = get(pd.url + "/metrics")[1]
