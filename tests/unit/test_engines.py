@@ -1,0 +1,39 @@
+"""Engine selection and Ray placement options, without a cluster (the e2e tests run real ones)."""
+
+from pathlib import Path
+
+from pdctl.launch.backend import backend_for
+from pdctl.plan import build_plan
+from pdctl.topology import load_topology, overrides_from_flags
+from tests.conftest import CONFIGS
+
+
+def test_backend_for_each_engine_kind():
+    assert backend_for(None).name == "local" and backend_for({"kind": "local"}).name == "local"
+    assert backend_for({"kind": "ray", "address": "127.0.0.2:6390"}).name == "ray"
+    assert backend_for({"kind": "slurm"}).name == "slurm"
+
+
+def test_engine_flags_override_the_topology():
+    assert load_topology(CONFIGS / "cpu-demo.yaml", []).topology.engine.kind == "local"
+    o = overrides_from_flags({"engine": "ray", "address": "10.0.0.1:6379"})
+    t = load_topology(CONFIGS / "cpu-demo.yaml", o).topology
+    assert (t.engine.kind, t.engine.address) == ("ray", "10.0.0.1:6379")
+
+
+def test_ray_actor_options_follow_the_placement():
+    loaded = load_topology(CONFIGS / "cpu-ray.yaml", [])
+    plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+    engine = {**plan.topology["engine"], "placement": {
+        **plan.topology["engine"]["placement"],
+        "decode": {"labels": {"accelerator": "gaudi3"}, "node": "10.0.0.7", "resources": {}}}}
+    b = backend_for(engine)
+    pre = b._options(plan.get("prefill-0"))
+    assert pre["name"] == "prefill-0" and pre["lifetime"] == "detached" and pre["num_cpus"] == 0
+    assert pre["resources"] == {"prefill_node": 0.01}  # marks the node kind, does not count instances
+    dec = b._options(plan.get("decode-0"))
+    assert dec["label_selector"] == {"accelerator": "gaudi3"} and dec["resources"] == {"node:10.0.0.7": 0.001}
+    # The proxy stays where pdctl runs unless placed.
+    assert b._on_ray(plan.get("decode-0")) and not b._on_ray(plan.get("proxy"))
+    placed = backend_for({**engine, "placement": {"proxy": {"resources": {"cpu_node": 1}}}})
+    assert placed._on_ray(plan.get("proxy"))
