@@ -47,7 +47,8 @@ def group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def group_members(pgid: int) -> list[int]:
+def live_processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process that has not exited (zombies excluded)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -56,9 +57,13 @@ def group_members(pgid: int) -> list[int]:
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                out.append(int(d.name))
+            if fields[0] not in ("Z", "X"):
+                out.append((int(d.name), int(fields[1]), int(fields[2])))
     return out
+
+
+def group_members(pgid: int) -> list[int]:
+    return [pid for pid, _, group in live_processes() if group == pgid]
 
 
 class LocalBackend(Backend):

@@ -18,8 +18,9 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from pdctl.launch.backend import Backend, Liveness, StopReport
-from pdctl.launch.local import LocalBackend, group_alive, guarded, start_ticks
+from pdctl.launch.backend import Liveness, StopReport
+from pdctl.launch.cluster import ClusterBackend
+from pdctl.launch.local import group_alive, guarded, start_ticks
 from pdctl.launch.run import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec, with_hosts
@@ -78,12 +79,12 @@ class InstanceActor:
         return "stopped"
 
 
-class RayBackend(Backend):
+class RayBackend(ClusterBackend):
     name = "ray"
+    prefix = "ray:"
 
     def __init__(self, engine: dict) -> None:
-        self.engine = engine
-        self.local = LocalBackend()  # the proxy, unless placed on a node
+        super().__init__(engine)
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
     # -- connection
@@ -177,12 +178,7 @@ class RayBackend(Backend):
                                                or self._namespace(state.plan))
         return self._actors[name]
 
-    def liveness(self, state: LaunchState, name: str) -> Liveness:
-        rec = state.processes.get(name)
-        if rec is None:
-            return Liveness(False)
-        if not rec.where.startswith("ray:"):
-            return self.local.liveness(state, name)
+    def cluster_liveness(self, state: LaunchState, name: str) -> Liveness:
         try:
             alive, code = ray.get(self._actor(state, name).poll.remote(), timeout=CALL_TIMEOUT_S)
         except (RayError, ValueError):  # actor dead, node lost, or no such actor
@@ -240,13 +236,7 @@ class RayBackend(Backend):
             report.stopped += r.stopped
             report.already_gone += r.already_gone
             report.killed += r.killed
-        local = LaunchState(state.plan, "local", state.detached,
-                            {n: r for n, r in state.processes.items() if not r.where.startswith("ray:")})
-        r = self.local.stop(local, grace_s)
-        report.stopped += r.stopped
-        report.already_gone += r.already_gone
-        report.killed += r.killed
-        return report
+        return self.stop_here(state, grace_s, report)
 
 
 class PlacementFailed(LaunchFailed):

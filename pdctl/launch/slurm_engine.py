@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from pdctl.launch.backend import Backend, Liveness, StopReport
-from pdctl.launch.local import LocalBackend
+from pdctl.launch.backend import Liveness, StopReport
+from pdctl.launch.cluster import ClusterBackend
 from pdctl.launch.run import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec, with_hosts
@@ -106,12 +106,12 @@ def cluster_nodes() -> list[str]:
     return [line.strip() for line in r.stdout.splitlines() if line.strip()]
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(ClusterBackend):
     name = "slurm"
+    prefix = "slurm:"
 
     def __init__(self, engine: dict) -> None:
-        self.engine = engine
-        self.local = LocalBackend()  # the proxy runs where pdctl runs
+        super().__init__(engine)  # the proxy runs where pdctl runs
         self._steps: tuple[float, dict[str, str]] | None = None
 
     def preflight(self, plan: Plan) -> list[str]:
@@ -177,12 +177,7 @@ class SlurmBackend(Backend):
             self._steps = (now, steps(job_id))
         return self._steps[1]
 
-    def liveness(self, state: LaunchState, name: str) -> Liveness:
-        rec = state.processes.get(name)
-        if rec is None:
-            return Liveness(False)
-        if not rec.where.startswith("slurm:"):
-            return self.local.liveness(state, name)
+    def cluster_liveness(self, state: LaunchState, name: str) -> Liveness:
         return Liveness(name in self._running_steps(state.engine.get("job_id", "")))
 
     def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
@@ -201,11 +196,5 @@ class SlurmBackend(Backend):
             report.already_gone += [n for n in names if n not in running]
         else:
             report.already_gone += names
-        local = LaunchState(state.plan, "local", state.detached,
-                            {n: r for n, r in state.processes.items() if not r.where.startswith("slurm:")})
-        r = self.local.stop(local, grace_s)
-        report.stopped += r.stopped
-        report.already_gone += r.already_gone
-        report.killed += r.killed
         self._steps = None
-        return report
+        return self.stop_here(state, grace_s, report)

@@ -15,20 +15,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdctl.launch.local import live_processes
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] not in ("Z", "X"):
-                children.setdefault(int(fields[1]), []).append(int(d.name))
+    for child, parent, _ in live_processes():
+        children.setdefault(parent, []).append(child)
     out, todo = [], [pid]
     while todo:
         for c in children.get(todo.pop(), []):
@@ -63,7 +58,25 @@ def stop_tree(root: int, known: list[int], grace_s: float) -> None:
                 pass
 
 
-class RayCluster:
+class _Cluster:
+    """Started on enter; a failed start stops whatever had started (`__exit__` is not called then)."""
+
+    def _up(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+
+class RayCluster(_Cluster):
     """A head on 127.0.0.2 offering `prefill_node`, a worker on 127.0.0.3 offering `decode_node`."""
 
     def __init__(self, tmp: Path, port: int = 6390):
@@ -108,14 +121,6 @@ class RayCluster:
                 return
             time.sleep(1)
         raise AssertionError(f"Ray cluster did not reach {n} nodes")
-
-    def __enter__(self):
-        try:
-            self._up()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
 
     def _up(self) -> None:
         self._start("head", ["--head", "--port", str(self.port), "--node-ip-address", "127.0.0.2",
@@ -190,7 +195,7 @@ ConstrainDevices=no
 """
 
 
-class SlurmCluster:
+class SlurmCluster(_Cluster):
     """munge, slurmctld and two slurmd (node1 on 127.0.0.2, node2 on 127.0.0.3), private to one test module."""
 
     def __init__(self, tmp: Path, ctld_port: int = 6917):
@@ -230,14 +235,6 @@ class SlurmCluster:
         log = open(self.d / f"{name}.out", "ab")
         self.daemons[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True, env=self.env())
-
-    def __enter__(self):
-        try:
-            self._up()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
 
     def _up(self) -> None:
         r = subprocess.run(["bash", str(self.repo / "scripts" / "install_slurm.sh")], capture_output=True,

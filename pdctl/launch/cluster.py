@@ -1,0 +1,42 @@
+"""What the cluster backends share: servers run on cluster nodes, the proxy (unless placed) runs here."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from pdctl.launch.backend import Backend, Liveness, StopReport
+from pdctl.launch.local import LocalBackend
+from pdctl.launch.state import LaunchState
+
+
+class ClusterBackend(Backend):
+    prefix = "cluster:"  # a record's `where` for processes the cluster runs
+
+    def __init__(self, engine: dict) -> None:
+        self.engine = engine
+        self.local = LocalBackend()
+
+    def on_cluster(self, state: LaunchState, name: str) -> bool:
+        rec = state.processes.get(name)
+        return rec is not None and rec.where.startswith(self.prefix)
+
+    @abstractmethod
+    def cluster_liveness(self, state: LaunchState, name: str) -> Liveness:
+        """Whether a process the cluster runs is still there."""
+
+    def liveness(self, state: LaunchState, name: str) -> Liveness:
+        if name not in state.processes:
+            return Liveness(False)
+        if not self.on_cluster(state, name):
+            return self.local.liveness(state, name)
+        return self.cluster_liveness(state, name)
+
+    def stop_here(self, state: LaunchState, grace_s: float, report: StopReport) -> StopReport:
+        """Stop what runs on this host (the proxy), adding to the cluster's report."""
+        here = LaunchState(state.plan, "local", state.detached,
+                           {n: r for n, r in state.processes.items() if not self.on_cluster(state, n)})
+        r = self.local.stop(here, grace_s)
+        report.stopped += r.stopped
+        report.already_gone += r.already_gone
+        report.killed += r.killed
+        return report
