@@ -9,6 +9,18 @@ from pdctl.launch.local import LocalBackend
 from pdctl.launch.state import LaunchState
 
 
+def is_this_host(ip: str) -> bool:
+    """Whether an address belongs to this machine (it can be bound here): cluster nodes on loopback addresses."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
 class ClusterBackend(Backend):
     prefix = "cluster:"  # a record's `where` for processes the cluster runs
 

@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from pdctl.launch.backend import Liveness, StopReport
-from pdctl.launch.cluster import ClusterBackend
+from pdctl.launch.cluster import ClusterBackend, is_this_host
 from pdctl.launch.local import group_alive, guarded, start_ticks
 from pdctl.launch.run import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
@@ -228,7 +228,7 @@ class RayBackend(ClusterBackend):
                 pass
         # A lost node's processes are out of reach, unless that node is this host (nodes on loopback
         # addresses): then its process groups are stopped here, by pid and start time like the local backend's.
-        here = {n for n in unreachable if _is_this_host(on_ray[n].where.removeprefix("ray:")) and on_ray[n].pid}
+        here = {n for n in unreachable if is_this_host(on_ray[n].where.removeprefix("ray:")) and on_ray[n].pid}
         report.already_gone += [n for n in unreachable if n not in here]
         if here:
             r = self.local.stop(LaunchState(state.plan, "local", state.detached, {n: on_ray[n] for n in here}),
@@ -244,18 +244,6 @@ class PlacementFailed(LaunchFailed):
         wanted = ", ".join(f"{k}={v}" for k, v in placement.items() if v) or "any node"
         super().__init__(name, f"no node satisfied placement ({wanted}) within {timeout_s:.0f} s; the cluster's "
                          f"nodes:\n  " + "\n  ".join(nodes or ["(none alive)"]), None)
-
-
-def _is_this_host(ip: str) -> bool:
-    """Whether an address belongs to this machine (it can be bound here)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-        return True
-    except OSError:
-        return False
 
 
 def _cluster_nodes() -> list[str]:

@@ -15,7 +15,7 @@ import sys
 import time
 
 from pdctl.launch.backend import Liveness, StopReport
-from pdctl.launch.cluster import ClusterBackend
+from pdctl.launch.cluster import ClusterBackend, is_this_host
 from pdctl.launch.run import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec, with_hosts
@@ -65,11 +65,17 @@ def render_batch(plan: Plan, engine: dict, python: str = sys.executable) -> str:
             srun.append(f"--nodelist={pl['nodelist'][s.index % len(pl['nodelist'])]}")
         if pl.get("gres"):
             srun.append(f"--gres={pl['gres']}")
-        env = [f"{k}={v}" for k, v in s.env.items()]
+        env = [f"{k}={v}" for k, v in s.env.items()] + [f"PDCTL_STEP_PIDFILE={step_pidfile(plan, s.name)}"]
         cmd = [*srun, "env", *env, python, "-m", "pdctl.launch.slurm_step", "--", *s.argv]
         lines.append(shlex.join(cmd) + " &")
     lines += ["wait", ""]
     return "\n".join(lines)
+
+
+def step_pidfile(plan: Plan, name: str) -> str:
+    """Where a step writes its process group (pid and start time): on a node that is this host, `down` can still
+    stop it when Slurm has lost the node."""
+    return f"{plan.state_dir}/steps/{name}.pid"
 
 
 def _run(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
@@ -93,6 +99,16 @@ def node_addr(node: str) -> str:
         if field.startswith("NodeAddr="):
             return field.split("=", 1)[1]
     return node
+
+
+def node_states() -> dict[str, str]:
+    """Node name -> Slurm state; a trailing '*' means the node does not respond."""
+    r = _run(["sinfo", "--Node", "--noheader", "--format", "%N %T"])
+    return dict(line.split(None, 1) for line in r.stdout.splitlines() if len(line.split()) == 2)
+
+
+def responding(state: str | None) -> bool:
+    return bool(state) and not state.endswith("*") and not state.startswith(("down", "drain", "fail"))
 
 
 def job_state(job_id: str) -> tuple[str, str]:
@@ -170,15 +186,17 @@ class SlurmBackend(ClusterBackend):
     def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
         raise NotImplementedError("the Slurm backend submits a whole plan as one job (launch)")
 
-    def _running_steps(self, job_id: str) -> dict[str, str]:
-        # One squeue per second at most: readiness polls every instance four times a second.
+    def _running_steps(self, job_id: str) -> tuple[dict[str, str], dict[str, str]]:
+        # One squeue and one sinfo per second at most: readiness polls every instance four times a second.
         now = time.monotonic()
         if self._steps is None or now - self._steps[0] > 1.0:
-            self._steps = (now, steps(job_id))
+            self._steps = (now, (steps(job_id), node_states()))
         return self._steps[1]
 
     def cluster_liveness(self, state: LaunchState, name: str) -> Liveness:
-        return Liveness(name in self._running_steps(state.engine.get("job_id", "")))
+        # A step on a node Slurm has lost (its slurmd gone) counts as down, whatever squeue still lists.
+        running, nodes = self._running_steps(state.engine.get("job_id", ""))
+        return Liveness(name in running and responding(nodes.get(running[name])))
 
     def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
         report = StopReport([], [], [])
@@ -196,5 +214,28 @@ class SlurmBackend(ClusterBackend):
             report.already_gone += [n for n in names if n not in running]
         else:
             report.already_gone += names
+        self._stop_orphans(state, grace_s, report)
         self._steps = None
         return self.stop_here(state, grace_s, report)
+
+    def _stop_orphans(self, state: LaunchState, grace_s: float, report: StopReport) -> None:
+        """Steps on a lost node survive scancel (no slurmd to signal them). When that node is this host, stop
+        their process groups here, by pid and start time (nothing else's group can match both)."""
+        left: dict[str, ProcessRecord] = {}
+        for name, rec in state.processes.items():
+            if not rec.where.startswith("slurm:"):
+                continue
+            try:
+                pid, ticks = (int(x) for x in open(step_pidfile(state.plan, name)).read().split())
+            except (OSError, ValueError):
+                continue
+            spec = next((p for p in state.plan.processes if p.name == name), None)
+            if spec is not None and is_this_host(spec.host):
+                left[name] = ProcessRecord(name, pid, pid, ticks, rec.started_at)
+        if left:
+            r = self.local.stop(LaunchState(state.plan, "local", state.detached, left), grace_s)
+            for name in r.stopped:
+                if name not in report.stopped:
+                    report.stopped.append(name)
+                if name in report.already_gone:
+                    report.already_gone.remove(name)

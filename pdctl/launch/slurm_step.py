@@ -37,6 +37,15 @@ def main(argv: list[str]) -> int:
             os.environ[k] = v.replace(PLACEHOLDER, addr)
     argv = [a.replace(PLACEHOLDER, addr) for a in argv]
     print(f"--- pdctl: step on {os.environ.get('SLURMD_NODENAME', '?')} ({addr})", flush=True)
+    if os.getpgrp() != os.getpid():
+        os.setpgrp()  # one group for the server and all it starts
+    pidfile = os.environ.pop("PDCTL_STEP_PIDFILE", "")
+    if pidfile:
+        os.makedirs(os.path.dirname(pidfile), exist_ok=True)
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = f.read().rsplit(")", 1)[1].split()[19]
+        with open(pidfile, "w") as f:
+            f.write(f"{os.getpid()} {ticks}\n")
     os.execvp(argv[0], argv)
 
 

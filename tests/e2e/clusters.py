@@ -177,6 +177,7 @@ SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
 KillWait=10
+SlurmdTimeout=10
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmdParameters=config_overrides

