@@ -274,5 +274,13 @@ class SlurmCluster(_Cluster):
             if p is not None:
                 stop_tree(p.pid, descendants(p.pid), grace_s=15)
                 p.wait(10)
+        # A lost node's slurmstepd (ppid 1, no slurmd left to end it) still carries this cluster's SLURM_CONF.
+        mine = f"SLURM_CONF={self.conf}".encode()
+        for pid, _, _ in live_processes():
+            try:
+                if mine in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    stop_tree(pid, [], grace_s=5)
+            except OSError:
+                pass
         if self.munged:
             stop_tree(self.munged, [], grace_s=5)
