@@ -277,6 +277,8 @@ class SlurmCluster(_Cluster):
         # A lost node's slurmstepd (ppid 1, no slurmd left to end it) still carries this cluster's SLURM_CONF.
         mine = f"SLURM_CONF={self.conf}".encode()
         for pid, _, _ in live_processes():
+            if pid == os.getpid():
+                continue
             try:
                 if mine in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                     stop_tree(pid, [], grace_s=5)
