@@ -27,6 +27,12 @@ class StopReport:
     already_gone: list[str]  # recorded but no longer running (stale state)
     killed: list[str]  # needed SIGKILL after the grace period
 
+    def add(self, other: StopReport) -> StopReport:
+        self.stopped += other.stopped
+        self.already_gone += other.already_gone
+        self.killed += other.killed
+        return self
+
 
 class Backend(ABC):
     name: str = "abstract"

@@ -47,8 +47,4 @@ class ClusterBackend(Backend):
         """Stop what runs on this host (the proxy), adding to the cluster's report."""
         here = LaunchState(state.plan, "local", state.detached,
                            {n: r for n, r in state.processes.items() if not self.on_cluster(state, n)})
-        r = self.local.stop(here, grace_s)
-        report.stopped += r.stopped
-        report.already_gone += r.already_gone
-        report.killed += r.killed
-        return report
+        return report.add(self.local.stop(here, grace_s))

@@ -218,8 +218,10 @@ class RayBackend(ClusterBackend):
             except RayError:
                 unreachable.append(name)
                 result = None
-            if result is not None:
-                {"stopped": report.stopped, "killed": report.stopped, "gone": report.already_gone}[result].append(name)
+            if result == "gone":
+                report.already_gone.append(name)
+            elif result is not None:  # stopped, or killed after the grace period
+                report.stopped.append(name)
                 if result == "killed":
                     report.killed.append(name)
             try:
@@ -231,11 +233,8 @@ class RayBackend(ClusterBackend):
         here = {n for n in unreachable if is_this_host(on_ray[n].where.removeprefix("ray:")) and on_ray[n].pid}
         report.already_gone += [n for n in unreachable if n not in here]
         if here:
-            r = self.local.stop(LaunchState(state.plan, "local", state.detached, {n: on_ray[n] for n in here}),
-                                grace_s)
-            report.stopped += r.stopped
-            report.already_gone += r.already_gone
-            report.killed += r.killed
+            report.add(self.local.stop(LaunchState(state.plan, "local", state.detached,
+                                                   {n: on_ray[n] for n in here}), grace_s))
         return self.stop_here(state, grace_s, report)
 
 
