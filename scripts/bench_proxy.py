@@ -6,13 +6,15 @@ so "added" is what the proxy costs. A FastAPI + httpx proxy (the stack of vLLM's
 same way, as the baseline the HTTP stack was chosen against.
 
 Max requests/s is measured with wrk (C; Debian package `wrk`) on the load core, so the load generator is not the
-bottleneck; latencies at concurrency 1 with a Python client that can time the client-side P-then-D baseline.
+bottleneck; latencies at concurrency 1 with a Python client that can time the client-side P-then-D baseline,
+interleaving direct and proxied requests in one run so both are timed under the same conditions.
 
 Usage: python scripts/bench_proxy.py [--duration 5] [--out results/bench_proxy.json]
 """
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -111,12 +113,20 @@ def serve_fastapi_proxy(port: int, p_url: str, d_url: str) -> None:
 # ------------------------------------------------------------------------------------------------ load
 
 
-async def load(mode: str, urls: dict, concurrency: int, stream: bool, duration: float) -> dict:
+def _quantiles(lat: list[float]) -> dict:
+    lat = sorted(lat)
+    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
+    return {"p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3}
+
+
+async def load(modes: list[str], urls: dict, concurrency: int, stream: bool, duration: float) -> dict[str, dict]:
+    """Closed-loop load; each worker takes the modes in turn, so with several modes (concurrency 1: direct and
+    proxy) both are timed interleaved, under the same conditions, and their difference is the proxy's cost."""
     import aiohttp
 
     body = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": stream}
-    lat: list[float] = []
-    errors = 0
+    lat: dict[str, list[float]] = {m: [] for m in modes}
+    errors = dict.fromkeys(modes, 0)
     end = time.perf_counter() + duration
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
@@ -126,37 +136,42 @@ async def load(mode: str, urls: dict, concurrency: int, stream: bool, duration: 
                 await r.read()
                 return r.status == 200
 
-        async def one() -> None:
-            nonlocal errors
+        async def one(mode: str) -> None:
             t0 = time.perf_counter()
             if mode == "direct":
                 ok = await call(urls["prefill"], dict(body, max_tokens=1, stream=False))
                 ok = ok and await call(urls["decode"], dict(body, kv_transfer_params=KVP))
             else:
-                ok = await call(urls["proxy"], body)
+                ok = await call(urls[mode], body)
             if ok:
-                lat.append(time.perf_counter() - t0)
+                lat[mode].append(time.perf_counter() - t0)
             else:
-                errors += 1
+                errors[mode] += 1
 
         async def worker():
-            nonlocal errors
+            i = 0
             while time.perf_counter() < end:
+                mode = modes[i % len(modes)]
+                i += 1
                 try:
-                    await one()
+                    await one(mode)
                 except Exception:  # noqa: BLE001 - counted
-                    errors += 1
+                    errors[mode] += 1
 
-        for _ in range(min(concurrency, 4)):  # warm connections
-            await one()
-        lat.clear()
+        for m in modes:  # warm connections
+            for _ in range(min(concurrency, 4)):
+                await one(m)
+        for v in lat.values():
+            v.clear()
+        gc.disable()  # the client's own collector pauses are not the proxy's latency
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        try:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        finally:
+            gc.enable()
         wall = time.perf_counter() - t0
-    lat.sort()
-    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [float("nan")] * 99
-    return {"requests": len(lat), "errors": errors, "rps": len(lat) / wall, "p50_ms": q[49] * 1e3,
-            "p99_ms": q[98] * 1e3}
+    return {m: {"requests": len(lat[m]), "errors": errors[m], "rps": len(lat[m]) / wall, **_quantiles(lat[m])}
+            for m in modes}
 
 
 WRK_LUA = """wrk.method = "POST"
@@ -231,8 +246,8 @@ def main() -> int:
     procs = [subprocess.Popen([sys.executable, __file__, "--serve-backends", str(p_port), str(d_port)],
                               preexec_fn=pinned(load_core), start_new_session=True)]
     proxies = {
-        "pdctl (aiohttp)": (px_port, [sys.executable, "-m", "pdctl", "proxy", "--port", str(px_port), "--prefill",
-                                      urls["prefill"], "--decode", urls["decode"]]),
+        "pdctl (aiohttp+httptools)": (px_port, [sys.executable, "-m", "pdctl", "proxy", "--port", str(px_port),
+                                                "--prefill", urls["prefill"], "--decode", urls["decode"]]),
         "fastapi+httpx": (fa_port, [sys.executable, __file__, "--serve-fastapi", str(fa_port), urls["prefill"],
                                     urls["decode"]]),
     }
@@ -244,17 +259,23 @@ def main() -> int:
     try:
         for port in (p_port, d_port, px_port, fa_port):
             wait_port(port)
+        proxy_urls = {name: f"http://127.0.0.1:{port}" for name, (port, _) in proxies.items()}
+        all_urls = {**urls, **proxy_urls}
         for stream in (False, True):
             for c in a.concurrency:
-                direct = asyncio.run(load("direct", urls, c, stream, a.duration))
+                # Latency (concurrency 1): each proxy interleaved with its own direct baseline in one run.
+                # Throughput: one thing at a time.
+                pairs = {name: asyncio.run(load(["direct", name] if c == 1 else [name], all_urls, c, stream,
+                                                a.duration)) for name in proxy_urls}
+                direct = (next(iter(pairs.values()))["direct"] if c == 1 else
+                          asyncio.run(load(["direct"], all_urls, c, stream, a.duration))["direct"])
                 rows.append({"proxy": "direct (client calls P then D)", "stream": stream, "concurrency": c,
                              **direct, "added_p50_ms": 0.0, "added_p99_ms": 0.0})
-                for name, (port, _) in proxies.items():
-                    purl = f"http://127.0.0.1:{port}"
-                    r = asyncio.run(load("proxy", {**urls, "proxy": purl}, c, stream, a.duration))
+                for name, purl in proxy_urls.items():
+                    r, base = pairs[name][name], pairs[name].get("direct", direct)
                     rows.append({"proxy": name, "stream": stream, "concurrency": c, **r,
-                                 "added_p50_ms": r["p50_ms"] - direct["p50_ms"],
-                                 "added_p99_ms": r["p99_ms"] - direct["p99_ms"],
+                                 "added_p50_ms": r["p50_ms"] - base["p50_ms"],
+                                 "added_p99_ms": r["p99_ms"] - base["p99_ms"],
                                  **wrk(purl, c, stream, a.duration, load_core)})
     finally:
         for p in procs:

@@ -14,10 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from itertools import count
 
-import aiohttp
 from aiohttp import web
 
 from pdctl.proxy.metrics import Metrics
+from pdctl.proxy.upstream import ConnectFailed, Upstream, UpstreamError
 
 log = logging.getLogger("pdctl.proxy")
 
@@ -78,7 +78,13 @@ class Proxy:
         self.prefill = Pool([Instance(u.rstrip("/"), "prefill") for u in cfg.prefill], cfg.policy)
         self.decode = Pool([Instance(u.rstrip("/"), "decode") for u in cfg.decode], cfg.policy)
         self.metrics = Metrics()
-        self.session: aiohttp.ClientSession | None = None
+        self._upstreams: dict[str, Upstream] = {}
+
+    def upstream(self, inst: Instance) -> Upstream:
+        up = self._upstreams.get(inst.url)
+        if up is None:
+            up = self._upstreams[inst.url] = Upstream(inst.url, self.cfg.connect_timeout_s, self.cfg.read_timeout_s)
+        return up
 
     # -- app wiring ------------------------------------------------------------------------------------------
 
@@ -106,16 +112,12 @@ class Proxy:
             await asyncio.sleep(self.cfg.health_interval_s)
 
     async def _open(self, _app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
-                                        sock_read=self.cfg.read_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
-                                             auto_decompress=False)
         self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
     async def _close(self, _app: web.Application) -> None:
         self._prober.cancel()
-        if self.session:
-            await self.session.close()
+        for up in self._upstreams.values():
+            up.close()
 
     # -- simple routes ---------------------------------------------------------------------------------------
 
@@ -123,11 +125,12 @@ class Proxy:
         return web.json_response({"status": "ok"})
 
     async def _instance_ok(self, inst: Instance) -> bool:
-        assert self.session
         try:
-            async with self.session.get(inst.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
+            async with asyncio.timeout(2):
+                async with await self.upstream(inst).request("GET", "/health") as r:
+                    await r.read()
+                    return r.status == 200
+        except (TimeoutError, UpstreamError):
             return False
 
     async def ready(self, _req: web.Request) -> web.Response:
@@ -141,12 +144,11 @@ class Proxy:
         return web.json_response({"ready": ready, "instances": per}, status=200 if ready else 503)
 
     async def models(self, req: web.Request) -> web.Response:
-        assert self.session
         inst = self.decode.pick()
         try:
-            async with self.session.get(inst.url + "/v1/models", headers=self._headers(req, "")) as r:
+            async with await self.upstream(inst).request("GET", "/v1/models", headers=self._headers(req, "")) as r:
                 return web.Response(status=r.status, body=await r.read(), content_type="application/json")
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except UpstreamError as e:
             return web.json_response(error_body(f"decode {inst.url} unreachable: {e}", code=503), status=503)
 
     async def metrics_route(self, _req: web.Request) -> web.Response:
@@ -178,7 +180,6 @@ class Proxy:
             self.metrics.request_done(route, status, time.perf_counter() - t0)
 
     async def _pd_inner(self, req: web.Request, route: str, t0: float) -> web.StreamResponse:
-        assert self.session
         try:
             body = await req.json()
             assert isinstance(body, dict)
@@ -200,7 +201,7 @@ class Proxy:
         p = self.prefill.pick()
         p.inflight += 1
         try:
-            async with self.session.post(p.url + route, json=pre_body, headers=headers) as r:
+            async with await self.upstream(p).request("POST", route, json.dumps(pre_body).encode(), headers) as r:
                 raw = await r.read()
                 if r.status >= 400:
                     # Client errors (e.g. prompt too long) go back as they are; the decode never sees them.
@@ -208,9 +209,9 @@ class Proxy:
                         self.metrics.upstream_error(p.url)
                     return web.Response(status=r.status, body=raw, content_type="application/json")
                 pre = json.loads(raw)
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+        except UpstreamError as e:
             self.metrics.upstream_error(p.url)
-            if isinstance(e, aiohttp.ClientConnectorError):
+            if isinstance(e, ConnectFailed):
                 p.healthy = False  # nothing listens there: route around it until a probe finds it back
             return web.json_response(error_body(f"prefill {p.url} unavailable: {e!s}", "upstream_unavailable",
                                                 503), status=503)
@@ -242,21 +243,20 @@ class Proxy:
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
                       t0: float) -> web.StreamResponse:
-        assert self.session
         try:
-            upstream = await self.session.post(d.url + route, json=body, headers=headers)
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+            upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
+        except UpstreamError as e:
             self.metrics.upstream_error(d.url)
-            if isinstance(e, aiohttp.ClientConnectorError):
+            if isinstance(e, ConnectFailed):
                 d.healthy = False
             return web.json_response(error_body(f"decode {d.url} unavailable: {e!s}", "upstream_unavailable",
                                                 503), status=503)
         async with upstream:
-            ctype = upstream.headers.get("Content-Type", "application/json")
+            ctype = upstream.headers.get("content-type", "application/json")
             if not body.get("stream") or upstream.status >= 400:
                 try:
                     raw = await upstream.read()
-                except (TimeoutError, aiohttp.ClientError) as e:
+                except UpstreamError as e:
                     self.metrics.upstream_error(d.url)
                     return web.json_response(error_body(f"decode {d.url} failed: {e!s}"), status=502)
                 self.metrics.first_decode_byte(time.perf_counter() - t0)
@@ -268,12 +268,12 @@ class Proxy:
             await out.prepare(req)
             first = True
             try:
-                async for chunk in upstream.content.iter_any():
+                async for chunk in upstream.chunks():
                     if first:
                         self.metrics.first_decode_byte(time.perf_counter() - t0)
                         first = False
                     await out.write(chunk)
-            except (TimeoutError, aiohttp.ClientError) as e:
+            except UpstreamError as e:
                 # The client must see the stream end with an error, never a hang.
                 self.metrics.upstream_error(d.url)
                 err = json.dumps(error_body(f"decode {d.url} failed mid-stream: {e!s}"))

@@ -318,3 +318,81 @@ def test_metrics_format_and_histograms(pd):
     assert m["pdctl_proxy_e2e_seconds_count"] == 1 and m["pdctl_proxy_prefill_seconds_count"] == 1
     assert m["pdctl_proxy_first_decode_byte_seconds_count"] == 1
     assert f'pdctl_proxy_inflight{{role="decode",instance="{pd.d_url}"}}' in text
+
+
+# -- the upstream client -------------------------------------------------------------------------------------
+
+
+def test_upstream_connections_are_kept_alive(pd):
+    peers = []
+    orig = pd.prefill.completions
+
+    async def record(req):
+        peers.append(req.transport.get_extra_info("peername"))
+        return await orig(req)
+
+    pd.prefill.completions = record
+    app = pd.prefill.app()
+    p_url = pd.loop.serve(app)
+    proxy = Proxy(ProxyConfig([p_url], [pd.d_url]))
+    url = pd.loop.serve(proxy.app())
+    for _ in range(5):
+        assert post(url + "/v1/completions", BODY)[0] == 200
+    assert len(peers) == 5 and len(set(peers)) == 1  # one connection, reused
+
+
+def test_upstream_retries_a_keep_alive_connection_the_server_closed_unanswered():
+    """A server may close an idle keep-alive connection just as a request is sent on it: the request was never
+    seen, so it goes again on a new connection instead of failing."""
+    from pdctl.proxy.upstream import Upstream
+
+    answered = []
+
+    async def main():
+        async def handle(reader, writer):
+            n = 0
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                n += 1
+                if n == 2:  # the second request on a connection: close it unanswered
+                    writer.close()
+                    return
+                answered.append(writer.get_extra_info("peername"))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        up = Upstream(f"http://127.0.0.1:{port}", 1.0, 2.0)
+        bodies = []
+        for _ in range(2):
+            async with await up.request("POST", "/v1/completions", b"{}") as r:
+                bodies.append((r.status, await r.read()))
+        up.close()
+        server.close()
+        return bodies
+
+    assert asyncio.run(main()) == [(200, b"{}"), (200, b"{}")]
+    assert len(answered) == 2 and answered[0] != answered[1]  # the second answer came on a new connection
+
+
+def test_upstream_read_timeout_and_refused_connection():
+    from pdctl.proxy.upstream import ConnectFailed, ReadTimeout, Upstream
+
+    async def main():
+        async def silent(reader, writer):
+            await asyncio.sleep(5)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ReadTimeout):
+            await Upstream(f"http://127.0.0.1:{port}", 1.0, 0.3).request("POST", "/x", b"{}")
+        assert time.monotonic() - t0 < 2
+        server.close()
+        with pytest.raises(ConnectFailed):
+            await Upstream(f"http://127.0.0.1:{free_port()}", 1.0, 1.0).request("GET", "/health")
+
+    asyncio.run(main())
