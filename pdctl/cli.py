@@ -610,6 +610,9 @@ def check(
     concurrency: Annotated[int, typer.Option(help="prompts in flight at once")] = 1,
     gsm8k_dir: Annotated[Path | None, typer.Option(help="dir with GSM8K test/train.jsonl: adds 5-shot prompts")] = None,
     reference_port: Annotated[int, typer.Option(help="port of the reference instance pdctl starts")] = 8300,
+    reference_first: Annotated[bool, typer.Option(help="run the reference alone first and record its answers, "
+                                                  "then bring up P/D: for hosts too small for both at once (e.g. "
+                                                  "decode TP 2 on 2 cores)")] = False,
     seed: Annotated[int | None, typer.Option(help="prompt seed (default: fresh every run)")] = None,
     lengths: Annotated[str | None, typer.Option(help="only random prompts of these token lengths, e.g. 65,129,300")]
     = None,
@@ -631,6 +634,8 @@ def check(
       pdctl check configs/cpu-demo.yaml
 
       pdctl check configs/cpu-demo.yaml --decode-block-size 128 --junit results/parity.xml
+
+      pdctl check configs/cpu-demo.yaml --decode-tp 2 --set "decode.devices=[0,1]" --reference-first
 
       pdctl check --proxy http://127.0.0.1:8000 --reference http://127.0.0.1:8300 --model tiny --json
     """
@@ -661,9 +666,17 @@ def check(
     prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
                check_mod.default_prompts([t.prefill.block_size, t.decode.block_size], vocab,
                                          min(max_prompt, 1024), gsm8k_dir, seed))
-    with _brought_up(p, backend, timeout, f"bringing up {p.name} and an aggregated reference ..."), \
-            err.status(f"sending {len(prompts)} prompts through P/D and to the reference ..."):
-        report = parity.run_parity(p.get("proxy").http_url, ref.http_url, [s.http_url for s in p.by_role("decode")],
+    reference: str | list = ref.http_url
+    if reference_first:
+        ref_alone = Plan(p.name, p.state_dir, [ref], p.topology)
+        p = Plan(p.name, p.state_dir, [s for s in p.processes if s is not ref], p.topology)
+        with _brought_up(ref_alone, backend, timeout, "bringing up the aggregated reference alone ..."), \
+                err.status(f"recording the reference's answers to {len(prompts)} prompts ..."):
+            reference = parity.reference_answers(ref.http_url, t.model.name, prompts, max_tokens, concurrency)
+    beside = "" if reference_first else " and an aggregated reference"
+    with _brought_up(p, backend, timeout, f"bringing up {p.name}{beside} ..."), \
+            err.status(f"sending {len(prompts)} prompts through P/D{'' if reference_first else ' and the reference'}"):
+        report = parity.run_parity(p.get("proxy").http_url, reference, [s.http_url for s in p.by_role("decode")],
                                    t.model.name, prompts, max_tokens, concurrency)
     _render_parity(report, json_, junit)
     raise typer.Exit(0 if report.passed else 1)

@@ -132,28 +132,47 @@ def _by_source(m: dict[str, float], source: str) -> float:
                if k.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in k)
 
 
-def run_parity(proxy_url: str, reference_url: str, decode_urls: list[str], model: str, prompts: list[Prompt],
-               max_tokens: int = 16, concurrency: int = 1) -> ParityReport:
-    """Send every prompt through the P/D proxy and to the reference; compare token ids; prove the transfer.
+def _in_cache_order(prompts: list[Prompt]) -> tuple[list[int], list[int]]:
+    """Prompt indices in two waves: fresh ones, then those sharing a head with an earlier prompt ("prefix..."),
+    so the decode really holds that head in its prefix cache when they arrive."""
+    shared = [i for i, p in enumerate(prompts) if p.label.startswith("prefix")]
+    return [i for i in range(len(prompts)) if i not in shared], shared
 
-    Prompts whose label starts with "prefix" share a head with an earlier prompt: they run after the others,
-    so the decode really holds that head in its prefix cache.
+
+def reference_answers(url: str, model: str, prompts: list[Prompt], max_tokens: int = 16,
+                      concurrency: int = 1) -> list:
+    """The reference's token ids per prompt, recorded ahead (`pdctl check --reference-first`: on a host too
+    small to run the reference beside the P/D topology)."""
+    out: list = [None] * len(prompts)
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        for wave in _in_cache_order(prompts):
+            for i, ids in zip(wave, pool.map(lambda i: _token_ids(complete(url, model, prompts[i].body, max_tokens)),
+                                             wave), strict=True):
+                out[i] = ids
+    return out
+
+
+def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], model: str, prompts: list[Prompt],
+               max_tokens: int = 16, concurrency: int = 1) -> ParityReport:
+    """Send every prompt through the P/D proxy and to the reference (a URL, or its answers recorded ahead);
+    compare token ids; prove the transfer. Shared-prefix prompts run after the others (_in_cache_order).
     """
     before = decode_counters(decode_urls)
 
-    def one(p: Prompt) -> PromptResult:
+    def one(i: int) -> PromptResult:
+        p = prompts[i]
         try:
             resp = complete(proxy_url, model, p.body, max_tokens)
         except Exception as e:  # noqa: BLE001 - any failure is a failed prompt, reported with its cause
             return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e}")
         pd = _token_ids(resp)
-        ref = _token_ids(complete(reference_url, model, p.body, max_tokens))
+        ref = reference[i] if isinstance(reference, list) else _token_ids(
+            complete(reference, model, p.body, max_tokens))
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref)
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        results = list(pool.map(one, [p for p in prompts if not p.label.startswith("prefix")]))
-        results += list(pool.map(one, [p for p in prompts if p.label.startswith("prefix")]))
+        results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]
     after = decode_counters(decode_urls)
     # Tokens the decode held in its own prefix cache were neither transferred nor computed: count only fresh ones.
     fresh = sum(r.prompt_tokens for r in results if not r.label.startswith("prefix"))

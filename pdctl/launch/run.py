@@ -161,10 +161,12 @@ def warm_up(plan: Plan) -> None:
 
 
 def _connector_error(log_path: str) -> str | None:
-    """The connector's own one-line reason from a server log (pdctl's refusal, or vLLM's assertion)."""
+    """The connector's own one-line reason from a server log (pdctl's refusal, NIXL's failure, vLLM's assertion);
+    the connector's info lines also say "pdctl connector: ", so only error lines count."""
     found = None
     for line in tail(log_path, 400):
-        for marker in ("pdctl connector: ", "AssertionError: ", "RuntimeError: "):
+        for marker in ("pdctl connector: unsupported", "NIXL transfer failure: ", "AssertionError: ",
+                       "RuntimeError: "):
             if marker in line:
                 found = line[line.index(marker):].removeprefix("RuntimeError: ")
                 break
