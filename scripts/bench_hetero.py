@@ -20,11 +20,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CASES = {
     "homog": ("cpu-homog.yaml", []),  # P32 -> D32: the baseline
+    "homog64": ("cpu-demo.yaml", ["--prefill-block-size", "64"]),  # P64 -> D64: d64's decode, homogeneous
     "d64": ("cpu-demo.yaml", []),  # P32 -> D64
     "d128": ("cpu-demo.yaml", ["--decode-block-size", "128"]),  # P32 -> D128
     "p64": ("cpu-demo.yaml", ["--prefill-block-size", "64", "--decode-block-size", "32"]),  # P64 -> D32
 }
-METRICS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "req_per_s")
+METRICS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "req_per_s", "bunched")
 
 
 def run_case(case: str, requests: int, out: Path) -> dict:
@@ -55,7 +56,7 @@ def main() -> None:
             runs[c].append(perf)
             pd = perf["pd"]
             print(f"rep {rep} {c:6} P/D ttft p50 {pd['ttft_ms_p50']:7.1f} ms  tpot p50 {pd['tpot_ms_p50']:6.2f} ms"
-                  f"  ({time.monotonic() - t0:.0f} s)", flush=True)
+                  f"  bunched streams {pd.get('bunched', 0)}  ({time.monotonic() - t0:.0f} s)", flush=True)
     med = {c: {m: statistics.median(r["pd"][m] for r in runs[c]) for m in METRICS} for c in cases}
     base = med.get("homog")
     print(f"\nP/D at concurrency 4, {a.requests} requests x 256 prompt + 32 output tokens, median of {a.reps}:")

@@ -34,6 +34,8 @@ REQUIRED = [
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector.NixlBaseConnector", "__init__",
      ["vllm_config", "role", "kv_cache_config"]),
     ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ["dtype", "block_size", "head_size"]),
+    # Its readers' spin after a message is what pdctl's worker_spin_s sets.
+    ("vllm.distributed.device_communicators.shm_broadcast.SpinCondition", "__init__", ["is_reader", "busy_loop_s"]),
 ]
 REQUIRED_ATTRS = [
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "NixlWrapper"),

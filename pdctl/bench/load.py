@@ -36,6 +36,8 @@ class LoadResult:
     e2e_ms_p99: float
     kv_xfer_s: float | None = None
     kv_bytes: float | None = None
+    bunched: int = 0  # streams whose tokens came in fewer than half as many SSE events: their TPOT is not one
+
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,13 +60,13 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
     import aiohttp
 
     ttft, tpot, itl, e2e, out_tokens = [], [], [], [], 0
-    errors = 0
+    errors = bunched = 0
     queue = list(prompts)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as s:
 
         async def one(prompt: list[int]) -> None:
-            nonlocal errors, out_tokens
+            nonlocal errors, out_tokens, bunched
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
@@ -94,6 +96,7 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
             ttft.append((stamps[0] - t0) * 1e3)
             e2e.append((stamps[-1] - t0) * 1e3)
             tokens = tokens or len(stamps)
+            bunched += 2 * len(stamps) < tokens
             itl.extend((b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False))  # between SSE events
             if tokens > 1:
                 tpot.append((stamps[-1] - stamps[0]) * 1e3 / (tokens - 1))
@@ -110,7 +113,7 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return ttft, tpot, itl, e2e, out_tokens, errors, wall
+    return ttft, tpot, itl, e2e, out_tokens, errors, wall, bunched
 
 
 def _nixl(decode_urls: list[str]) -> tuple[float, float]:
@@ -125,14 +128,15 @@ def _nixl(decode_urls: list[str]) -> tuple[float, float]:
 def run_load(target: str, url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
              decode_urls: list[str] = ()) -> LoadResult:
     before = _nixl(list(decode_urls)) if decode_urls else None
-    ttft, tpot, itl, e2e, out_tokens, errors, wall = asyncio.run(_run(url, model, prompts, max_tokens,
-                                                                      concurrency))
+    ttft, tpot, itl, e2e, out_tokens, errors, wall, bunched = asyncio.run(
+        _run(url, model, prompts, max_tokens, concurrency))
     after = _nixl(list(decode_urls)) if decode_urls else None
     n = len(e2e)
     return LoadResult(
         target, n, errors, wall, n / wall, out_tokens / wall, _q(ttft, 50), _q(ttft, 99), _q(tpot, 50),
         _q(tpot, 99), _q(itl, 50), _q(itl, 99), _q(e2e, 50), _q(e2e, 99),
-        (after[0] - before[0]) if before and after else None, (after[1] - before[1]) if before and after else None)
+        (after[0] - before[0]) if before and after else None, (after[1] - before[1]) if before and after else None,
+        bunched)
 
 
 def ratios(pd: LoadResult, agg: LoadResult) -> dict[str, float]:

@@ -3,6 +3,9 @@
 A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is pdctl.kv's:
 - NIXL progress without a busy-spinning thread: the agent's progress thread sleeps `progress_delay_us` between
   passes (nixl's Python wrapper hard-codes 0, i.e. a spinning core per server even when idle);
+- on CPU with TP > 1, vLLM's executor message queues stop spinning between steps (`worker_spin_s`, below): their
+  readers spin a second after every message, and a decode waiting for remote KV steps all the time, so its ranks
+  held every core and NIXL's reads took ~30 s instead of milliseconds (measured, TP 2 on 2 cores);
 - prefill block < decode block on CPU_ATTN: received sub-blocks are merged with the real per-ISA layout
   (vLLM's generic merge assumes token rows and corrupts CPU KV silently), and the uncovered tail is zeroed in
   the same layout (vLLM's zeroing wipes V);
@@ -60,6 +63,26 @@ def _settings(vllm_config) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
 
 
+def _calm_message_queues(settings: dict[str, Any], on_cpu: bool) -> None:
+    """Set how long this process's executor message-queue readers spin after a message (vLLM: 1 s, not
+    configurable). `worker_spin_s` (default 0 on CPU, vLLM's own elsewhere): on a CPU host the spinning ranks take
+    the cores that compute and NIXL progress need. Only multi-process executors (TP > 1) have such readers; they
+    exist before any connector is built, so they are found rather than configured."""
+    spin = settings.get("worker_spin_s", 0.0 if on_cpu else None)
+    if spin is None:
+        return
+    import gc
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+    for r in readers:
+        r.busy_loop_s = float(spin)
+    if readers:
+        log.info("pdctl connector: %d executor message-queue reader(s) spin %g s after a message (vLLM: 1 s)",
+                 len(readers), float(spin))
+
+
 @contextlib.contextmanager
 def _throttled_agent(progress_thread: bool, delay_us: int):
     """Make the base worker build its NIXL agent with our progress-thread settings."""
@@ -104,6 +127,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if not s.get("pin_transfer_thread", False):
             os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
+        if self.world_size > 1:
+            _calm_message_queues(s, self._cpu_attn)
         self._staging_blocks = int(s.get("staging_blocks", 0))
         self._staging_free: list[int] | None = None  # the last staging_blocks ids of the cache, once registered
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
@@ -396,6 +421,9 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             log.info("pdctl connector: %d KV blocks reserved as staging for prefill block > decode block",
                      staging)
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        # The engine core reads its workers' answers through the same kind of spinning queue.
+        if vllm_config.parallel_config.world_size > 1:
+            _calm_message_queues(_settings(vllm_config), vllm_config.device_config.device_type == "cpu")
 
 
 class NixlConnector(NixlPullConnector):

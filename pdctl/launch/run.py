@@ -133,9 +133,11 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
         time.sleep(0.25)
 
 
-def warm_up(plan: Plan) -> None:
+def warm_up(plan: Plan, attempts: int = 3) -> None:
     """One P/D request through the proxy before `ready`: a P/D pair the connector refuses fails here, at start,
-    with the decode's log, instead of as an HTTP 500 on a user's first request."""
+    with the decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that timed out
+    (vLLM waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is tried
+    again; a refusal is final."""
     import json
     import urllib.error
     import urllib.request
@@ -148,16 +150,29 @@ def warm_up(plan: Plan) -> None:
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
     body = {"model": model.get("served_name") or model.get("path"), "prompt": [5 + i % 50 for i in range(n)],
             "max_tokens": 2, "temperature": 0}
-    req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "X-Request-Id": "pdctl-warm-up"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
-    except (urllib.error.URLError, OSError) as e:
-        detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
-        decode = next(p for p in plan.processes if p.role == "decode")
-        cause = _connector_error(decode.log_path)
-        raise LaunchFailed(decode.name, f"warm-up P/D request failed: {cause or detail}", decode.log_path) from None
+    decode = next(p for p in plan.processes if p.role == "decode")
+    for attempt in range(1, attempts + 1):
+        req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "X-Request-Id": f"pdctl-warm-up-{attempt}"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+            return
+        except (urllib.error.URLError, OSError) as e:
+            detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
+            if attempt < attempts and _handshake_timed_out(decode.log_path):
+                time.sleep(2)
+                continue
+            cause = _connector_error(decode.log_path)
+            raise LaunchFailed(decode.name, f"warm-up P/D request failed: {cause or detail}",
+                               decode.log_path) from None
+
+
+def _handshake_timed_out(log_path: str) -> bool:
+    """The decode's NIXL handshake got no answer in time (zmq's EAGAIN), and nothing refused the pair."""
+    lines = tail(log_path, 400)
+    return any("zmq.error.Again" in ln for ln in lines) and not any("pdctl connector: unsupported" in ln
+                                                                    for ln in lines)
 
 
 def _connector_error(log_path: str) -> str | None:

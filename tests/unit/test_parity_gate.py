@@ -28,3 +28,15 @@ def test_warm_up_error_is_the_error_line_not_the_connectors_info(tmp_path):
     assert _connector_error(str(log)) == "pdctl connector: unsupported P/D pair (prefill: block 64 ...)"
     log.write_text("INFO pdctl connector: advertising CPU attention ISA vec (block 32)\n")
     assert _connector_error(str(log)) is None
+
+
+def test_only_a_handshake_timeout_is_worth_another_warm_up(tmp_path):
+    from pdctl.launch.run import _handshake_timed_out
+
+    log = tmp_path / "decode.log"
+    log.write_text("ERROR NIXL transfer failure: handshake_failed | Context: {}\nERROR zmq.error.Again: Resource "
+                   "temporarily unavailable\n")
+    assert _handshake_timed_out(str(log))
+    log.write_text("ERROR NIXL transfer failure: handshake_setup_failed\n"
+                   "ERROR RuntimeError: pdctl connector: unsupported P/D pair (...)\n")
+    assert not _handshake_timed_out(str(log))
