@@ -88,6 +88,8 @@ def kv_transfer_config(t: Topology, role: Role) -> dict:
             "kv_layout": g.kv_layout,
             "platform": g.platform,
         }
+        if c.worker_spin_s is not None:
+            extra["pdctl"]["worker_spin_s"] = c.worker_spin_s
         ratio = (t.prefill.block_size or 1) // (t.decode.block_size or 1)
         if role == "decode" and ratio > 1:
             # Whole prefill blocks are read; chunks past a request's own decode blocks land here (2*(r-1) per

@@ -70,6 +70,22 @@ def test_p128_d32_with_8_requests_in_flight(tmp_path):
     assert code == 0 and doc["passed"], (failed, doc["proof"])
 
 
+def test_decode_tp2_from_prefill_tp1(tmp_path):
+    """Decode TP 2 > prefill TP 1, P32 -> D64: each decode rank reads its head slice of every prefill block and
+    merges it. The reference (TP 2, like the decode) runs alone first: 2 cores hold P, D's two ranks or the
+    reference, not all. float32, because the prefill's TP-1 KV and a TP-2 reference's differ by rounding: in bf16
+    that flipped near-tie tokens late (tokens 6-14) in 4 of 19 prompts; in float32, none."""
+    code, doc = _check(tmp_path, "cpu-demo.yaml", "--decode-tp", "2", "--set", "decode.devices=[0,1]", "--set",
+                       "model.dtype=float32", "--reference-first")
+    failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
+    assert code == 0 and doc["passed"], (failed, doc["proof"])
+    labels = _labels(doc)
+    assert {"random-33", "random-129", "random-300", "random-700"} <= labels
+    assert any(lbl.startswith("prefix") for lbl in labels)
+    proof = doc["proof"]
+    assert proof["external_kv_tokens"] >= proof["prompt_tokens"] - 1 and proof["local_compute_tokens"] <= 2
+
+
 def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
     # The prefill says (through pdctl's handshake tag) that it packs KV for AMX; this host's decode uses vec.
     # At equal block sizes nothing would convert it: refused at the warm-up, never misread.

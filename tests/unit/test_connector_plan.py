@@ -136,3 +136,25 @@ def test_same_layout_isas_and_untagged_prefills_pass(monkeypatch):
     w2, seen2 = isa_worker(monkeypatch, 64, "vec")
     w2.add_remote_agent(remote_meta(32, "CPU_ATTN"))  # stock prefill: this host's ISA is assumed
     assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {2: "vec"}
+
+
+def test_executor_queue_readers_stop_spinning_on_cpu(tmp_path):
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from pdctl.connector.nixl import _calm_message_queues
+
+    ctx = zmq.Context()
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=f"ipc://{tmp_path}/n")
+    try:
+        assert reader.busy_loop_s == 1  # vLLM's default: a second of spinning after every message
+        _calm_message_queues({}, on_cpu=False)
+        assert reader.busy_loop_s == 1  # off CPU vLLM's own setting stays
+        _calm_message_queues({}, on_cpu=True)
+        assert reader.busy_loop_s == 0
+        _calm_message_queues({"worker_spin_s": 0.25}, on_cpu=False)
+        assert reader.busy_loop_s == 0.25
+    finally:
+        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket):
+            sock.close(0)
+        ctx.term()

@@ -130,3 +130,15 @@ def test_slurm_batch_script_places_each_instance_and_defers_its_address_to_the_n
     server = dec[dec.index("--") + 1 :]
     assert server[server.index("--host") + 1] == "{node_addr}" and server[server.index("--block-size") + 1] == "64"
     assert script.rstrip().endswith("wait")
+
+
+def test_worker_spin_reaches_the_connector_only_when_set():
+    from pdctl.topology import Override
+
+    def extra(p):
+        d = p.get("decode-0")
+        return json.loads(d.argv[d.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["pdctl"]
+
+    assert "worker_spin_s" not in extra(_plan())  # the connector's own default (0 on CPU) applies
+    set_ = _plan(overrides=[Override(("connector", "worker_spin_s"), 0.25, "--set connector.worker_spin_s=0.25")])
+    assert extra(set_)["worker_spin_s"] == 0.25
