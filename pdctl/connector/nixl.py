@@ -72,10 +72,13 @@ def _calm_message_queues(settings: dict[str, Any], on_cpu: bool) -> None:
     if spin is None:
         return
     import gc
+    import warnings
 
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated module attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
     for r in readers:
         r.busy_loop_s = float(spin)
     if readers:
