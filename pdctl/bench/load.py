@@ -38,7 +38,6 @@ class LoadResult:
     kv_bytes: float | None = None
     bunched: int = 0  # streams whose tokens arrived all at once (median gap < 0.2 ms): their TPOT measures nothing
 
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -96,9 +95,9 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
             ttft.append((stamps[0] - t0) * 1e3)
             e2e.append((stamps[-1] - t0) * 1e3)
             tokens = tokens or len(stamps)
-            gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
-            bunched += bool(gaps) and gaps[len(gaps) // 2] < 2e-4  # no decode step is that fast: held upstream
-            itl.extend((b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False))  # between SSE events
+            gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]  # between SSE events
+            itl.extend(g * 1e3 for g in gaps)
+            bunched += bool(gaps) and sorted(gaps)[len(gaps) // 2] < 2e-4  # no decode step is that fast
             if tokens > 1:
                 tpot.append((stamps[-1] - stamps[0]) * 1e3 / (tokens - 1))
             out_tokens += tokens

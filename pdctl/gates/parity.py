@@ -135,8 +135,10 @@ def _by_source(m: dict[str, float], source: str) -> float:
 def _in_cache_order(prompts: list[Prompt]) -> tuple[list[int], list[int]]:
     """Prompt indices in two waves: fresh ones, then those sharing a head with an earlier prompt ("prefix..."),
     so the decode really holds that head in its prefix cache when they arrive."""
-    shared = [i for i, p in enumerate(prompts) if p.label.startswith("prefix")]
-    return [i for i in range(len(prompts)) if i not in shared], shared
+    fresh, shared = [], []
+    for i, p in enumerate(prompts):
+        (shared if p.label.startswith("prefix") else fresh).append(i)
+    return fresh, shared
 
 
 def reference_answers(url: str, model: str, prompts: list[Prompt], max_tokens: int = 16,

@@ -159,10 +159,10 @@ def warm_up(plan: Plan, attempts: int = 3) -> None:
                 r.read()
             return
         except (urllib.error.URLError, OSError) as e:
-            detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
             if attempt < attempts and _handshake_timed_out(decode.log_path):
                 time.sleep(2)
                 continue
+            detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
             cause = _connector_error(decode.log_path)
             raise LaunchFailed(decode.name, f"warm-up P/D request failed: {cause or detail}",
                                decode.log_path) from None
