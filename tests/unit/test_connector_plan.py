@@ -138,23 +138,69 @@ def test_same_layout_isas_and_untagged_prefills_pass(monkeypatch):
     assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {2: "vec"}
 
 
-def test_executor_queue_readers_stop_spinning_on_cpu(tmp_path):
+def _spin_pair(tmp_path):
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/n"
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address=addr)
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=addr)
+    return ctx, writer, reader
+
+
+def _close(ctx, *conds):
+    for c in conds:
+        for sock in (c.local_notify_socket, c.read_cancel_socket, c.write_cancel_socket):
+            if sock is not None:
+                sock.close(0)
+    ctx.term()
+
+
+def test_executor_queue_readers_stop_spinning_on_cpu(tmp_path):
     from pdctl.connector.nixl import _calm_message_queues
 
-    ctx = zmq.Context()
-    reader = SpinCondition(is_reader=True, context=ctx, notify_address=f"ipc://{tmp_path}/n")
+    ctx, writer, reader = _spin_pair(tmp_path)
     try:
         assert reader.busy_loop_s == 1  # vLLM's default: a second of spinning after every message
-        _calm_message_queues({}, on_cpu=False)
-        assert reader.busy_loop_s == 1  # off CPU vLLM's own setting stays
-        _calm_message_queues({}, on_cpu=True)
-        assert reader.busy_loop_s == 0
+        assert _calm_message_queues({}, on_cpu=False) == 0
+        assert reader.busy_loop_s == 1 and "wait" not in vars(reader)  # off CPU vLLM's own setting stays
+        assert _calm_message_queues({}, on_cpu=True) >= 1  # the writer is no reader: left alone
+        assert reader.busy_loop_s == 0 and "wait" in vars(reader) and "wait" not in vars(writer)
         _calm_message_queues({"worker_spin_s": 0.25}, on_cpu=False)
         assert reader.busy_loop_s == 0.25
     finally:
-        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket):
-            sock.close(0)
-        ctx.term()
+        _close(ctx, writer, reader)
+
+
+def test_bounded_wait_outlives_a_lost_notify(tmp_path):
+    """A notify that never comes (vLLM's PUB/SUB drops some) costs a busy reader ~1/8 of the time since its
+    last read, where vLLM's own wait sleeps the whole timeout; a notify that comes still wakes it at once."""
+    import time
+
+    from pdctl.connector.nixl import _bounded_wait
+
+    ctx, writer, reader = _spin_pair(tmp_path)
+    reader.busy_loop_s = 0
+    try:
+        time.sleep(0.05)  # let the SUB connect
+        reader.last_read = time.monotonic() - 0.010  # a decode step ago
+        t0 = time.monotonic()
+        _bounded_wait(reader, timeout_ms=300)
+        bounded = time.monotonic() - t0
+        reader.last_read = time.monotonic() - 0.010
+        t0 = time.monotonic()
+        type(reader).wait(reader, timeout_ms=300)  # vLLM's: waits for the notify that never comes
+        stock = time.monotonic() - t0
+        assert bounded < 0.05 and stock >= 0.29, (bounded, stock)
+        # Idle for long: the poll grows up to the caller's timeout, and a notify cuts it short.
+        reader.last_read = time.monotonic() - 100
+        writer.notify()
+        t0 = time.monotonic()
+        _bounded_wait(reader, timeout_ms=2000)
+        assert time.monotonic() - t0 < 0.5
+        t0 = time.monotonic()
+        _bounded_wait(reader, timeout_ms=200)  # the notify was consumed: nothing left to wake it
+        assert time.monotonic() - t0 >= 0.19
+    finally:
+        _close(ctx, writer, reader)
