@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Heterogeneous vs homogeneous P/D at the same load: TTFT and TPOT of P/D for each case, as the median over
-repeated, interleaved `pdctl bench --skip-check --skip-eval` runs (one run's p50 moves by 10-30 % on 2 shared
-cores; interleaving spreads drift over every case). Prints a table and writes JSON.
+"""Heterogeneous vs homogeneous P/D at the same load: TTFT and TPOT through the proxy, per case, at concurrency 1
+(no queueing: what a request pays for the transfer and the conversion) and at concurrency 4 (under load). Each
+case is brought up alone (`pdctl up -d`, no aggregated reference beside it), warmed up, loaded at each
+concurrency, brought down; cases are interleaved over `--reps` repetitions and each number is the median over
+them (one run's p50 moves by 10-30 % on 2 shared cores). Prints a table and writes JSON.
 
 Each hetero case is held against the homogeneous pair that shares the side a metric depends on: TTFT against
 the homogeneous pair at the prefill's block size (the same prefill), TPOT against the one at the decode's block
 size (the same decode: the CPU attention kernel's own speed differs by block size, as much in aggregated
-serving, so a P32 -> D32 TPOT says nothing about what heterogeneity costs a D64 decode).
+serving). The other pair is shown too.
 
-    .venv/bin/python scripts/bench_hetero.py [--reps 3] [--requests 32] [--cases homog,homog64,d64,p64]
+    .venv/bin/python scripts/bench_hetero.py [--reps 3] [--cases homog,homog64,d64,p64] [--concurrency 1,4]
     .venv/bin/python scripts/bench_hetero.py --table results/bench_hetero.json   # the table again
 """
 
@@ -24,6 +26,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pdctl.bench import load  # noqa: E402
+
 CASES = {  # name: (topology, overrides, prefill block, decode block)
     "homog": ("cpu-homog.yaml", [], 32, 32),
     "homog64": ("cpu-demo.yaml", ["--prefill-block-size", "64"], 64, 64),
@@ -33,32 +39,51 @@ CASES = {  # name: (topology, overrides, prefill block, decode block)
     "p64": ("cpu-demo.yaml", ["--prefill-block-size", "64", "--decode-block-size", "32"], 64, 32),
 }
 METRICS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "req_per_s", "bunched")
+PROMPT, OUTPUT, VOCAB = 256, 32, 1000
 
 
-def run_case(case: str, requests: int, out: Path) -> dict:
-    config, extra, _, _ = CASES[case]
-    r = subprocess.run([sys.executable, "-m", "pdctl", "bench", str(REPO / "configs" / config), *extra,
-                        "--skip-check", "--skip-eval", "--requests", str(requests), "--results", str(out),
-                        "--state-dir", str(out / "state"), "--json"],
-                       capture_output=True, text=True, cwd=REPO, timeout=1200)
+def pdctl(*args: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, cwd=REPO,
+                       timeout=600)
     if r.returncode != 0:
-        raise SystemExit(f"{case}: pdctl bench failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout)["perf"]
+        raise SystemExit(f"pdctl {' '.join(args)} failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 
 
-def burst(perf: dict) -> bool:
+def run_case(case: str, concurrencies: list[int], requests: dict[int, int], state: Path) -> dict[str, dict]:
+    config, extra, _, _ = CASES[case]
+    pdctl("up", "-d", str(REPO / "configs" / config), *extra, "--state-dir", str(state))
+    try:
+        st = json.loads(subprocess.run([sys.executable, "-m", "pdctl", "status", "--state-dir", str(state),
+                                        "--json"], capture_output=True, text=True, cwd=REPO).stdout)
+        ports = {i["role"]: i["http_port"] for i in st["instances"]}
+        proxy = f"http://127.0.0.1:{ports['proxy']}"
+        decodes = [f"http://127.0.0.1:{i['http_port']}" for i in st["instances"] if i["role"] == "decode"]
+        seed = int(time.time())
+        load.run_load("warm-up", proxy, "tiny", load.workload(4, PROMPT, VOCAB, seed), OUTPUT, 2)
+        out = {}
+        for k, c in enumerate(concurrencies):  # fresh prompts each time: nothing answered from a prefix cache
+            work = load.workload(requests[c], PROMPT, VOCAB, seed + 1 + k)
+            out[str(c)] = load.run_load("P/D", proxy, "tiny", work, OUTPUT, c, decodes).to_dict()
+        return out
+    finally:
+        pdctl("down", "--state-dir", str(state))
+
+
+def burst(r: dict) -> bool:
     """A run whose streams arrived all at once (TPOT ~0, TTFT ~ the whole request: the tokens were held
-    upstream of the client, seen on 2 busy cores): its TTFT and TPOT measure nothing, so it is left out."""
-    pd = perf["pd"]
-    return pd["tpot_ms_p50"] < 1.0 or 2 * pd.get("bunched", 0) > pd["requests"]
+    upstream of the client): its TTFT and TPOT measure nothing, so it is left out."""
+    return r["tpot_ms_p50"] < 1.0 or 2 * r.get("bunched", 0) > r["requests"]
 
 
-def medians(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    out = {}
-    for c, rs in runs.items():
-        clean = [r for r in rs if not burst(r)] or rs
-        out[c] = {m: statistics.median(r["pd"].get(m, 0) for r in clean) for m in METRICS}
-        out[c]["runs_used"] = len(clean)
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for case, reps in runs.items():
+        for conc in reps[0]:
+            rs = [rep[conc] for rep in reps]
+            clean = [r for r in rs if not burst(r)] or rs
+            m = {k: statistics.median(r.get(k, 0) for r in clean) for k in METRICS}
+            m["runs_used"] = len(clean)
+            out.setdefault(conc, {})[case] = m
     return out
 
 
@@ -66,52 +91,52 @@ def homog_for(block: int, cases: list[str]) -> str | None:
     return next((c for c in cases if CASES[c][2] == CASES[c][3] == block), None)
 
 
-def table(med: dict[str, dict], requests: int, reps: int) -> None:
-    print(f"\nP/D at concurrency 4, {requests} requests x 256 prompt + 32 output tokens, median of {reps} runs "
-          "less burst runs:")
-    print(f"{'case':8} {'P->D':>8} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'TTFT / homog same P':>20} "
-          f"{'TPOT / homog same D':>20}")
-    cases = list(med)
-    for c in cases:
-        pb, db = CASES[c][2], CASES[c][3]
-        m = med[c]
-        cols = []
-        for metric, block in (("ttft_ms_p50", pb), ("tpot_ms_p50", db)):
-            base = homog_for(block, cases)
-            cols.append(f"{m[metric] / med[base][metric]:.3f}x ({base})" if base and base != c else "-")
-        print(f"{c:8} {f'{pb}->{db}':>8} {m['ttft_ms_p50']:12.1f} {m['tpot_ms_p50']:12.2f} {cols[0]:>20} "
-              f"{cols[1]:>20}  ({m['runs_used']} runs)")
+def table(med: dict[str, dict[str, dict]], reps: int) -> None:
+    for conc, by_case in med.items():
+        print(f"\nP/D at concurrency {conc}, {PROMPT} prompt + {OUTPUT} output tokens, median of {reps} runs:")
+        print(f"{'case':8} {'P->D':>7} {'TTFT ms':>8} {'TPOT ms':>8}   {'TTFT / same P':>20} "
+              f"{'TPOT / same D':>20}   {'TTFT / same D':>20} {'TPOT / same P':>20}")
+        cases = list(by_case)
+        for c in cases:
+            pb, db = CASES[c][2], CASES[c][3]
+            m = by_case[c]
+            cols = []
+            for metric, block in (("ttft_ms_p50", pb), ("tpot_ms_p50", db), ("ttft_ms_p50", db),
+                                  ("tpot_ms_p50", pb)):
+                base = homog_for(block, cases)
+                cols.append(f"{m[metric] / by_case[base][metric]:.3f}x ({base})" if base and base != c else "-")
+            print(f"{c:8} {f'{pb}->{db}':>7} {m['ttft_ms_p50']:8.1f} {m['tpot_ms_p50']:8.2f}   {cols[0]:>20} "
+                  f"{cols[1]:>20}   {cols[2]:>20} {cols[3]:>20}  ({m['runs_used']} runs)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--cases", default="homog,homog64,d64,p64")
+    ap.add_argument("--concurrency", default="1,4", help="comma-separated; each loaded in the same bring-up")
+    ap.add_argument("--requests", type=int, default=16, help="requests per unit of concurrency")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_hetero.json"))
     ap.add_argument("--table", help="print the table of an earlier run's JSON and stop")
     a = ap.parse_args()
     if a.table:
         doc = json.loads(Path(a.table).read_text())
-        table(medians(doc["runs"]), doc.get("requests", a.requests), len(next(iter(doc["runs"].values()))))
+        table(medians(doc["runs"]), doc["reps"])
         return
-    cases = a.cases.split(",")
+    cases, concs = a.cases.split(","), [int(c) for c in a.concurrency.split(",")]
+    requests = {c: a.requests * max(1, c) for c in concs}
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     tmp = Path(tempfile.mkdtemp(prefix="pdhetero-"))
     for rep in range(a.reps):
         for c in cases:
             t0 = time.monotonic()
-            perf = run_case(c, a.requests, tmp / f"{c}-{rep}")
-            runs[c].append(perf)
-            pd = perf["pd"]
-            print(f"rep {rep} {c:8} P/D ttft p50 {pd['ttft_ms_p50']:7.1f} ms  tpot p50 {pd['tpot_ms_p50']:6.2f} ms"
-                  f"  bunched streams {pd.get('bunched', 0)}{'  BURST' if burst(perf) else ''}  "
-                  f"({time.monotonic() - t0:.0f} s)", flush=True)
-    med = medians(runs)
-    table(med, a.requests, a.reps)
+            runs[c].append(run_case(c, concs, requests, tmp / f"{c}-{rep}"))
+            line = "  ".join(f"c={k}: ttft {r['ttft_ms_p50']:6.1f} tpot {r['tpot_ms_p50']:5.2f} ms"
+                             f"{' BURST' if burst(r) else ''}" for k, r in runs[c][-1].items())
+            print(f"rep {rep} {c:8} {line}  ({time.monotonic() - t0:.0f} s)", flush=True)
+    table(medians(runs), a.reps)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "requests": a.requests, "reps": a.reps,
-                                       "median": med, "runs": runs}, indent=2))
+    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "reps": a.reps, "requests": requests,
+                                       "median": medians(runs), "runs": runs}, indent=2))
     print(f"\nwrote {a.out}")
 
 
