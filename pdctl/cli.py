@@ -167,9 +167,7 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
             raise typer.Exit(1) from None
         raise
     t = loaded.topology
-    summary = (f"{t.name}: prefill {t.prefill.count}x {t.prefill.platform} block {t.prefill.block_size} "
-               f"TP {t.prefill.tp} {t.prefill.kv_layout} -> decode {t.decode.count}x {t.decode.platform} "
-               f"block {t.decode.block_size} TP {t.decode.tp} {t.decode.kv_layout}, connector {t.connector.kind}")
+    summary = topo_mod.summary(t)
     if json_:
         out.print_json(json.dumps({"ok": True, "file": str(topology), "summary": summary}))
     else:
@@ -494,7 +492,8 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
 @app.command()
 def logs(
     name: Annotated[str, typer.Argument(help="topology name")],
-    which: Annotated[str | None, typer.Argument(help="ROLE or ROLE/INDEX, e.g. decode/0 or proxy")] = None,
+    which: Annotated[str | None, typer.Argument(help="an instance (decode-d64-0), ROLE, ROLE/POOL, ROLE/INDEX or "
+                                                "ROLE/POOL/INDEX, e.g. decode/0 or proxy")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new lines")] = False,
     lines: Annotated[int, typer.Option("-n", help="lines from the end")] = 40,
     state_dir: StateDirOpt = None,
@@ -506,17 +505,19 @@ def logs(
       pdctl logs cpu-demo decode/0 -n 100
 
       pdctl logs cpu-demo prefill -f
+
+      pdctl logs cpu-fleet decode-d64-0 -n 20
     """
     import time as _time
 
     from pdctl.launch.backend import backend_of
+    from pdctl.plan import select as plan_select
 
     d, st = _state_or_exit(name, state_dir)
     if st is None:
         raise UserError(f"nothing is up in {d}")
     backend = backend_of(st)
-    role, _, index = (which or "").partition("/")
-    specs = [s for s in st.plan.processes if (not role or s.role == role) and (not index or str(s.index) == index)]
+    specs = plan_select(st.plan, which)
     if not specs:
         raise UserError(f"no instance matches '{which}'; have {', '.join(s.name for s in st.plan.processes)}")
     for s in specs:
@@ -542,28 +543,64 @@ def logs(
 
 @app.command()
 def proxy(
-    prefill: Annotated[list[str], typer.Option("--prefill", help="prefill base URL (repeatable)")],
-    decode: Annotated[list[str], typer.Option("--decode", help="decode base URL (repeatable)")],
+    prefill: Annotated[list[str], typer.Option("--prefill", help="prefill [POOL=]URL (repeatable)")],
+    decode: Annotated[list[str], typer.Option("--decode", help="decode [POOL=]URL (repeatable)")],
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="listen port")] = 8000,
-    policy: Annotated[str, typer.Option(help="least_outstanding | round_robin")] = "least_outstanding",
+    policy: Annotated[str, typer.Option(help="least_outstanding | round_robin | prefix_affinity")]
+    = "least_outstanding",
+    weight: Annotated[list[str] | None, typer.Option("--weight", help="ROLE/POOL=W: a pool's share of traffic "
+                                              "(repeatable)")] = None,
+    exclude_pair: Annotated[list[str] | None, typer.Option("--exclude-pair", help="PREFILL_POOL/DECODE_POOL never "
+                                                    "routed (repeatable)")] = None,
+    affinity_epsilon: Annotated[float, typer.Option(help="prefix_affinity: skip an instance above (1 + eps) x "
+                                                    "the mean outstanding + 1")] = 0.25,
+    affinity_prefix_chars: Annotated[int, typer.Option(help="prefix_affinity: prompt characters hashed")] = 256,
     strict: Annotated[bool, typer.Option(help="502 when a prefill returns no kv_transfer_params")] = False,
     connect_timeout: Annotated[float, typer.Option(help="upstream connect timeout, s")] = 10.0,
     read_timeout: Annotated[float, typer.Option(help="upstream read timeout between bytes, s")] = 600.0,
+    access_log: Annotated[bool, typer.Option(help="one log line per request: id, status, ms, pair")] = True,
 ) -> None:
     """Run the P/D proxy standalone (pdctl up starts it from the topology).
+
+    Each request goes to a prefill, then to a decode of a pool allowed for that prefill's pool. The header
+    `x-pdctl-route: PREFILL_POOL/DECODE_POOL` pins the pair; the response says which instances served it
+    (`x-pdctl-prefill`, `x-pdctl-decode`).
 
     Examples:
 
       pdctl proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
       pdctl proxy --prefill http://p0:8100 --prefill http://p1:8100 --decode http://d0:8200 --policy round_robin
-    """
-    from pdctl.proxy.server import ProxyConfig, serve
 
-    if policy not in ("least_outstanding", "round_robin"):
-        raise UserError(f"--policy {policy}: use least_outstanding or round_robin")
-    serve(ProxyConfig(prefill, decode, policy, strict, connect_timeout, read_timeout), host, port)
+      pdctl proxy --prefill p32=http://h:8100 --prefill p128=http://h:8101 --decode d64=http://h:8200 \\
+        --decode d32=http://h:8201 --exclude-pair p128/d32 --weight decode/d64=2 --policy prefix_affinity
+    """
+    from pdctl.proxy.server import Proxy, ProxyConfig, serve
+
+    weights: dict[str, float] = {}
+    for w in weight or []:
+        key, sep, val = w.partition("=")
+        try:
+            weights[key] = float(val)
+        except ValueError:
+            sep = ""
+        if not sep or key.count("/") != 1:
+            raise UserError(f"--weight {w}: expected ROLE/POOL=W, e.g. --weight decode/d64=2")
+    pairs = []
+    for x in exclude_pair or []:
+        p, sep, d = x.partition("/")
+        if not sep or not p or not d:
+            raise UserError(f"--exclude-pair {x}: expected PREFILL_POOL/DECODE_POOL, e.g. --exclude-pair p128/d32")
+        pairs.append((p, d))
+    cfg = ProxyConfig(prefill, decode, policy, strict, connect_timeout, read_timeout, weights=weights,
+                      exclude_pairs=pairs, affinity_epsilon=affinity_epsilon,
+                      affinity_prefix_chars=affinity_prefix_chars, access_log=access_log)
+    try:
+        Proxy(cfg)  # every routing rule checked before the port opens
+    except ValueError as e:
+        raise UserError(f"proxy: {e}") from None
+    serve(cfg, host, port)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -783,7 +820,7 @@ def eval_(
     loaded = _load(topology, overrides)
     t = loaded.topology
     p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port if baseline == "auto" else None)
-    tok = tokenizer or topo_mod.resolved_model(t, "decode", loaded.base_dir)
+    tok = tokenizer or topo_mod.resolved_model(t, t.decode[0], loaded.base_dir)
     out_dir = results or Path("results") / f"eval-{t.name}-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "topology.json").write_text(json.dumps(p.topology, indent=2))

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pdctl.topology import ROLES, InstanceGroup, Role, Topology, resolved_model
+from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Role, Topology, instance_name, resolved_model
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference"]
 
@@ -35,6 +35,7 @@ class ProcessSpec:
     block_size: int | None = None
     tp: int | None = None
     kv_layout: str | None = None
+    pool: str | None = None
 
     @property
     def http_url(self) -> str:
@@ -74,8 +75,7 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def kv_transfer_config(t: Topology, role: Role) -> dict:
-    g = t.group(role)
+def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
     c = t.connector
     extra: dict = {"backends": list(c.backends)}
     cfg: dict = {"kv_connector": "NixlConnector", "kv_role": KV_ROLE[role]}
@@ -90,20 +90,17 @@ def kv_transfer_config(t: Topology, role: Role) -> dict:
         }
         if c.worker_spin_s is not None:
             extra["pdctl"]["worker_spin_s"] = c.worker_spin_s
-        ratio = (t.prefill.block_size or 1) // (t.decode.block_size or 1)
-        if role == "decode" and ratio > 1:
-            # Whole prefill blocks are read; chunks past a request's own decode blocks land here (2*(r-1) per
-            # request at most, room for 16 at once).
-            extra["pdctl"]["staging_blocks"] = 32 * (ratio - 1)
-    cfg["kv_buffer_device"] = c.kv_buffer_device or ("cpu" if g.platform == "cpu" else g.platform)
+        staging = t.staging_blocks(g) if role == "decode" else 0
+        if staging:
+            extra["pdctl"]["staging_blocks"] = staging
+    cfg["kv_buffer_device"] = t.kv_buffer_device(g)
     extra.update(c.extra_config)
     cfg["kv_connector_extra_config"] = extra
     return cfg
 
 
-def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: str,
+def _server_argv(t: Topology, role: Role, g: InstanceGroup, index: int, model_path: str, python: str,
                  connector: bool = True) -> list[str]:
-    g = t.group(role)
     argv = [
         python, "-m", VLLM_SERVER_MODULE,
         "--model", model_path,
@@ -117,8 +114,8 @@ def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: s
     ]
     if t.model.max_model_len:
         argv += ["--max-model-len", str(t.model.max_model_len)]
-    if t.kv_cache_dtype(role) != "auto":
-        argv += ["--kv-cache-dtype", t.kv_cache_dtype(role)]
+    if t.kv_cache_dtype(g) != "auto":
+        argv += ["--kv-cache-dtype", t.kv_cache_dtype(g)]
     if g.enforce_eager:
         argv.append("--enforce-eager")
     if g.kv_cache_memory is not None:
@@ -126,7 +123,7 @@ def _server_argv(t: Topology, role: Role, index: int, model_path: str, python: s
     if g.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(g.gpu_memory_utilization)]
     if connector:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role), separators=(",", ":"))]
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role, g), separators=(",", ":"))]
     return argv + list(g.extra_args)
 
 
@@ -149,36 +146,49 @@ def _server_env(g: InstanceGroup, index: int) -> dict[str, str]:
     return env
 
 
-def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
-    logs = state_dir / "logs"
-    processes: list[ProcessSpec] = []
-    for role in ROLES:
-        g = t.group(role)
-        model = resolved_model(t, role, base_dir)
-        for i in range(g.count):
-            name = f"{role}-{i}"
-            host = connect_host(g.host)
-            processes.append(ProcessSpec(
-                name=name, role=role, index=i,
-                argv=_server_argv(t, role, i, model, python),
-                env=_server_env(g, i),
-                host=g.host,
-                ports={"http": g.http_port_of(i), "side_channel": g.side_channel_port_of(i)},
-                log_path=str(logs / f"{name}.log"),
-                readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
-                platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout,
-            ))
-    servers = list(processes)
+def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
+    """The proxy's command line: every instance as [POOL=]URL (a single-pool role's URLs stay bare), with the
+    pools' weights and the excluded pairs."""
     px = t.proxy
     argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
             "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s)]
     for s in servers:
-        argv += [f"--{s.role}", s.http_url]
+        argv += [f"--{s.role}", s.http_url if s.pool == DEFAULT_POOL else f"{s.pool}={s.http_url}"]
+    for role in ROLES:
+        argv += [a for g in t.pools(role) if g.weight != 1.0 for a in ("--weight", f"{role}/{g.name}={g.weight:g}")]
+    for p, d in px.exclude_pairs:
+        argv += ["--exclude-pair", f"{p}/{d}"]
+    if px.policy == "prefix_affinity":
+        argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
+                 str(px.affinity_prefix_chars)]
     if px.strict:
         argv.append("--strict")
+    return argv
+
+
+def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
+    logs = state_dir / "logs"
+    processes: list[ProcessSpec] = []
+    for role in ROLES:
+        for g in t.pools(role):
+            model = resolved_model(t, g, base_dir)
+            for i in range(g.count):
+                name = instance_name(role, g.name, i)
+                host = connect_host(g.host)
+                processes.append(ProcessSpec(
+                    name=name, role=role, index=i,
+                    argv=_server_argv(t, role, g, i, model, python),
+                    env=_server_env(g, i),
+                    host=g.host,
+                    ports={"http": g.http_port_of(i), "side_channel": g.side_channel_port_of(i)},
+                    log_path=str(logs / f"{name}.log"),
+                    readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
+                    platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
+                ))
+    px = t.proxy
     processes.append(ProcessSpec(
-        name="proxy", role="proxy", index=0, argv=argv, env={"PYTHONUNBUFFERED": "1"}, host=px.host,
-        ports={"http": px.port}, log_path=str(logs / "proxy.log"),
+        name="proxy", role="proxy", index=0, argv=proxy_argv(t, list(processes), python),
+        env={"PYTHONUNBUFFERED": "1"}, host=px.host, ports={"http": px.port}, log_path=str(logs / "proxy.log"),
         readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
     ))
     return Plan(name=t.name, state_dir=str(state_dir), processes=processes,
@@ -186,15 +196,39 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
 
 
 def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:
-    """An aggregated server for the parity gate: the decode's block size, TP, devices and mode, no connector."""
-    g = t.decode
-    argv = _server_argv(t, "decode", 0, resolved_model(t, "decode", base_dir), python, connector=False)
+    """An aggregated server for the parity gate: the first decode pool's block size, TP, devices and mode, no
+    connector (greedy output does not depend on the block size on CPU, so one reference serves a fleet)."""
+    g = t.decode[0]
+    argv = _server_argv(t, "decode", g, 0, resolved_model(t, g, base_dir), python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
     env = {k: v for k, v in _server_env(g, 0).items() if not k.startswith("VLLM_NIXL_")}
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
                        block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout)
+
+
+def select(plan: Plan, which: str | None) -> list[ProcessSpec]:
+    """Processes named by an instance name (decode-d64-0), a role (decode), ROLE/POOL (decode/d64), ROLE/INDEX
+    (decode/0: that index in every pool of the role) or ROLE/POOL/INDEX; nothing selects every process."""
+    if not which:
+        return list(plan.processes)
+    exact = [s for s in plan.processes if s.name == which]
+    if exact:
+        return exact
+    role, *rest = which.split("/")
+    out = [s for s in plan.processes if s.role == role]
+    for part in rest:
+        out = [s for s in out if (str(s.index) == part if part.isdigit() else s.pool == part)]
+    return out
+
+
+def placement_of(plan: Plan, spec: ProcessSpec) -> dict:
+    """Where a process must run on a cluster engine: its pool's placement, else its role's."""
+    pools = plan.topology.get(spec.role)
+    own = next((p.get("placement") for p in pools if p.get("name") == spec.pool), None) if isinstance(
+        pools, list) else None
+    return own or ((plan.topology.get("engine") or {}).get("placement") or {}).get(spec.role) or {}
 
 
 def with_hosts(plan: Plan, hosts: dict[str, str]) -> Plan:

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -58,6 +58,17 @@ def parse_bytes(v: Any) -> Any:
 KvLayout = Annotated[Literal["HND", "NHD"], BeforeValidator(_layout)]
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
 Port = Annotated[int, Field(ge=1024, le=65535)]
+BufferDevice = Literal["cpu", "cuda", "xpu", "hpu"]
+
+DEFAULT_POOL = "default"  # a role written as one mapping is one pool of this name; its instances: prefill-0, ...
+POOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,31}$"
+# Where each role's automatic ports start (http, NIXL side channel).
+ROLE_PORTS: dict[str, tuple[int, int]] = {"prefill": (8100, 5600), "decode": (8200, 5700)}
+
+
+def instance_name(role: str, pool: str, index: int) -> str:
+    """prefill-0 in a single-pool role (today's names), prefill-p32-0 in a named pool."""
+    return f"{role}-{index}" if pool == DEFAULT_POOL else f"{role}-{pool}-{index}"
 
 
 class _Strict(BaseModel):
@@ -78,9 +89,24 @@ class ModelSpec(_Strict):
         return self.served_name or self.path
 
 
-class InstanceGroup(_Strict):
-    """All instances of one role. Instance i gets http_port+i, side_channel_port+i, devices[i*tp:(i+1)*tp]."""
+class Placement(_Strict):
+    """Where one role's instances run on a cluster engine. Ray: resources/labels/node; Slurm: the rest."""
 
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources a node must have")
+    labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels a node must carry")
+    node: str | None = Field(None, description="Ray: node IP; for the proxy also 'local' (where pdctl runs)")
+    partition: str | None = Field(None, description="Slurm partition")
+    nodelist: list[str] | None = Field(None, min_length=1, description="Slurm node names")
+    gres: str | None = Field(None, description="Slurm generic resources per instance, e.g. gpu:1")
+
+
+class InstanceGroup(_Strict):
+    """One pool: instances of one role that share hardware and settings. Instance i gets http_port+i,
+    side_channel_port+i, devices[i*tp:(i+1)*tp]. Ports left out are assigned after every explicit one
+    (Topology._assign_ports), so pools never collide."""
+
+    name: str = Field(DEFAULT_POOL, pattern=POOL_NAME_PATTERN,
+                      description="pool name (an identifier): in instance names, logs, metrics and reports")
     platform: Platform = "cpu"
     count: int = Field(1, ge=1, le=64)
     block_size: int | None = Field(None, ge=1, le=2048)
@@ -88,13 +114,19 @@ class InstanceGroup(_Strict):
     devices: list[Annotated[int, Field(ge=0)]] | None = None
     kv_layout: KvLayout = "HND"
     host: str = "127.0.0.1"
-    http_port: Port
-    side_channel_port: Port
+    http_port: Port | None = None
+    side_channel_port: Port | None = None
     kv_cache_memory: ByteSize | None = None
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     enforce_eager: bool | None = None
-    model: str | None = Field(None, description="model path on this role's hosts, if it differs")
+    model: str | None = Field(None, description="model path on this pool's hosts, if it differs")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    kv_buffer_device: BufferDevice | None = Field(
+        None, description="where this pool's KV is registered for NIXL (default: connector.kv_buffer_device, "
+        "else the platform's own memory)")
+    weight: float = Field(1.0, gt=0, description="share of traffic relative to other pools (unequal hardware)")
+    placement: Placement | None = Field(None, description="cluster placement of this pool (default: the "
+                                        "role's engine.placement)")
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 
@@ -110,10 +142,12 @@ class InstanceGroup(_Strict):
         return self
 
     def http_port_of(self, index: int) -> int:
+        assert self.http_port is not None  # assigned by the topology
         return self.http_port + index
 
     def side_channel_port_of(self, index: int) -> int:
         # vLLM's NIXL side channel is one listener per engine (base + DP index), whatever the TP.
+        assert self.side_channel_port is not None
         return self.side_channel_port + index
 
     def devices_of(self, index: int) -> list[int] | None:
@@ -122,20 +156,19 @@ class InstanceGroup(_Strict):
         return self.devices[index * self.tp : (index + 1) * self.tp]
 
 
-class PrefillGroup(InstanceGroup):
-    http_port: Port = 8100
-    side_channel_port: Port = 5600
-
-
-class DecodeGroup(InstanceGroup):
-    http_port: Port = 8200
-    side_channel_port: Port = 5700
+Policy = Literal["least_outstanding", "round_robin", "prefix_affinity"]
 
 
 class ProxySpec(_Strict):
     host: str = "127.0.0.1"
     port: Port = 8000
-    policy: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+    policy: Policy = Field("least_outstanding", description="least_outstanding (weighted, across pools), "
+                           "round_robin, or prefix_affinity (same prompt head -> same prefill and decode)")
+    exclude_pairs: list[tuple[str, str]] = Field(
+        default_factory=list, description="[prefill pool, decode pool] pairs the proxy never routes")
+    affinity_epsilon: float = Field(0.25, ge=0, description="prefix_affinity's load bound: an instance is "
+                                    "skipped above (1 + epsilon) x the mean outstanding + 1")
+    affinity_prefix_chars: int = Field(256, ge=1, description="prefix_affinity hashes this many prompt chars")
     strict: bool = Field(False, description="fail a request whose prefill returned no usable kv_transfer_params")
     connect_timeout_s: float = Field(10.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0)
@@ -145,7 +178,7 @@ class ConnectorSpec(_Strict):
     kind: Literal["pdctl", "nixl"] = Field(
         "pdctl", description="pdctl = pdctl's heterogeneous connector; nixl = vLLM's stock NixlConnector"
     )
-    kv_buffer_device: Literal["cpu", "cuda", "xpu", "hpu"] | None = None
+    kv_buffer_device: BufferDevice | None = Field(None, description="every pool's default")
     backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
     progress_thread: bool = True
     progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
@@ -153,17 +186,6 @@ class ConnectorSpec(_Strict):
         None, ge=0, description="how long vLLM's executor queues spin after a message (pdctl only; "
         "default 0 on CPU, where the spin starves compute and NIXL, vLLM's 1 s elsewhere)")
     extra_config: dict[str, Any] = Field(default_factory=dict)
-
-
-class Placement(_Strict):
-    """Where one role's instances run on a cluster engine. Ray: resources/labels/node; Slurm: the rest."""
-
-    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources a node must have")
-    labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels a node must carry")
-    node: str | None = Field(None, description="Ray: node IP; for the proxy also 'local' (where pdctl runs)")
-    partition: str | None = Field(None, description="Slurm partition")
-    nodelist: list[str] | None = Field(None, min_length=1, description="Slurm node names")
-    gres: str | None = Field(None, description="Slurm generic resources per instance, e.g. gpu:1")
 
 
 RAY_PLACEMENT = ("resources", "labels", "node")
@@ -182,23 +204,90 @@ class EngineSpec(_Strict):
     time_limit: str = Field("UNLIMITED", description="Slurm job time limit")
 
 
+def _as_pools(v: Any) -> Any:
+    """A role written as one mapping is one pool named 'default' (today's form); a list is several pools."""
+    if isinstance(v, dict):
+        return [{"name": DEFAULT_POOL, **v}]
+    return v
+
+
+Pools = Annotated[list[InstanceGroup], BeforeValidator(_as_pools), Field(min_length=1)]
+
+
 class Topology(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
     model: ModelSpec
-    prefill: PrefillGroup
-    decode: DecodeGroup
+    prefill: Pools
+    decode: Pools
     proxy: ProxySpec = Field(default_factory=ProxySpec)
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
 
-    def group(self, role: Role) -> InstanceGroup:
+    @model_validator(mode="after")
+    def _assign_ports(self) -> Topology:
+        """Ports a pool leaves out follow the role's base (8100/5600 prefill, 8200/5700 decode), skipping every
+        port another pool claims explicitly or was given before: pools never collide unless told to."""
+        taken = {self.proxy.port}
+        for role in ROLES:
+            for g in self.pools(role):
+                for attr in ("http_port", "side_channel_port"):
+                    if getattr(g, attr) is not None:
+                        taken.update(getattr(g, attr) + i for i in range(g.count))
+        for role in ROLES:
+            cursor = dict(zip(("http_port", "side_channel_port"), ROLE_PORTS[role], strict=True))
+            for g in self.pools(role):
+                for attr in ("http_port", "side_channel_port"):
+                    if getattr(g, attr) is not None:
+                        continue
+                    base = cursor[attr]
+                    while any(base + i in taken for i in range(g.count)):
+                        base += 1
+                    setattr(g, attr, base)
+                    taken.update(base + i for i in range(g.count))
+                    cursor[attr] = base + g.count
+        return self
+
+    def pools(self, role: Role) -> list[InstanceGroup]:
         return self.prefill if role == "prefill" else self.decode
 
-    def model_path(self, role: Role) -> str:
-        return self.group(role).model or self.model.path
+    def pool(self, role: Role, name: str) -> InstanceGroup:
+        return next(g for g in self.pools(role) if g.name == name)
 
-    def kv_cache_dtype(self, role: Role) -> str:
-        return self.group(role).kv_cache_dtype or self.model.kv_cache_dtype
+    def pairs(self) -> list[tuple[InstanceGroup, InstanceGroup]]:
+        """Every prefill pool x decode pool pair the proxy may route (exclude_pairs left out)."""
+        excluded = {tuple(x) for x in self.proxy.exclude_pairs}
+        return [(p, d) for p in self.prefill for d in self.decode if (p.name, d.name) not in excluded]
+
+    def model_path(self, pool: InstanceGroup) -> str:
+        return pool.model or self.model.path
+
+    def kv_cache_dtype(self, pool: InstanceGroup) -> str:
+        return pool.kv_cache_dtype or self.model.kv_cache_dtype
+
+    def kv_buffer_device(self, pool: InstanceGroup) -> str:
+        return pool.kv_buffer_device or self.connector.kv_buffer_device or (
+            "cpu" if pool.platform == "cpu" else pool.platform)
+
+    def staging_blocks(self, decode: InstanceGroup) -> int:
+        """Decode blocks a decode pool withholds for prefill block > decode block: whole prefill blocks are
+        read, and chunks past a request's own decode blocks land here (2*(ratio-1) per request at most, room
+        for 16 at once), sized for the largest ratio among the prefill pools that reach it."""
+        assert decode.block_size is not None
+        ratios = [(p.block_size or 0) // decode.block_size for p, d in self.pairs() if d is decode]
+        return 32 * (max(ratios, default=1) - 1) if max(ratios, default=1) > 1 else 0
+
+
+def summary(t: Topology) -> str:
+    """One line: what runs where, for `pdctl validate`."""
+    def pool(g: InstanceGroup) -> str:
+        return f"{g.count}x {g.platform} block {g.block_size} TP {g.tp} {g.kv_layout}"
+
+    if len(t.prefill) == 1 and len(t.decode) == 1:
+        return (f"{t.name}: prefill {pool(t.prefill[0])} -> decode {pool(t.decode[0])}, connector "
+                f"{t.connector.kind}")
+    sides = [f"{role} pools " + ", ".join(f"{g.name} ({pool(g)})" for g in t.pools(role)) for role in ROLES]
+    pairs = ", ".join(f"{p.name}->{d.name}" for p, d in t.pairs())
+    return f"{t.name}: {sides[0]} -> {sides[1]}; pairs {pairs}; connector {t.connector.kind}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -269,7 +358,9 @@ class TopologyError(Exception):
 
 def _submodel(cls: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
     for part in loc:
-        if not isinstance(part, str) or part not in cls.model_fields:
+        if isinstance(part, int):  # an item of a list of models (pools)
+            continue
+        if part not in cls.model_fields:
             return None
         ann = cls.model_fields[part].annotation
         nxt = next((a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)),
@@ -344,113 +435,188 @@ def is_local_path(value: str) -> bool:
     return value.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", value)
 
 
-def resolved_model(t: Topology, role: Role, base_dir: Path) -> str:
-    """The role's model as its servers get it: a local path made absolute, a hub id as it is."""
-    raw = t.model_path(role)
+def resolved_model(t: Topology, pool: InstanceGroup, base_dir: Path) -> str:
+    """A pool's model as its servers get it: a local path made absolute, a hub id as it is."""
+    raw = t.model_path(pool)
     return str(resolve_path(raw, base_dir)) if is_local_path(raw) else raw
 
 
-def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[Problem]:
+def pool_loc(t: Topology, role: Role, pool: InstanceGroup) -> Loc:
+    """Where a pool's fields live: (role, index). A role written as one mapping is rewritten to (role,) when the
+    problems are located (user_loc)."""
+    return (role, next(i for i, g in enumerate(t.pools(role)) if g is pool))
+
+
+def _pair_label(t: Topology, p: InstanceGroup, d: InstanceGroup) -> str:
+    """'prefill pool p128 -> decode pool d32: ' in a fleet; nothing when each role is one pool (today's text)."""
+    if len(t.prefill) == 1 and len(t.decode) == 1:
+        return ""
+    return f"prefill pool {p.name} -> decode pool {d.name}: "
+
+
+def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup) -> list[Problem]:
+    """Every rule that holds between one prefill pool and one decode pool."""
     out: list[Problem] = []
-    p, d = t.prefill, t.decode
+    pl, dl = pool_loc(t, "prefill", p), pool_loc(t, "decode", d)
+    label = _pair_label(t, p, d)
     pb, db = p.block_size, d.block_size
     assert pb is not None and db is not None  # filled by the group's validator
+    fleet_hint = (f"; or exclude the pair: proxy.exclude_pairs: [[{p.name}, {d.name}]]" if label else "")
+
+    def add(path: Loc, message: str, hint: str | None = None, related: tuple[Loc, ...] = (),
+            severity: Literal["error", "warning"] = "error") -> None:
+        if hint and severity == "error":
+            hint += fleet_hint
+        out.append(Problem(path, label + message, hint, related, severity))
 
     # Block sizes.
     if t.connector.kind == "pdctl":
         if max(pb, db) % min(pb, db):
-            out.append(Problem(("decode", "block_size"),
-                               f"prefill block {pb} and decode block {db} have no integer ratio",
-                               "pick block sizes where one divides the other (e.g. 32 -> 64, or 128 -> 32)",
-                               related=(("prefill", "block_size"),)))
+            add((*dl, "block_size"), f"prefill block {pb} and decode block {db} have no integer ratio",
+                "pick block sizes where one divides the other (e.g. 32 -> 64, or 128 -> 32)",
+                related=((*pl, "block_size"),))
         elif pb > db and (p.tp != d.tp or p.kv_layout != d.kv_layout):
-            out.append(Problem(("decode", "tp") if p.tp != d.tp else ("decode", "kv_layout"),
-                               f"prefill block {pb} > decode block {db} needs the same TP and KV layout on both "
-                               f"sides (got TP {p.tp} -> {d.tp}, {p.kv_layout} -> {d.kv_layout})",
-                               "use equal TP and layouts, or a decode block >= the prefill block",
-                               related=(("prefill", "block_size"), ("decode", "block_size"))))
+            add((*dl, "tp") if p.tp != d.tp else (*dl, "kv_layout"),
+                f"prefill block {pb} > decode block {db} needs the same TP and KV layout on both "
+                f"sides (got TP {p.tp} -> {d.tp}, {p.kv_layout} -> {d.kv_layout})",
+                "use equal TP and layouts, or a decode block >= the prefill block",
+                related=((*pl, "block_size"), (*dl, "block_size")))
     else:
         if db % pb:
             where = "smaller than" if db < pb else "not a multiple of"
-            out.append(Problem(("decode", "block_size"),
-                               f"vLLM's stock NixlConnector needs the decode block to be a multiple of the prefill "
-                               f"block; decode {db} is {where} prefill {pb}",
-                               "use connector.kind: pdctl (pdctl's connector also supports prefill block > "
-                               "decode block), or make the decode block a multiple of the prefill block",
-                               related=(("prefill", "block_size"),)))
+            add((*dl, "block_size"),
+                f"vLLM's stock NixlConnector needs the decode block to be a multiple of the prefill "
+                f"block; decode {db} is {where} prefill {pb}",
+                "use connector.kind: pdctl (pdctl's connector also supports prefill block > "
+                "decode block), or make the decode block a multiple of the prefill block",
+                related=((*pl, "block_size"),))
         elif pb != db and "cpu" in (p.platform, d.platform):
-            out.append(Problem(("connector", "kind"),
-                               f"vLLM's stock NixlConnector corrupts KV silently on CPU when block sizes differ "
-                               f"({pb} -> {db}): CPU_ATTN stores K transposed per block and the stock merge "
-                               f"assumes token rows",
-                               "use connector.kind: pdctl, or equal block sizes",
-                               related=(("prefill", "block_size"), ("decode", "block_size")), severity="warning"))
-    for role in ROLES:
-        g = t.group(role)
-        assert g.block_size is not None
-        if g.platform == "cpu" and g.block_size % CPU_BLOCK_MULTIPLE:
-            up = -(-g.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
-            out.append(Problem((role, "block_size"),
-                               f"the CPU attention backend needs a block size that is a multiple of "
-                               f"{CPU_BLOCK_MULTIPLE} (got {g.block_size})",
-                               f"use {up}"))
-        if info.kv_heads and info.kv_heads % g.tp:
-            divisors = [n for n in range(1, info.kv_heads + 1) if info.kv_heads % n == 0]
-            out.append(Problem((role, "tp"),
-                               f"TP {g.tp} does not divide the model's {info.kv_heads} KV heads",
-                               f"use one of {divisors}"))
-        if g.platform == "cpu" and g.gpu_memory_utilization is not None:
-            out.append(Problem((role, "gpu_memory_utilization"), "has no meaning on the cpu platform",
-                               "set kv_cache_memory (e.g. '256MiB') instead"))
-        if g.devices is not None and len(g.devices) < g.count * g.tp:
-            out.append(Problem((role, "devices"),
-                               f"{g.count} instance(s) x TP {g.tp} need {g.count * g.tp} devices, "
-                               f"{len(g.devices)} listed", f"list {g.count * g.tp} device ids"))
-        if g.devices is not None and len(set(g.devices)) != len(g.devices):
-            out.append(Problem((role, "devices"), "lists a device more than once"))
-        if g.platform != "cpu" and g.devices is None:
-            out.append(Problem((role, "devices"),
-                               f"{g.platform} instances need explicit device ids, or every instance takes them all",
-                               f"add e.g. devices: {list(range(g.count * g.tp))}"))
-        if t.connector.kv_buffer_device and t.connector.kv_buffer_device not in ("cpu", g.platform):
-            out.append(Problem(("connector", "kv_buffer_device"),
-                               f"'{t.connector.kv_buffer_device}' does not exist on the {role}'s {g.platform} "
-                               "platform", f"use 'cpu' or '{g.platform}', or leave it out to use each platform's",
-                               related=((role, "platform"),)))
+            add(("connector", "kind"),
+                f"vLLM's stock NixlConnector corrupts KV silently on CPU when block sizes differ "
+                f"({pb} -> {db}): CPU_ATTN stores K transposed per block and the stock merge "
+                f"assumes token rows",
+                "use connector.kind: pdctl, or equal block sizes",
+                related=((*pl, "block_size"), (*dl, "block_size")), severity="warning")
 
     # TP between the roles.
     if p.tp != d.tp:
         if max(p.tp, d.tp) % min(p.tp, d.tp):
-            out.append(Problem(("decode", "tp"), f"prefill TP {p.tp} and decode TP {d.tp} have no integer ratio",
-                               "make one TP a multiple of the other", related=(("prefill", "tp"),)))
+            add((*dl, "tp"), f"prefill TP {p.tp} and decode TP {d.tp} have no integer ratio",
+                "make one TP a multiple of the other", related=((*pl, "tp"),))
         if p.tp > d.tp and pb != db:
-            out.append(Problem(("prefill", "tp"),
-                               f"prefill TP {p.tp} > decode TP {d.tp} is only supported with equal block sizes "
-                               f"(got {pb} -> {db})",
-                               "use decode TP >= prefill TP, or equal block sizes", related=(("decode", "tp"),)))
+            add((*pl, "tp"),
+                f"prefill TP {p.tp} > decode TP {d.tp} is only supported with equal block sizes "
+                f"(got {pb} -> {db})",
+                "use decode TP >= prefill TP, or equal block sizes", related=((*dl, "tp"),))
         if p.kv_layout != "HND":
-            out.append(Problem(("prefill", "kv_layout"),
-                               f"different TP on prefill ({p.tp}) and decode ({d.tp}) needs the prefill's KV in "
-                               f"HND layout (heads outermost, so a head slice is contiguous); got {p.kv_layout}",
-                               "set prefill.kv_layout: HND"))
+            add((*pl, "kv_layout"),
+                f"different TP on prefill ({p.tp}) and decode ({d.tp}) needs the prefill's KV in "
+                f"HND layout (heads outermost, so a head slice is contiguous); got {p.kv_layout}",
+                "set prefill.kv_layout: HND")
 
-    # Same model, same cache dtype.
-    if t.kv_cache_dtype("prefill") != t.kv_cache_dtype("decode"):
-        out.append(Problem(("decode", "kv_cache_dtype"),
-                           f"prefill KV cache dtype '{t.kv_cache_dtype('prefill')}' and decode "
-                           f"'{t.kv_cache_dtype('decode')}' differ; NIXL copies bytes, it does not convert dtypes",
-                           "use the same kv_cache_dtype on both roles"))
+    # Same model, same cache dtype, buffers NIXL can move between.
+    if t.kv_cache_dtype(p) != t.kv_cache_dtype(d):
+        add((*dl, "kv_cache_dtype"),
+            f"prefill KV cache dtype '{t.kv_cache_dtype(p)}' and decode "
+            f"'{t.kv_cache_dtype(d)}' differ; NIXL copies bytes, it does not convert dtypes",
+            "use the same kv_cache_dtype on both roles")
     if p.model and d.model and Path(p.model).name != Path(d.model).name:
-        out.append(Problem(("decode", "model"), f"prefill serves '{p.model}' and decode '{d.model}'",
-                           "prefill and decode must serve the same model"))
+        add((*dl, "model"), f"prefill serves '{p.model}' and decode '{d.model}'",
+            "prefill and decode must serve the same model")
+    pbuf, dbuf = t.kv_buffer_device(p), t.kv_buffer_device(d)
+    if "cpu" not in (pbuf, dbuf) and pbuf != dbuf:
+        add((*dl, "kv_buffer_device"),
+            f"NIXL would move KV from a {pbuf} buffer into a {dbuf} buffer: no backend reads one accelerator "
+            "vendor's memory into another's",
+            "stage one side in host memory: kv_buffer_device: cpu on one of the two pools",
+            related=((*pl, "kv_buffer_device"),))
+    return out
+
+
+def _pool_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -> list[Problem]:
+    """Rules that hold within one pool."""
+    out: list[Problem] = []
+    loc = pool_loc(t, role, g)
+    assert g.block_size is not None
+    if g.platform == "cpu" and g.block_size % CPU_BLOCK_MULTIPLE:
+        up = -(-g.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+        out.append(Problem((*loc, "block_size"),
+                           f"the CPU attention backend needs a block size that is a multiple of "
+                           f"{CPU_BLOCK_MULTIPLE} (got {g.block_size})",
+                           f"use {up}"))
+    if info.kv_heads and info.kv_heads % g.tp:
+        divisors = [n for n in range(1, info.kv_heads + 1) if info.kv_heads % n == 0]
+        out.append(Problem((*loc, "tp"),
+                           f"TP {g.tp} does not divide the model's {info.kv_heads} KV heads",
+                           f"use one of {divisors}"))
+    if g.platform == "cpu" and g.gpu_memory_utilization is not None:
+        out.append(Problem((*loc, "gpu_memory_utilization"), "has no meaning on the cpu platform",
+                           "set kv_cache_memory (e.g. '256MiB') instead"))
+    if g.devices is not None and len(g.devices) < g.count * g.tp:
+        out.append(Problem((*loc, "devices"),
+                           f"{g.count} instance(s) x TP {g.tp} need {g.count * g.tp} devices, "
+                           f"{len(g.devices)} listed", f"list {g.count * g.tp} device ids"))
+    if g.devices is not None and len(set(g.devices)) != len(g.devices):
+        out.append(Problem((*loc, "devices"), "lists a device more than once"))
+    if g.platform != "cpu" and g.devices is None:
+        out.append(Problem((*loc, "devices"),
+                           f"{g.platform} instances need explicit device ids, or every instance takes them all",
+                           f"add e.g. devices: {list(range(g.count * g.tp))}"))
+    buf = t.kv_buffer_device(g)
+    if buf not in ("cpu", g.platform):
+        own = g.kv_buffer_device is not None
+        out.append(Problem((*loc, "kv_buffer_device") if own else ("connector", "kv_buffer_device"),
+                           f"'{buf}' does not exist on the {role}'s {g.platform} platform",
+                           f"use 'cpu' or '{g.platform}', or leave it out to use each platform's",
+                           related=((*loc, "platform"),)))
+    return out
+
+
+def _pool_set_problems(t: Topology) -> list[Problem]:
+    """Pool names unique per role, excluded pairs that exist, and every pool with a partner."""
+    out: list[Problem] = []
+    for role in ROLES:
+        seen: dict[str, int] = {}
+        for i, g in enumerate(t.pools(role)):
+            key = g.name.lower()  # names become lower-case Kubernetes names too
+            if key in seen:
+                out.append(Problem((role, i, "name"), f"two {role} pools are named '{g.name}'",
+                                   "give every pool of a role its own name", related=((role, seen[key], "name"),)))
+            seen.setdefault(key, i)
+    names = {role: [g.name for g in t.pools(role)] for role in ROLES}
+    for k, pair in enumerate(t.proxy.exclude_pairs):
+        for role, pool in zip(ROLES, pair, strict=True):
+            if pool not in names[role]:
+                out.append(Problem(("proxy", "exclude_pairs", k),
+                                   f"[{pair[0]}, {pair[1]}] names no {role} pool '{pool}'",
+                                   f"{role} pools: {', '.join(names[role])}"))
+    allowed = t.pairs()
+    for role in ROLES:
+        for g in t.pools(role):
+            if not any((p if role == "prefill" else d) is g for p, d in allowed):
+                out.append(Problem((*pool_loc(t, role, g), "name"),
+                                   f"{role} pool '{g.name}' has no partner: proxy.exclude_pairs excludes every "
+                                   f"pair it is in", "remove one of its pairs from proxy.exclude_pairs",
+                                   related=(("proxy", "exclude_pairs"),)))
+    return out
+
+
+def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[Problem]:
+    out = _pool_set_problems(t)
+    for p, d in t.pairs():
+        out += _pair_problems(t, p, d)
+    for role in ROLES:
+        for g in t.pools(role):
+            out += _pool_problems(t, role, g, info)
     if t.model.max_model_len and info.max_position and t.model.max_model_len > info.max_position:
         out.append(Problem(("model", "max_model_len"),
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
                            f"{info.max_position}", f"use at most {info.max_position}"))
-
     out += _engine_problems(t)
     out += _collisions(t)
-    return out
+    # A rule that holds for a pool is met or broken once, whatever the pairs it is in.
+    seen: set[tuple[Loc, str]] = set()
+    return [p for p in out if not ((p.path, p.message) in seen or seen.add((p.path, p.message)))]
 
 
 def _engine_problems(t: Topology) -> list[Problem]:
@@ -464,17 +630,21 @@ def _engine_problems(t: Topology) -> list[Problem]:
         out.append(Problem(("engine", "address"), f"has no meaning for the {e.kind} engine",
                            "remove it, or use engine.kind: ray", severity="warning"))
     own = {"ray": RAY_PLACEMENT, "slurm": SLURM_PLACEMENT, "local": ()}[e.kind]
-    for role, pl in e.placement.items():
+    placements: list[tuple[Loc, Placement]] = [(("engine", "placement", r), pl) for r, pl in e.placement.items()]
+    placements += [((*pool_loc(t, r, g), "placement"), g.placement) for r in ROLES for g in t.pools(r)
+                   if g.placement]
+    for loc, pl in placements:
         for key in RAY_PLACEMENT + SLURM_PLACEMENT:
             if getattr(pl, key) and key not in own:
-                out.append(Problem(("engine", "placement", role, key),
+                out.append(Problem((*loc, key),
                                    f"'{key}' is no placement of the {e.kind} engine",
                                    f"{e.kind} placement keys: {', '.join(own)}" if own else
                                    "the local engine runs everything on this host; use engine.kind: ray or slurm"))
-    parts = {r: e.placement[r].partition for r in ROLES if r in e.placement and e.placement[r].partition}
+    parts = {loc: pl.partition for loc, pl in placements if pl.partition and loc[-1] != "proxy"}
     if len(set(parts.values())) > 1:
-        out.append(Problem(("engine", "placement", "decode", "partition"),
-                           f"prefill and decode name different partitions ({parts['prefill']}, {parts['decode']}); "
+        loc = list(parts)[-1]
+        out.append(Problem((*loc, "partition"),
+                           f"the placements name different partitions ({', '.join(sorted(set(parts.values())))}); "
                            "the slurm engine runs the topology as one job, in one partition",
                            "name one partition (nodelist picks the nodes within it)"))
     if e.kind == "slurm" and e.placement.get("proxy"):
@@ -483,10 +653,11 @@ def _engine_problems(t: Topology) -> list[Problem]:
                            "remove engine.placement.proxy"))
     if e.kind != "local":
         for role in ROLES:
-            if t.group(role).host not in ("127.0.0.1", "0.0.0.0"):
-                out.append(Problem((role, "host"),
-                                   f"on the {e.kind} engine an instance listens on its node's address; "
-                                   f"host {t.group(role).host} is ignored", "remove it", severity="warning"))
+            for g in t.pools(role):
+                if g.host not in ("127.0.0.1", "0.0.0.0"):
+                    out.append(Problem((*pool_loc(t, role, g), "host"),
+                                       f"on the {e.kind} engine an instance listens on its node's address; "
+                                       f"host {g.host} is ignored", "remove it", severity="warning"))
     return out
 
 
@@ -499,20 +670,22 @@ def _collisions(t: Topology) -> list[Problem]:
     def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error") -> None:
         if key in table and table[key] != owner:
             out.append(Problem(path, f"{what} {key[-1]} of {owner} is also used by {table[key]}",
-                               "give each role its own range (instance i uses base + i)", severity=severity))
+                               "give each pool its own range (instance i uses base + i), or leave the ports out",
+                               severity=severity))
         table.setdefault(key, owner)
 
     for role in ROLES:
-        g = t.group(role)
-        for i in range(g.count):
-            owner = f"{role}[{i}]"
-            claim(ports, (g.host, g.http_port_of(i)), owner, (role, "http_port"), "HTTP port")
-            claim(ports, (g.host, g.side_channel_port_of(i)), owner, (role, "side_channel_port"),
-                  "NIXL side-channel port")
-            for dev in g.devices_of(i) or []:
-                # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
-                claim(devices, (g.host, g.platform, dev), owner, (role, "devices"), f"{g.platform} device",
-                      "warning" if g.platform == "cpu" else "error")
+        for g in t.pools(role):
+            loc = pool_loc(t, role, g)
+            for i in range(g.count):
+                owner = f"{role}[{i}]" if g.name == DEFAULT_POOL else f"{role} pool {g.name}[{i}]"
+                claim(ports, (g.host, g.http_port_of(i)), owner, (*loc, "http_port"), "HTTP port")
+                claim(ports, (g.host, g.side_channel_port_of(i)), owner, (*loc, "side_channel_port"),
+                      "NIXL side-channel port")
+                for dev in g.devices_of(i) or []:
+                    # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
+                    claim(devices, (g.host, g.platform, dev), owner, (*loc, "devices"), f"{g.platform} device",
+                          "warning" if g.platform == "cpu" else "error")
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
     # One report per colliding field is enough.
     seen: set[Loc] = set()
@@ -544,8 +717,29 @@ class Override:
         return cls(path, value, f"--set {text}")
 
 
-def apply_overrides(data: dict, overrides: list[Override]) -> dict:
+def _pool_override(data: dict, o: Override) -> Override:
+    """Overrides of a role written as a list of pools address a pool by name (--set decode.d64.block_size=128);
+    a role-level flag (--decode-block-size) applies to a role with one pool and is refused with several."""
+    role = o.path[0] if o.path else None
+    pools = data.get(role) if role in ROLES else None
+    if not isinstance(pools, list) or len(o.path) < 2 or isinstance(o.path[1], int):
+        return o
+    names = [p.get("name") for p in pools if isinstance(p, dict)]
+    if o.path[1] in names:
+        return replace(o, path=(role, names.index(o.path[1]), *o.path[2:]))
+    if len(pools) == 1:
+        return replace(o, path=(role, 0, *o.path[1:]))
+    field_ = ".".join(map(str, o.path[1:]))
+    raise TopologyError(Source(o.flag), [Problem(
+        o.path, f"the topology has {len(pools)} {role} pools ({', '.join(map(str, names))}); say which",
+        f"--set {role}.{names[0]}.{field_}=..." if o.path[1] in InstanceGroup.model_fields else
+        f"{role} pools: {', '.join(map(str, names))}")])
+
+
+def apply_overrides(data: dict, overrides: list[Override]) -> tuple[dict, list[Override]]:
+    """The data with the overrides applied, and the overrides with pool names resolved to list indices."""
     data = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    overrides = [_pool_override(data, o) for o in overrides]
     for o in overrides:
         node: Any = data
         for k in o.path[:-1]:
@@ -561,7 +755,16 @@ def apply_overrides(data: dict, overrides: list[Override]) -> dict:
             if not (isinstance(o.path[-1], int) and o.path[-1] < len(node)):
                 raise TopologyError(Source(o.flag), [Problem(o.path, "list index out of range")])
         node[o.path[-1]] = o.value
-    return data
+    return data, overrides
+
+
+def user_loc(problem: Problem, single: set[str]) -> Problem:
+    """Problem paths as the user wrote the YAML: a role written as one mapping has no pool index."""
+
+    def fix(loc: Loc) -> Loc:
+        return (loc[0], *loc[2:]) if len(loc) > 1 and loc[0] in single and loc[1] == 0 else loc
+
+    return replace(problem, path=fix(problem.path), related=tuple(fix(r) for r in problem.related))
 
 
 @dataclass
@@ -576,12 +779,13 @@ class Loaded:
 def validate_data(data: Any, source: Source, base_dir: Path) -> Loaded:
     if not isinstance(data, dict):
         raise TopologyError(source, [Problem((), "a topology is a mapping with name, model, prefill, decode")])
+    single = {r for r in ROLES if isinstance(data.get(r), dict)}
     try:
         topo = Topology.model_validate(data)
     except ValidationError as e:
-        raise TopologyError(source, _from_validation_error(e)) from None
+        raise TopologyError(source, [user_loc(p, single) for p in _from_validation_error(e)]) from None
     info = read_model_info(topo.model, base_dir)
-    problems = compatibility_problems(topo, info)
+    problems = [user_loc(p, single) for p in compatibility_problems(topo, info)]
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise TopologyError(source, errors)
@@ -604,8 +808,8 @@ def load_topology(path: str | Path, overrides: list[Override] = ()) -> Loaded:
     if overrides:
         if not isinstance(data, dict):
             data = {}
-        data = apply_overrides(data, list(overrides))
-        source.overridden = {o.path: o.flag for o in overrides}
+        data, resolved = apply_overrides(data, list(overrides))
+        source.overridden = {o.path: o.flag for o in resolved}
     return validate_data(data, source, path.resolve().parent)
 
 

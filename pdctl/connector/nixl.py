@@ -163,6 +163,9 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
         self._split_plans: dict[str, tuple[list, int | None]] = {}  # req -> (per-group chunk groups, tokens)
         self._received_isa: dict[int, str] = {}  # block-size ratio -> the CPU attention ISA those prefills use
+        self._remote_block: dict[str, int] = {}  # remote engine -> its block size (as it said at handshake)
+        self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
+        self._received_tokens: dict[str, int] = {}  # remote engine -> prompt tokens received so far
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
@@ -213,6 +216,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         def refuse(why: str):
             raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): {why}")
 
+        self._remote_block[nixl_agent_meta.engine_id] = nixl_agent_meta.block_size
         if self._cpu_attn and backend != self.backend_name:
             refuse("CPU_ATTN decode receiving from another attention backend")
         if self._cpu_attn:
@@ -272,10 +276,28 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                 self._cached_blocks = ()
                 self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=True)
                 return None
+        if remote and remote.engine_id in self._remote_agents:
+            read = sum(len(g) for g in meta.local_block_ids)
+            self._receiving[req_id] = (remote.engine_id, remote.host, remote.port, read, remote.num_tokens)
         try:
             return super()._read_blocks_for_req(req_id, meta)
         finally:
             self._cached_blocks = ()
+
+    def _log_received(self, req_id: str, ok: bool) -> None:
+        """One line per request: which prefill engine its KV came from. vLLM's decode metrics count tokens by
+        source but not by remote engine, and a decode in a fleet receives from several prefill pools at once;
+        the parity gate reads these lines (keyed by the request id, which holds the proxy's X-Request-Id)."""
+        got = self._receiving.pop(req_id, None)
+        if got is None:
+            return
+        engine, host, port, blocks, tokens = got
+        if ok:
+            self._received_tokens[engine] = self._received_tokens.get(engine, 0) + (tokens or 0)
+        log.info("pdctl connector: %s request %s from engine %s at %s:%s (prefill block %s -> decode block %d): "
+                 "%d decode blocks, %s prompt tokens; %d tokens from this engine so far",
+                 "received" if ok else "FAILED", req_id, engine, host, port, self._remote_block.get(engine, "?"),
+                 self.block_size, blocks, tokens, self._received_tokens.get(engine, 0))
 
     # -- prefill block > decode block ------------------------------------------------------------------------
 
@@ -339,6 +361,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         results = super().get_transfer_results()
         failed = set(results.failed_recving or ())
         for req_id in list(results.finished_recving or ()) + list(failed):
+            self._log_received(req_id, req_id not in failed)
             plan = self._split_plans.pop(req_id, None)
             if plan is None:
                 continue

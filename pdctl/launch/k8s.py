@@ -14,7 +14,7 @@ import re
 from pathlib import PurePosixPath
 
 from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
-from pdctl.topology import ROLES, Topology, is_local_path
+from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Topology, is_local_path
 
 # The extended resource each platform's device plugin offers.
 DEVICE_RESOURCE = {"cuda": "nvidia.com/gpu", "hpu": "habana.ai/gaudi", "xpu": "gpu.intel.com/i915"}
@@ -29,23 +29,25 @@ def dns_name(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower()).strip("-")[:63]
 
 
-def _labels(t: Topology, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "pdctl", "app.kubernetes.io/instance": dns_name(t.name),
-            "app.kubernetes.io/component": component}
+def _labels(t: Topology, component: str, pool: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "pdctl", "app.kubernetes.io/instance": dns_name(t.name),
+              "app.kubernetes.io/component": component}
+    if pool is not None:
+        labels["pdctl.dev/pool"] = dns_name(pool)
+    return labels
 
 
-def _model_arg(t: Topology, role: str) -> tuple[str, bool]:
-    raw = t.model_path(role)
+def _model_arg(t: Topology, g: InstanceGroup) -> tuple[str, bool]:
+    raw = t.model_path(g)
     if is_local_path(raw):
         return f"{MODELS_MOUNT}/{PurePosixPath(raw).name}", True
     return raw, False
 
 
-def _server_container(t: Topology, spec: ProcessSpec, image: str) -> tuple[dict, bool]:
-    g = t.group(spec.role)
+def _server_container(t: Topology, g: InstanceGroup, spec: ProcessSpec, image: str) -> tuple[dict, bool]:
     argv = ["python3", *spec.argv[1:]]
     argv[argv.index("--host") + 1] = "0.0.0.0"
-    model, local = _model_arg(t, spec.role)
+    model, local = _model_arg(t, g)
     argv[argv.index("--model") + 1] = model
     env = [{"name": k, "value": v} for k, v in spec.env.items()
            if k not in HOST_ONLY_ENV and k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
@@ -82,32 +84,35 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
     }
     upstreams: list[str] = []
     for i, role in enumerate(ROLES, start=1):
-        g = t.group(role)
-        spec = plan.by_role(role)[0]
-        svc = dns_name(name, role)
-        labels = _labels(t, role)
-        container, local = _server_container(t, spec, image)
-        pod: dict = {"containers": [container]}
-        if local:
-            pod["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": MODELS_CLAIM,
-                                                                            "readOnly": True}}]
-        out[f"{i}0-{role}-service.yaml"] = {
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {**meta, "name": svc, "labels": labels},
-            "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": False,
-                     "ports": [{"name": "http", "port": spec.ports["http"], "targetPort": "http"},
-                               {"name": "nixl-side", "port": spec.ports["side_channel"],
-                                "targetPort": "nixl-side"}]},
-        }
-        out[f"{i}1-{role}-statefulset.yaml"] = {
-            "apiVersion": "apps/v1", "kind": "StatefulSet",
-            "metadata": {**meta, "name": svc, "labels": labels},
-            "spec": {"serviceName": svc, "replicas": g.count, "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": pod}},
-        }
-        for k in range(g.count):
-            upstreams += [f"--{role}", f"http://{svc}-{k}.{svc}.{namespace}.svc:{spec.ports['http']}"]
+        for k, g in enumerate(t.pools(role)):
+            # One StatefulSet per pool: a pool is one kind of hardware with one block size.
+            spec = next(s for s in plan.by_role(role) if s.pool == g.name)
+            svc = dns_name(name, role) if g.name == DEFAULT_POOL else dns_name(name, role, g.name)
+            labels = _labels(t, role, g.name)
+            container, local = _server_container(t, g, spec, image)
+            pod: dict = {"containers": [container]}
+            if local:
+                pod["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": MODELS_CLAIM,
+                                                                                "readOnly": True}}]
+            stem = svc.removeprefix(name + "-")
+            out[f"{i}{2 * k}-{stem}-service.yaml"] = {
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {**meta, "name": svc, "labels": labels},
+                "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": False,
+                         "ports": [{"name": "http", "port": spec.ports["http"], "targetPort": "http"},
+                                   {"name": "nixl-side", "port": spec.ports["side_channel"],
+                                    "targetPort": "nixl-side"}]},
+            }
+            out[f"{i}{2 * k + 1}-{stem}-statefulset.yaml"] = {
+                "apiVersion": "apps/v1", "kind": "StatefulSet",
+                "metadata": {**meta, "name": svc, "labels": labels},
+                "spec": {"serviceName": svc, "replicas": g.count, "podManagementPolicy": "Parallel",
+                         "selector": {"matchLabels": labels},
+                         "template": {"metadata": {"labels": labels}, "spec": pod}},
+            }
+            for n in range(g.count):
+                url = f"http://{svc}-{n}.{svc}.{namespace}.svc:{spec.ports['http']}"
+                upstreams += [f"--{role}", url if g.name == DEFAULT_POOL else f"{g.name}={url}"]
     px = plan.by_role("proxy")[0]
     argv = ["python3", *px.argv[1:]]
     argv[argv.index("--host") + 1] = "0.0.0.0"

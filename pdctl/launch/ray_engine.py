@@ -23,7 +23,7 @@ from pdctl.launch.cluster import ClusterBackend, is_this_host
 from pdctl.launch.local import group_alive, guarded, start_ticks
 from pdctl.launch.run import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
-from pdctl.plan import Plan, ProcessSpec, with_hosts
+from pdctl.plan import Plan, ProcessSpec, placement_of, with_hosts
 
 CALL_TIMEOUT_S = 5.0  # an actor on a lost node never answers: liveness must not hang on it
 
@@ -106,8 +106,8 @@ class RayBackend(ClusterBackend):
         pl = (self.engine.get("placement") or {}).get("proxy") or {}
         return bool(pl.get("resources") or pl.get("labels") or (pl.get("node") not in (None, "local")))
 
-    def _options(self, spec: ProcessSpec) -> dict:
-        pl = (self.engine.get("placement") or {}).get(spec.role) or {}
+    def _options(self, plan: Plan, spec: ProcessSpec) -> dict:
+        pl = placement_of(plan, spec)
         opts: dict = {"name": spec.name, "lifetime": "detached", "num_cpus": 0}
         if pl.get("resources"):
             # A sliver of the resource: it marks the node kind, it does not count instances.
@@ -143,7 +143,8 @@ class RayBackend(ClusterBackend):
         state.engine = {"namespace": ns, "address": self.engine.get("address") or os.environ.get("RAY_ADDRESS")}
         placed = [s for s in plan.processes if self._on_ray(s)]
         for spec in placed:
-            self._actors[spec.name] = InstanceActor.options(namespace=ns, **self._options(spec)).remote(spec.name)
+            opts = self._options(plan, spec)
+            self._actors[spec.name] = InstanceActor.options(namespace=ns, **opts).remote(spec.name)
             # Recorded at once: a failed placement below must still find and kill the actors.
             state.processes[spec.name] = ProcessRecord(spec.name, 0, 0, 0, time.time(), where="ray:pending")
         timeout = float(self.engine.get("placement_timeout_s") or 120.0)
@@ -154,7 +155,7 @@ class RayBackend(ClusterBackend):
             try:
                 hosts[name] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except GetTimeoutError:
-                raise PlacementFailed(name, (self.engine.get("placement") or {}).get(plan.get(name).role) or {},
+                raise PlacementFailed(name, placement_of(plan, plan.get(name)),
                                       timeout, _cluster_nodes()) from None
         plan = with_hosts(plan, hosts)
         state.plan = plan

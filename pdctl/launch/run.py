@@ -18,7 +18,7 @@ from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec
-from pdctl.topology import Loaded, is_local_path, resolve_path
+from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 LOG_TAIL_LINES = 40
 
@@ -58,10 +58,13 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
         return [f"'{plan.name}' is already up (state {plan.state_dir}); `pdctl down {plan.name}` first"]
     t = loaded.topology
     for role in ("prefill", "decode"):
-        raw = t.model_path(role)
-        if is_local_path(raw) and not resolve_path(raw, loaded.base_dir).is_dir():
-            problems.append(f"{role}: model path {resolve_path(raw, loaded.base_dir)} does not exist "
-                            f"(for the tiny demo model: pdctl model tiny {raw})")
+        for g in t.pools(role):
+            raw = t.model_path(g)
+            where = role if g.name == DEFAULT_POOL else f"{role} pool {g.name}"
+            msg = (f"{where}: model path {resolve_path(raw, loaded.base_dir)} does not exist "
+                   f"(for the tiny demo model: pdctl model tiny {raw})")
+            if is_local_path(raw) and not resolve_path(raw, loaded.base_dir).is_dir() and msg not in problems:
+                problems.append(msg)
     for module in ("vllm", "nixl"):
         if importlib.util.find_spec(module) is None:
             problems.append(f"Python package '{module}' is not importable; install pdctl[cpu] or pdctl[cuda]")
@@ -222,6 +225,7 @@ class InstanceStatus:
     requests_running: float | None = None
     requests_waiting: float | None = None
     kv_usage: float | None = None
+    pool: str | None = None
 
 
 def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
@@ -236,6 +240,6 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
             time.time() - rec.started_at if rec and running else None, rec.where if rec else "-", spec.host,
             (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
-            (m or {}).get("vllm:kv_cache_usage_perc"),
+            (m or {}).get("vllm:kv_cache_usage_perc"), spec.pool,
         ))
     return out

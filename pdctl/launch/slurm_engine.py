@@ -18,28 +18,24 @@ from pdctl.launch.backend import Liveness, StopReport
 from pdctl.launch.cluster import ClusterBackend, is_this_host
 from pdctl.launch.run import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
-from pdctl.plan import Plan, ProcessSpec, with_hosts
+from pdctl.plan import Plan, ProcessSpec, placement_of, with_hosts
 
 NODE_ADDR = "{node_addr}"  # replaced on the node by pdctl.launch.slurm_step
 JOB_PREFIX = "pdctl-"
-
-
-def _placement(engine: dict, role: str) -> dict:
-    return (engine.get("placement") or {}).get(role) or {}
 
 
 def render_batch(plan: Plan, engine: dict, python: str = sys.executable) -> str:
     """The sbatch script for a plan's servers (pure)."""
     servers = [s for s in plan.processes if s.role in ("prefill", "decode")]
     placed = with_hosts(plan, {s.name: NODE_ADDR for s in servers})
-    partitions = {_placement(engine, s.role).get("partition") for s in servers} - {None}
+    partitions = {placement_of(plan, s).get("partition") for s in servers} - {None}
     nodes: list[str] = []
     for s in servers:
-        for n in _placement(engine, s.role).get("nodelist") or []:
+        for n in placement_of(plan, s).get("nodelist") or []:
             if n not in nodes:
                 nodes.append(n)
-    every_role_listed = all(_placement(engine, s.role).get("nodelist") for s in servers)
-    gres = {_placement(engine, s.role).get("gres") for s in servers} - {None}
+    every_role_listed = all(placement_of(plan, s).get("nodelist") for s in servers)
+    gres = {placement_of(plan, s).get("gres") for s in servers} - {None}
     lines = ["#!/bin/bash",
              f"# pdctl: the {plan.name} topology's servers, one job step per instance (rendered by pdctl).",
              f"#SBATCH --job-name={JOB_PREFIX}{plan.name}",
@@ -58,7 +54,7 @@ def render_batch(plan: Plan, engine: dict, python: str = sys.executable) -> str:
     for s in placed.processes:
         if s.role not in ("prefill", "decode"):
             continue
-        pl = _placement(engine, s.role)
+        pl = placement_of(plan, s)
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--job-name={s.name}", f"--output={s.log_path}",
                 "--open-mode=append", "--export=ALL"]
         if pl.get("nodelist"):

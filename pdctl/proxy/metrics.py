@@ -35,6 +35,7 @@ class Histogram:
 class Metrics:
     requests: Counter = field(default_factory=Counter)  # (route, status) -> n
     upstream_errors: Counter = field(default_factory=Counter)  # instance url -> n
+    pairs: Counter = field(default_factory=Counter)  # (prefill pool, decode pool, status) -> n
     kv_transfer_missing: int = 0
     prefill_latency: Histogram = field(default_factory=Histogram)
     first_decode_byte_latency: Histogram = field(default_factory=Histogram)
@@ -50,22 +51,28 @@ class Metrics:
     def first_decode_byte(self, seconds: float) -> None:
         self.first_decode_byte_latency.observe(seconds)
 
+    def pair_done(self, prefill_pool: str, decode_pool: str, status: int) -> None:
+        self.pairs[(prefill_pool, decode_pool, status)] += 1
+
     def upstream_error(self, url: str) -> None:
         self.upstream_errors[url] += 1
 
-    def render(self, inflight: dict[str, int]) -> str:
+    def render(self, instances: list) -> str:
         lines = ["# TYPE pdctl_proxy_requests_total counter"]
         lines += [f'pdctl_proxy_requests_total{{route="{r}",status="{s}"}} {n}'
                   for (r, s), n in sorted(self.requests.items())]
+        lines.append("# TYPE pdctl_proxy_pair_requests_total counter")
+        lines += [f'pdctl_proxy_pair_requests_total{{prefill_pool="{p}",decode_pool="{d}",status="{s}"}} {n}'
+                  for (p, d, s), n in sorted(self.pairs.items())]
         lines.append("# TYPE pdctl_proxy_upstream_errors_total counter")
         lines += [f'pdctl_proxy_upstream_errors_total{{instance="{u}"}} {n}'
                   for u, n in sorted(self.upstream_errors.items())]
         lines += ["# TYPE pdctl_proxy_kv_transfer_missing_total counter",
                   f"pdctl_proxy_kv_transfer_missing_total {self.kv_transfer_missing}",
                   "# TYPE pdctl_proxy_inflight gauge"]
-        for key, n in sorted(inflight.items()):
-            role, _, url = key.partition(":")
-            lines.append(f'pdctl_proxy_inflight{{role="{role}",instance="{url}"}} {n}')
+        for i in instances:
+            lines.append(f'pdctl_proxy_inflight{{role="{i.role}",pool="{i.pool}",name="{i.name}",'
+                         f'instance="{i.url}"}} {i.inflight}')
         lines += self.prefill_latency.render("pdctl_proxy_prefill_seconds")
         lines += self.first_decode_byte_latency.render("pdctl_proxy_first_decode_byte_seconds")
         lines += self.e2e_latency.render("pdctl_proxy_e2e_seconds")

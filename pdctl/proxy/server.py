@@ -12,12 +12,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from itertools import count
 
 from aiohttp import web
 
 from pdctl.proxy.metrics import Metrics
+from pdctl.proxy.routing import Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, Upstream, UpstreamError
+from pdctl.topology import DEFAULT_POOL, instance_name
 
 log = logging.getLogger("pdctl.proxy")
 
@@ -26,41 +27,42 @@ REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "r
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-@dataclass
-class Instance:
-    url: str
-    role: str
-    inflight: int = 0
-    healthy: bool = True  # last health probe (or request) reached it
-
-
-@dataclass
-class Pool:
-    instances: list[Instance]
-    policy: str = "least_outstanding"
-    _rr: count = field(default_factory=count)
-
-    def pick(self) -> Instance:
-        # Instances that failed their last probe get no traffic; with none healthy, every one is tried (the
-        # request then fails fast with the instance named, instead of waiting for a probe).
-        pool = [i for i in self.instances if i.healthy] or self.instances
-        if self.policy == "round_robin":
-            return pool[next(self._rr) % len(pool)]
-        # Ties broken round-robin so equal loads still spread.
-        start = next(self._rr)
-        n = len(pool)
-        return min((pool[(start + i) % n] for i in range(n)), key=lambda x: x.inflight)
+ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
 
 
 @dataclass
 class ProxyConfig:
-    prefill: list[str]
+    prefill: list[str]  # [POOL=]URL per instance; a bare URL is in pool "default"
     decode: list[str]
     policy: str = "least_outstanding"
     strict: bool = False
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
     health_interval_s: float = 2.0  # how often every instance's /health is probed for routing
+    weights: dict[str, float] = field(default_factory=dict)  # "ROLE/POOL" -> weight
+    exclude_pairs: list[tuple[str, str]] = field(default_factory=list)
+    affinity_epsilon: float = 0.25
+    affinity_prefix_chars: int = 256
+    access_log: bool = True
+
+
+def parse_upstream(text: str) -> tuple[str, str]:
+    """'p32=http://h:8100' -> ('p32', 'http://h:8100'); a bare URL is in the default pool."""
+    pool, sep, url = text.partition("=")
+    if not sep or "://" in pool:
+        return DEFAULT_POOL, text.rstrip("/")
+    return pool, url.rstrip("/")
+
+
+def instances(role: str, upstreams: list[str], weights: dict[str, float]) -> list[Instance]:
+    """The role's instances named as the plan names them (prefill-p32-0: index within its pool)."""
+    out: list[Instance] = []
+    seen: dict[str, int] = {}
+    for text in upstreams:
+        pool, url = parse_upstream(text)
+        k = seen[pool] = seen.get(pool, -1) + 1
+        out.append(Instance(instance_name(role, pool, k), url, role, pool, weights.get(f"{role}/{pool}", 1.0)))
+    return out
 
 
 def usable_kv_params(params: object) -> bool:
@@ -75,8 +77,9 @@ def error_body(message: str, kind: str = "proxy_error", code: int = 502) -> dict
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg = cfg
-        self.prefill = Pool([Instance(u.rstrip("/"), "prefill") for u in cfg.prefill], cfg.policy)
-        self.decode = Pool([Instance(u.rstrip("/"), "decode") for u in cfg.decode], cfg.policy)
+        self.router = Router(instances("prefill", cfg.prefill, cfg.weights), instances("decode", cfg.decode,
+                             cfg.weights), cfg.policy, cfg.exclude_pairs, cfg.affinity_epsilon,
+                             cfg.affinity_prefix_chars)
         self.metrics = Metrics()
         self._upstreams: dict[str, Upstream] = {}
 
@@ -102,11 +105,11 @@ class Proxy:
 
     async def _probe_forever(self) -> None:
         while True:
-            insts = self.prefill.instances + self.decode.instances
+            insts = self.router.instances
             oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
             for inst, ok in zip(insts, oks, strict=True):
                 if inst.healthy != ok:
-                    log.warning("%s %s is %s", inst.role, inst.url, "back: routing to it again" if ok else
+                    log.warning("%s %s is %s", inst.name, inst.url, "back: routing to it again" if ok else
                                 "down: no longer routing to it")
                 inst.healthy = ok
             await asyncio.sleep(self.cfg.health_interval_s)
@@ -134,17 +137,23 @@ class Proxy:
             return False
 
     async def ready(self, _req: web.Request) -> web.Response:
-        insts = self.prefill.instances + self.decode.instances
+        insts = self.router.instances
         oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
-        per = {f"{i.role} {i.url}": ok for i, ok in zip(insts, oks, strict=True)}
         for inst, ok in zip(insts, oks, strict=True):
             inst.healthy = ok
-        ready = any(ok for i, ok in zip(insts, oks, strict=True) if i.role == "prefill") and any(
-            ok for i, ok in zip(insts, oks, strict=True) if i.role == "decode")
-        return web.json_response({"ready": ready, "instances": per}, status=200 if ready else 503)
+        up = {i.pool for i, ok in zip(insts, oks, strict=True) if ok and i.role == "prefill"}, {
+            i.pool for i, ok in zip(insts, oks, strict=True) if ok and i.role == "decode"}
+        # Ready when some allowed pair has a healthy instance on both sides.
+        pairs = {f"{p}/{d}": p in up[0] and d in up[1] for p, d in self.router.pairs}
+        ready = any(pairs.values())
+        return web.json_response({"ready": ready, "instances": {f"{i.role} {i.url}": ok for i, ok in
+                                                                zip(insts, oks, strict=True)},
+                                  "names": {i.name: ok for i, ok in zip(insts, oks, strict=True)},
+                                  "pairs": pairs}, status=200 if ready else 503)
 
     async def models(self, req: web.Request) -> web.Response:
-        inst = self.decode.pick()
+        decodes = [i for i in self.router.instances if i.role == "decode"]
+        inst = next((i for i in decodes if i.healthy), decodes[0])
         try:
             async with await self.upstream(inst).request("GET", "/v1/models", headers=self._headers(req, "")) as r:
                 return web.Response(status=r.status, body=await r.read(), content_type="application/json")
@@ -152,8 +161,7 @@ class Proxy:
             return web.json_response(error_body(f"decode {inst.url} unreachable: {e}", code=503), status=503)
 
     async def metrics_route(self, _req: web.Request) -> web.Response:
-        inflight = {f"{i.role}:{i.url}": i.inflight for i in self.prefill.instances + self.decode.instances}
-        return web.Response(text=self.metrics.render(inflight), content_type="text/plain")
+        return web.Response(text=self.metrics.render(self.router.instances), content_type="text/plain")
 
     # -- P/D -------------------------------------------------------------------------------------------------
 
@@ -172,14 +180,28 @@ class Proxy:
     async def _pd(self, req: web.Request, route: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         status = 500
+        chosen: list[Instance] = []  # the prefill, then the decode, as they are picked
         try:
-            resp = await self._pd_inner(req, route, t0)
+            resp = await self._pd_inner(req, route, t0, chosen)
             status = resp.status
+            if not resp.prepared:  # a streamed answer carried these from its first byte
+                resp.headers.update(self._route_headers(chosen))
             return resp
         finally:
-            self.metrics.request_done(route, status, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.metrics.request_done(route, status, seconds)
+            p, d = (chosen + [None, None])[:2]
+            if d is not None:
+                self.metrics.pair_done(p.pool, d.pool, status)
+            if self.cfg.access_log:
+                log.info("%s %s %d %.1f ms prefill=%s decode=%s", req.headers.get("X-Request-Id", "-"), route,
+                         status, 1e3 * seconds, p.name if p else "-", d.name if d else "-")
 
-    async def _pd_inner(self, req: web.Request, route: str, t0: float) -> web.StreamResponse:
+    @staticmethod
+    def _route_headers(chosen: list[Instance]) -> dict[str, str]:
+        return dict(zip(("x-pdctl-prefill", "x-pdctl-decode"), (i.name for i in chosen), strict=False))
+
+    async def _pd_inner(self, req: web.Request, route: str, t0: float, chosen: list[Instance]) -> web.StreamResponse:
         try:
             body = await req.json()
             assert isinstance(body, dict)
@@ -188,6 +210,12 @@ class Proxy:
                                      status=400)
         request_id = req.headers.get("X-Request-Id") or f"pdctl-{uuid.uuid4().hex}"
         headers = self._headers(req, request_id)
+        router = self.router
+        try:
+            pin = router.parse_pin(req.headers[ROUTE_HEADER]) if ROUTE_HEADER in req.headers else None
+        except NoRoute as e:
+            return web.json_response(error_body(f"{ROUTE_HEADER}: {e}", "invalid_request", 400), status=400)
+        key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
         pre_body = dict(body)
         pre_body["max_tokens"] = 1
@@ -198,7 +226,8 @@ class Proxy:
             pre_body.pop(k, None)
         pre_body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
 
-        p = self.prefill.pick()
+        p = router.pick_prefill(key, pin)
+        chosen.append(p)
         p.inflight += 1
         try:
             async with await self.upstream(p).request("POST", route, json.dumps(pre_body).encode(), headers) as r:
@@ -234,15 +263,16 @@ class Proxy:
         dec_body = dict(body)
         dec_body["kv_transfer_params"] = kvp
 
-        d = self.decode.pick()
+        d = router.pick_decode(p.pool, key, pin)
+        chosen.append(d)
         d.inflight += 1
         try:
-            return await self._decode(req, d, route, dec_body, headers, t0)
+            return await self._decode(req, d, route, dec_body, headers, t0, self._route_headers(chosen))
         finally:
             d.inflight -= 1
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                      t0: float) -> web.StreamResponse:
+                      t0: float, route_headers: dict[str, str]) -> web.StreamResponse:
         try:
             upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
         except UpstreamError as e:
@@ -264,7 +294,7 @@ class Proxy:
                     self.metrics.upstream_error(d.url)
                 return web.Response(status=upstream.status, body=raw, content_type=ctype.split(";")[0])
             out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
-                                                          "X-Request-Id": headers["X-Request-Id"]})
+                                                          "X-Request-Id": headers["X-Request-Id"], **route_headers})
             await out.prepare(req)
             first = True
             try:
@@ -290,7 +320,8 @@ def serve(cfg: ProxyConfig, host: str, port: int) -> None:
     except ImportError:
         pass
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("pdctl proxy on %s:%d: prefill %s, decode %s, policy %s%s", host, port, cfg.prefill, cfg.decode,
-             cfg.policy, ", strict" if cfg.strict else "")
-    web.run_app(Proxy(cfg).app(), host=host, port=port, print=None, access_log=None,
-                handler_cancellation=True)
+    proxy = Proxy(cfg)
+    log.info("pdctl proxy on %s:%d: %s; pairs %s; policy %s%s", host, port,
+             ", ".join(f"{i.name} {i.url}" for i in proxy.router.instances),
+             ", ".join(f"{p}/{d}" for p, d in proxy.router.pairs), cfg.policy, ", strict" if cfg.strict else "")
+    web.run_app(proxy.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)

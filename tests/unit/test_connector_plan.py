@@ -99,7 +99,7 @@ def isa_worker(monkeypatch, block_size, host_isa):
     w = object.__new__(PdctlNixlWorker)
     w.block_size, w.world_size, w.kv_cache_layout, w.backend_name = block_size, 1, "HND", "CPU_ATTN"
     w._cpu_attn, w._received_isa, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
-    w._physical_blocks_per_logical_kv_block, w._split_ratio = 1, {}
+    w._physical_blocks_per_logical_kv_block, w._split_ratio, w._remote_block = 1, {}, {}
     monkeypatch.setattr(PdctlNixlWorker, "_isa", lambda self, n: host_isa)
     seen = []
     monkeypatch.setattr(NixlPullConnectorWorker, "add_remote_agent",

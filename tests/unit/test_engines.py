@@ -1,5 +1,6 @@
 """Engine selection and Ray placement options, without a cluster (the e2e tests run real ones)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 from pdctl.launch.backend import backend_for
@@ -27,13 +28,24 @@ def test_ray_actor_options_follow_the_placement():
     engine = {**plan.topology["engine"], "placement": {
         **plan.topology["engine"]["placement"],
         "decode": {"labels": {"accelerator": "gaudi3"}, "node": "10.0.0.7", "resources": {}}}}
+    plan = replace(plan, topology={**plan.topology, "engine": engine})
     b = backend_for(engine)
-    pre = b._options(plan.get("prefill-0"))
+    pre = b._options(plan, plan.get("prefill-0"))
     assert pre["name"] == "prefill-0" and pre["lifetime"] == "detached" and pre["num_cpus"] == 0
     assert pre["resources"] == {"prefill_node": 0.01}  # marks the node kind, does not count instances
-    dec = b._options(plan.get("decode-0"))
+    dec = b._options(plan, plan.get("decode-0"))
     assert dec["label_selector"] == {"accelerator": "gaudi3"} and dec["resources"] == {"node:10.0.0.7": 0.001}
     # The proxy stays where pdctl runs unless placed.
     assert b._on_ray(plan.get("decode-0")) and not b._on_ray(plan.get("proxy"))
     placed = backend_for({**engine, "placement": {"proxy": {"resources": {"cpu_node": 1}}}})
     assert placed._on_ray(plan.get("proxy"))
+
+
+def test_a_pools_own_placement_wins_over_its_roles():
+    o = overrides_from_flags({}, ['decode={"name": "d64", "block_size": 64, "devices": [1], '
+                                  '"placement": {"resources": {"gaudi_node": 1}}}'])
+    loaded = load_topology(CONFIGS / "cpu-ray.yaml", o)
+    plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+    b = backend_for(plan.topology["engine"])
+    assert b._options(plan, plan.get("decode-d64-0"))["resources"] == {"gaudi_node": 0.01}
+    assert b._options(plan, plan.get("prefill-0"))["resources"] == {"prefill_node": 0.01}

@@ -53,14 +53,14 @@ def test_cuda_to_gaudi_requests_devices_and_uses_the_pod_ip():
     t, m = _render(CONFIGS / "cuda-to-gaudi.yaml")
     pre = m["11-prefill-statefulset.yaml"]["spec"]["template"]["spec"]["containers"][0]
     dec = m["21-decode-statefulset.yaml"]["spec"]["template"]["spec"]["containers"][0]
-    assert pre["resources"]["limits"] == {"nvidia.com/gpu": str(t.prefill.tp)}
-    assert dec["resources"]["limits"] == {"habana.ai/gaudi": str(t.decode.tp)}
+    assert pre["resources"]["limits"] == {"nvidia.com/gpu": str(t.prefill[0].tp)}
+    assert dec["resources"]["limits"] == {"habana.ai/gaudi": str(t.decode[0].tp)}
     for c in (pre, dec):
         env = {e["name"]: e for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "CUDA_VISIBLE_DEVICES" not in env and "HABANA_VISIBLE_MODULES" not in env  # the device plugin's job
         assert c["command"][c["command"].index("--host") + 1] == "0.0.0.0"
-    assert dec["command"][dec["command"].index("--block-size") + 1] == str(t.decode.block_size)
+    assert dec["command"][dec["command"].index("--block-size") + 1] == str(t.decode[0].block_size)
     proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert proxy[proxy.index("--decode") + 1] == "http://cuda-to-gaudi-decode-0.cuda-to-gaudi-decode.pd.svc:8200"
     assert "127.0.0.1" not in " ".join(proxy)
@@ -72,7 +72,7 @@ def test_local_model_comes_from_a_volume_and_counts_become_replicas():
     c = sts["template"]["spec"]["containers"][0]
     assert c["command"][c["command"].index("--model") + 1] == "/models/tiny"
     assert sts["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "pdctl-models"
-    assert sts["replicas"] == t.decode.count
+    assert sts["replicas"] == t.decode[0].count
 
 
 def test_cli_writes_files_without_yaml_anchors(run_cli, tmp_path):

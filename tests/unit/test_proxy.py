@@ -114,8 +114,8 @@ def pd():
     prefill, decode = Backend("prefill"), Backend("decode")
     p_url, d_url = loop.serve(prefill.app()), loop.serve(decode.app())
 
-    def make(**cfg):
-        proxy = Proxy(ProxyConfig([p_url], [d_url], **cfg))
+    def make(decodes=(), **cfg):
+        proxy = Proxy(ProxyConfig([p_url], [*decodes, d_url], **cfg))
         return proxy, loop.serve(proxy.app())
 
     proxy, url = make(read_timeout_s=2.0, connect_timeout_s=1.0)
@@ -261,23 +261,11 @@ def test_bad_body_is_400(pd):
     assert e.value.code == 400
 
 
-def test_policies():
-    from pdctl.proxy.server import Instance, Pool
-
-    rr = Pool([Instance("a", "decode"), Instance("b", "decode")], "round_robin")
-    assert [rr.pick().url for _ in range(4)] == ["a", "b", "a", "b"]
-    lo = Pool([Instance("a", "decode", inflight=3), Instance("b", "decode", inflight=1)], "least_outstanding")
-    assert {lo.pick().url for _ in range(4)} == {"b"}
-    even = Pool([Instance("a", "decode"), Instance("b", "decode")], "least_outstanding")
-    assert {even.pick().url for _ in range(4)} == {"a", "b"}  # ties spread
-
-
 def test_unhealthy_instances_get_no_traffic_and_come_back(pd):
     # Two decodes; one stops answering /health (a lost node): after a probe every request goes to the other.
     second = Backend("decode")
     d2 = pd.loop.serve(second.app())
-    proxy, url = pd.make(health_interval_s=0.2)
-    proxy.decode.instances.append(type(proxy.decode.instances[0])(d2, "decode"))
+    proxy, url = pd.make(decodes=[d2], health_interval_s=0.2)
     second.healthy = False
     time.sleep(0.8)
     for _ in range(6):
@@ -292,20 +280,40 @@ def test_unhealthy_instances_get_no_traffic_and_come_back(pd):
 
 def test_connection_refused_marks_an_instance_down_at_once(pd):
     dead = f"http://127.0.0.1:{free_port()}"
-    proxy, url = pd.make(health_interval_s=60)  # no probe in this test's lifetime after the first
+    proxy, url = pd.make(decodes=[dead], health_interval_s=60)  # no probe in this test's lifetime after the first
     time.sleep(0.3)
-    proxy.decode.instances.insert(0, type(proxy.decode.instances[0])(dead, "decode"))
+    proxy.router.instances[1].healthy = True  # as if the first probe found it: the first request learns it is gone
     codes = [post(url + "/v1/completions", BODY)[0] for _ in range(4)]
     assert codes.count(503) <= 1 and codes[-3:] == [200, 200, 200]
 
 
-def test_policies_skip_unhealthy():
-    from pdctl.proxy.server import Instance, Pool
-
-    rr = Pool([Instance("a", "decode", healthy=False), Instance("b", "decode")], "round_robin")
-    assert {rr.pick().url for _ in range(4)} == {"b"}
-    none = Pool([Instance("a", "decode", healthy=False)], "least_outstanding")
-    assert none.pick().url == "a"  # nothing healthy: still tried, so the client gets a named error
+def test_pools_pins_route_headers_and_pair_metrics(pd):
+    """Two decode pools behind one endpoint: x-pdctl-route pins the pair, the answer names the instances, the
+    proxy counts per pair, and a pin the topology excludes (or never had) is a 400 that reaches no server."""
+    second = Backend("decode")
+    d2 = pd.loop.serve(second.app())
+    proxy, url = pd.make(decodes=[f"d32={d2}"], exclude_pairs=[])
+    status, _, h = post(url + "/v1/completions", BODY, {"x-pdctl-route": "default/d32"})
+    assert status == 200 and h["x-pdctl-prefill"] == "prefill-0" and h["x-pdctl-decode"] == "decode-d32-0"
+    assert len(second.requests) == 1 and not pd.decode.requests
+    status, _, h = post(url + "/v1/completions", BODY, {"x-pdctl-route": "default/default"})
+    assert status == 200 and h["x-pdctl-decode"] == "decode-0" and len(pd.decode.requests) == 1
+    for bad in ("default/d99", "nonsense", "p9/d32"):
+        status, text, _ = post(url + "/v1/completions", BODY, {"x-pdctl-route": bad})
+        assert status == 400 and "pairs: default/d32, default/default" in text, text
+    assert len(pd.prefill.requests) == 2  # the bad pins reached nobody
+    metrics = get(url + "/metrics")[1]
+    assert 'pdctl_proxy_pair_requests_total{prefill_pool="default",decode_pool="d32",status="200"} 1' in metrics
+    assert 'name="decode-d32-0"' in metrics
+    excluded = Proxy(ProxyConfig([pd.p_url, f"p2={pd.p_url}"], [f"d32={d2}", pd.d_url],
+                                 exclude_pairs=[("default", "d32")]))
+    xurl = pd.loop.serve(excluded.app())
+    status, text, _ = post(xurl + "/v1/completions", BODY, {"x-pdctl-route": "default/d32"})
+    assert status == 400 and "excluded" in text
+    answers = [post(xurl + "/v1/completions", BODY)[2] for _ in range(12)]
+    seen = {(h["x-pdctl-prefill"], h["x-pdctl-decode"]) for h in answers}
+    assert ("prefill-0", "decode-d32-0") not in seen and len(seen) >= 2, seen
+    assert post(xurl + "/v1/completions", BODY, {"x-pdctl-route": "p2/d32"})[2]["x-pdctl-decode"] == "decode-d32-0"
 
 
 def test_metrics_format_and_histograms(pd):
@@ -317,7 +325,7 @@ def test_metrics_format_and_histograms(pd):
     assert m['pdctl_proxy_requests_total{route="/v1/completions",status="200"}'] == 1
     assert m["pdctl_proxy_e2e_seconds_count"] == 1 and m["pdctl_proxy_prefill_seconds_count"] == 1
     assert m["pdctl_proxy_first_decode_byte_seconds_count"] == 1
-    assert f'pdctl_proxy_inflight{{role="decode",instance="{pd.d_url}"}}' in text
+    assert f'pdctl_proxy_inflight{{role="decode",pool="default",name="decode-0",instance="{pd.d_url}"}}' in text
 
 
 # -- the upstream client -------------------------------------------------------------------------------------

@@ -37,16 +37,16 @@ def test_stock_connector_cpu_hetero_is_a_warning():
 
 def test_layout_aliases():
     t = topo(prefill__kv_layout="LBHNC", decode__kv_layout="lbnhc")
-    assert (t.prefill.kv_layout, t.decode.kv_layout) == ("HND", "NHD")
+    assert (t.prefill[0].kv_layout, t.decode[0].kv_layout) == ("HND", "NHD")
 
 
 def test_platform_defaults():
     t = Topology.model_validate({"name": "t", "model": {"path": "m/m"},
                                  "prefill": {"platform": "cuda", "devices": [0]},
                                  "decode": {"platform": "hpu", "devices": [0]}})
-    assert (t.prefill.block_size, t.decode.block_size) == (16, 128)
-    assert t.prefill.enforce_eager is False and t.prefill.kv_cache_memory is None
-    assert topo().prefill.kv_cache_memory == 256 * 2**20 and topo().prefill.enforce_eager is True
+    assert (t.prefill[0].block_size, t.decode[0].block_size) == (16, 128)
+    assert t.prefill[0].enforce_eager is False and t.prefill[0].kv_cache_memory is None
+    assert topo().prefill[0].kv_cache_memory == 256 * 2**20 and topo().prefill[0].enforce_eager is True
 
 
 def test_tp_must_divide_kv_heads():
@@ -62,8 +62,14 @@ def test_decode_tp_greater_is_fine_prefill_greater_needs_equal_blocks():
 
 
 def test_same_host_other_host_ports():
-    assert msgs(topo(decode__http_port=8100)) != []
-    assert msgs(topo(decode__http_port=8100, decode__side_channel_port=5600, decode__host="127.0.0.2")) == []
+    assert msgs(topo(prefill__http_port=8100, decode__http_port=8100)) != []
+    assert msgs(topo(prefill__http_port=8100, prefill__side_channel_port=5600, decode__http_port=8100,
+                     decode__side_channel_port=5600, decode__host="127.0.0.2")) == []
+
+
+def test_ports_left_out_skip_every_explicit_one():
+    t = topo(decode__http_port=8100)  # the prefill's automatic 8100 is taken: it moves on
+    assert (t.prefill[0].http_port, t.decode[0].http_port) == (8101, 8100) and msgs(t) == []
 
 
 @pytest.mark.parametrize("text,n", [("256MiB", 256 * 2**20), ("1GiB", 2**30), ("1.5 GiB", int(1.5 * 2**30)),

@@ -48,7 +48,8 @@ OVERRIDES = [
      ["stock NixlConnector needs the decode block to be a multiple", "use connector.kind: pdctl"]),
     (["--prefill-tp", "2", "--set", "prefill.devices=[0,1]"],
      ["prefill TP 2 > decode TP 1 is only supported with equal block sizes", "command line (--prefill-tp 2)"]),
-    (["--set", "proxy.port=8200"], ["port 8200 of the proxy is also used by decode[0]"]),
+    (["--set", "proxy.port=8200", "--set", "decode.http_port=8200"],
+     ["port 8200 of the proxy is also used by decode[0]"]),
 ]
 
 
