@@ -207,10 +207,10 @@ def plan(topology: TopologyArg, json_: JsonOpt = False, state_dir: StateDirOpt =
 
 def _render_plan(p: Plan) -> None:
     table = Table(title=f"plan: {p.name}  (state {p.state_dir})", show_lines=False)
-    for col in ("process", "platform", "block", "TP", "layout", "HTTP", "side channel", "readiness"):
+    for col in ("process", "pool", "platform", "block", "TP", "layout", "HTTP", "side channel", "readiness"):
         table.add_column(col)
-    for s in p.processes:
-        table.add_row(s.name, s.platform, str(s.block_size or "-"), str(s.tp or "-"), s.kv_layout or "-",
+    for s in p.processes:  # in pool order: the plan lists each pool's instances together
+        table.add_row(s.name, s.pool or "-", s.platform, str(s.block_size or "-"), str(s.tp or "-"), s.kv_layout or "-",
                       f"{s.host}:{s.ports['http']}", str(s.ports.get("side_channel", "-")), s.readiness_url)
     out.print(table)
     for s in p.processes:
@@ -633,6 +633,38 @@ def _render_parity(report, json_: bool, junit: Path | None) -> None:
     out.print(f"pass rate {100 * report.pass_rate:.1f}% -> " + ("[green]PASS[/]" if report.passed else "[red]FAIL[/]"))
 
 
+def _render_fleet(report, json_: bool, junit: Path | None) -> None:
+    from pdctl.gates.check import junit_xml
+
+    if junit:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.write_text(junit_xml(report))
+    if json_:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    table = Table(title="parity per pool pair: P/D vs aggregated reference (greedy, token ids)")
+    for col in ("prefill", "decode", "prompts", "passed", "by transfer", "computed", "KV from", "result"):
+        table.add_column(col)
+    for pair in report.all():
+        d = pair.to_dict()
+        name = ("all pairs", "at once") if pair.prefill_pool == "*" else (pair.prefill_pool, pair.decode_pool)
+        table.add_row(*name, str(d["prompts"]), str(d["passed"]), f"{d['tokens_by_transfer']:.0f}",
+                      f"{d['tokens_computed']:.0f}", ", ".join(f"{k} x{v}" for k, v in d["kv_from"].items()) or "-",
+                      "[green]pass[/]" if pair.passed else "[red]FAIL[/]")
+    out.print(table)
+    for pair in report.all():
+        for r in pair.report.results:
+            if not r.passed:
+                out.print(f"[red]FAIL[/] {pair.prefill_pool}/{pair.decode_pool} {r.label}: first divergent token "
+                          f"{r.first_divergence} {r.error or ''}", highlight=False)
+        for problem in pair.problems:
+            out.print(f"[red]FAIL[/] {pair.prefill_pool}/{pair.decode_pool} {problem}", highlight=False)
+    if not report.logs_checked:
+        out.print("the decodes' logs were not read (stock connector): where each KV came from is not proven",
+                  highlight=False)
+    out.print(f"pass rate {100 * report.pass_rate:.1f}% -> " + ("[green]PASS[/]" if report.passed else "[red]FAIL[/]"))
+
+
 @app.command()
 @topology_command
 def check(
@@ -650,6 +682,9 @@ def check(
     reference_first: Annotated[bool, typer.Option(help="run the reference alone first and record its answers, "
                                                   "then bring up P/D: for hosts too small for both at once (e.g. "
                                                   "decode TP 2 on 2 cores)")] = False,
+    mixed_prompts: Annotated[int, typer.Option(help="fleets: prompts pinned over every pair at once after the "
+                                               "per-pair phases (0: none)")] = 16,
+    mixed_concurrency: Annotated[int, typer.Option(help="fleets: prompts in flight in the mixed phase")] = 12,
     seed: Annotated[int | None, typer.Option(help="prompt seed (default: fresh every run)")] = None,
     lengths: Annotated[str | None, typer.Option(help="only random prompts of these token lengths, e.g. 65,129,300")]
     = None,
@@ -662,7 +697,12 @@ def check(
     """Parity gate: P/D output must equal an aggregated reference token for token, and the KV must travel.
 
     With a TOPOLOGY, brings it up plus an aggregated reference (same model, mode, block size and TP as the
-    decode, no connector), checks, and tears everything down. Prompts: random tokens at every block boundary of
+    decode, no connector), checks, and tears everything down. A fleet (several pools per role) is checked per
+    prefill pool x decode pool pair: prompts pinned to the pair (x-pdctl-route) around both pools' block
+    boundaries, each pair's KV proven from its decode pool's metrics and, with pdctl's connector, from the
+    decodes' logs (which prefill each read came from); then prompts over every pair at once.
+
+    Prompts: random tokens at every block boundary of
     both sides, prompts sharing a prefix with earlier ones, and GSM8K 5-shot prompts with --gsm8k-dir. The
     decode's /metrics must show the prompts arrived by KV transfer. Exit 1 on any mismatch or missing transfer.
 
@@ -675,14 +715,42 @@ def check(
       pdctl check configs/cpu-demo.yaml --decode-tp 2 --set "decode.devices=[0,1]" --reference-first
 
       pdctl check --proxy http://127.0.0.1:8000 --reference http://127.0.0.1:8300 --model tiny --json
+
+      pdctl check configs/cpu-fleet.yaml --json     # a fleet: every prefill pool x decode pool pair, pinned
+
+      pdctl check --state-dir .pdctl/cpu-fleet --reference http://127.0.0.1:8300   # a fleet that is up
     """
     from pdctl.gates import check as check_mod
     from pdctl.gates import parity
     from pdctl.launch import probe
 
+    if topology is None and state_dir is not None and not proxy_url:
+        # A topology that is up (`pdctl up -d`): every pool pair, pinned, against a reference that runs too.
+        from pdctl.gates import fleet
+
+        if not reference_url:
+            raise UserError("--state-dir checks a running topology: give --reference URL of an aggregated server")
+        _, st = _state_or_exit(None, state_dir)
+        if st is None:
+            raise UserError(f"nothing is up in {state_dir}")
+        served = st.plan.topology["model"].get("served_name") or st.plan.topology["model"]["path"]
+        limit = (st.plan.topology["model"].get("max_model_len") or 2048) - max_tokens - 1
+
+        def running_prompts(pb: int, db: int) -> list:
+            if lengths:
+                return parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed)
+            return check_mod.default_prompts([pb, db], vocab, min(limit, 1024), gsm8k_dir, seed)
+
+        with err.status("checking every pool pair ...") as status:
+            report = fleet.check_fleet(st.plan, st.plan.get("proxy").http_url, reference_url, model or served,
+                                       running_prompts, max_tokens, concurrency, mixed_prompts, mixed_concurrency,
+                                       vocab, seed, progress=lambda text: status.update(f"checking {text} ..."))
+        _render_fleet(report, json_, junit)
+        raise typer.Exit(0 if report.passed else 1)
     if topology is None:
         if not (proxy_url and reference_url):
-            raise UserError("give a TOPOLOGY, or both --proxy and --reference for running systems")
+            raise UserError("give a TOPOLOGY, --state-dir of a running one with --reference, or both --proxy "
+                            "and --reference for running systems")
         decodes = decode_url or [u.split(" ", 1)[1] for u in json.loads(probe.http_get(
             proxy_url.rstrip("/") + "/ready")[1] or "{}").get("instances", {}) if u.startswith("decode ")]
         if not decodes:
@@ -700,9 +768,27 @@ def check(
     p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port)
     vocab = loaded.model_info.vocab_size or vocab
     max_prompt = (t.model.max_model_len or 2048) - max_tokens - 1
-    prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
-               check_mod.default_prompts([t.prefill.block_size, t.decode.block_size], vocab,
-                                         min(max_prompt, 1024), gsm8k_dir, seed))
+
+    def prompts_for(blocks: list[int]) -> list:
+        if lengths:
+            return parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed)
+        return check_mod.default_prompts(blocks, vocab, min(max_prompt, 1024), gsm8k_dir, seed)
+
+    if len(t.prefill) > 1 or len(t.decode) > 1:
+        if reference_first:
+            raise UserError("--reference-first is for one prefill and one decode pool; a fleet's check pins "
+                            "fresh prompts to every pair while it runs")
+        from pdctl.gates import fleet
+
+        with _brought_up(p, backend, timeout, f"bringing up {p.name} and an aggregated reference ..."), \
+                err.status("checking every pool pair ...") as status:
+            report = fleet.check_fleet(p, p.get("proxy").http_url, ref.http_url, t.model.name,
+                                       lambda pb, db: prompts_for([pb, db]), max_tokens, concurrency,
+                                       mixed_prompts, mixed_concurrency, vocab, seed,
+                                       progress=lambda text: status.update(f"checking {text} ..."))
+        _render_fleet(report, json_, junit)
+        raise typer.Exit(0 if report.passed else 1)
+    prompts = prompts_for([t.prefill[0].block_size, t.decode[0].block_size])
     reference: str | list = ref.http_url
     if reference_first:
         ref_alone = Plan(p.name, p.state_dir, [ref], p.topology)
@@ -906,7 +992,9 @@ def _render_bench(s: dict, expected_file: str, out_dir: Path) -> None:
         t = Table(title="load: P/D vs aggregated (ms; p50 / p99)")
         for col in ("", "TTFT", "TPOT", "ITL", "end-to-end", "req/s", "out tok/s", "errors"):
             t.add_column(col)
-        for name, x in (("P/D", pd), ("aggregated", agg)):
+        rows = [("P/D", pd), ("aggregated", agg)] + [(f"pair {x['prefill_pool']} -> {x['decode_pool']}", x)
+                                                       for x in s["perf"].get("pairs", [])]
+        for name, x in rows:
             t.add_row(name, f"{x['ttft_ms_p50']:.1f} / {x['ttft_ms_p99']:.1f}",
                       f"{x['tpot_ms_p50']:.1f} / {x['tpot_ms_p99']:.1f}",
                       f"{x['itl_ms_p50']:.1f} / {x['itl_ms_p99']:.1f}",
@@ -918,8 +1006,7 @@ def _render_bench(s: dict, expected_file: str, out_dir: Path) -> None:
         if pd.get("kv_bytes") is not None:
             out.print(f"KV transfer (decode metrics): {pd['kv_bytes'] / 2**20:.1f} MiB in "
                       f"{1e3 * (pd['kv_xfer_s'] or 0):.1f} ms of NIXL transfer time", highlight=False)
-    summary = Table(title=f"bench {s['name']}: prefill block {s['prefill_block']} TP {s['prefill_tp']} -> decode "
-                          f"block {s['decode_block']} TP {s['decode_tp']} {s['decode_layout']}, {s['connector']}")
+    summary = Table(title=f"bench {s['pools']}")
     for col in ("gate", "result", "detail"):
         summary.add_column(col)
     if "parity" in s:

@@ -105,7 +105,7 @@ class InstanceGroup(_Strict):
     side_channel_port+i, devices[i*tp:(i+1)*tp]. Ports left out are assigned after every explicit one
     (Topology._assign_ports), so pools never collide."""
 
-    name: str = Field(DEFAULT_POOL, pattern=POOL_NAME_PATTERN,
+    name: str = Field(pattern=POOL_NAME_PATTERN,
                       description="pool name (an identifier): in instance names, logs, metrics and reports")
     platform: Platform = "cpu"
     count: int = Field(1, ge=1, le=64)
@@ -669,8 +669,10 @@ def _collisions(t: Topology) -> list[Problem]:
 
     def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error") -> None:
         if key in table and table[key] != owner:
-            out.append(Problem(path, f"{what} {key[-1]} of {owner} is also used by {table[key]}",
-                               "give each pool its own range (instance i uses base + i), or leave the ports out",
+            hint = ("give each pool its own range (instance i uses base + i), or leave the ports out"
+                    if table is ports else "instances sharing a device slow each other down or run out of "
+                    "memory; give each its own devices where the host has them")
+            out.append(Problem(path, f"{what} {key[-1]} of {owner} is also used by {table[key]}", hint,
                                severity=severity))
         table.setdefault(key, owner)
 

@@ -71,7 +71,7 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-               rate: float | None = None, seed: int = 0):
+               rate: float | None = None, seed: int = 0, headers: dict[str, str] | None = None):
     import aiohttp
 
     ttft, tpot, itl, e2e, out_tokens = [], [], [], [], 0
@@ -87,7 +87,7 @@ async def _run(url: str, model: str, prompts: list[list[int]], max_tokens: int, 
             t0 = time.perf_counter()
             stamps = []
             tokens = 0
-            async with s.post(url.rstrip("/") + "/v1/completions", json=body) as r:
+            async with s.post(url.rstrip("/") + "/v1/completions", json=body, headers=headers) as r:
                 if r.status != 200:
                     errors += 1
                     await r.read()
@@ -152,11 +152,13 @@ def _nixl(decode_urls: list[str]) -> tuple[float, float]:
 
 
 def run_load(target: str, url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-             decode_urls: list[str] = (), request_rate: float | None = None, seed: int = 0) -> LoadResult:
-    """`concurrency` requests in flight, or with `request_rate` the prompts sent at seeded Poisson arrivals."""
+             decode_urls: list[str] = (), request_rate: float | None = None, seed: int = 0,
+             headers: dict[str, str] | None = None) -> LoadResult:
+    """`concurrency` requests in flight, or with `request_rate` the prompts sent at seeded Poisson arrivals;
+    `headers` go with every request (e.g. the proxy's pair pin)."""
     before = _nixl(list(decode_urls)) if decode_urls else None
     ttft, tpot, itl, e2e, out_tokens, errors, wall, bunched = asyncio.run(
-        _run(url, model, prompts, max_tokens, concurrency, request_rate, seed))
+        _run(url, model, prompts, max_tokens, concurrency, request_rate, seed, headers))
     after = _nixl(list(decode_urls)) if decode_urls else None
     n = len(e2e)
     return LoadResult(

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdctl.bench import load
-from pdctl.gates import accuracy, check, parity
+from pdctl.gates import accuracy, check, fleet, parity
+from pdctl.gates.parity import ROUTE_HEADER
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
 from pdctl.plan import Plan, ProcessSpec
 from pdctl.topology import Loaded, resolved_model
+from pdctl.topology import summary as summary_line
 
 
 @dataclass
@@ -39,9 +41,11 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     t = loaded.topology
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "topology.json").write_text(json.dumps(plan.topology, indent=2))
-    summary: dict = {"name": t.name, "prefill_block": t.prefill.block_size, "decode_block": t.decode.block_size,
-                     "prefill_tp": t.prefill.tp, "decode_tp": t.decode.tp, "decode_layout": t.decode.kv_layout,
-                     "connector": t.connector.kind}
+    p0, d0 = t.prefill[0], t.decode[0]
+    fleet_mode = len(t.prefill) > 1 or len(t.decode) > 1
+    summary: dict = {"name": t.name, "prefill_block": p0.block_size, "decode_block": d0.block_size,
+                     "prefill_tp": p0.tp, "decode_tp": d0.tp, "decode_layout": d0.kv_layout,
+                     "connector": t.connector.kind, "pools": summary_line(t)}
     phase(f"up: {plan.name} and an aggregated reference")
     t0 = time.perf_counter()
     state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
@@ -52,15 +56,24 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     try:
         if not o.skip_check:
             phase("parity check")
-            prompts = check.default_prompts([t.prefill.block_size, t.decode.block_size], vocab,
-                                            min((t.model.max_model_len or 2048) - 17, 1024), o.data_dir)
-            rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1)
-            (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
-            summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
-                                 "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)}
+            max_prompt = min((t.model.max_model_len or 2048) - 17, 1024)
+            if fleet_mode:
+                frep = fleet.check_fleet(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.default_prompts(
+                    [pb, db], vocab, max_prompt, o.data_dir), vocab=vocab)
+                (out_dir / "parity.json").write_text(json.dumps(frep.to_dict(), indent=2))
+                summary["parity"] = {"status": "PASS" if frep.passed else "FAIL", "pass_rate": frep.pass_rate,
+                                     "prompts": len(frep.results), "kv_travelled": all(
+                                         p.report.proof and p.report.proof.ok for p in frep.all()),
+                                     "pairs": [p.to_dict() for p in frep.pairs]}
+            else:
+                prompts = check.default_prompts([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
+                rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1)
+                (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
+                summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
+                                     "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)}
         if not o.skip_eval:
             phase(f"accuracy: lm-eval gsm8k, limit {o.limit}, P/D and reference")
-            tok = resolved_model(t, "decode", loaded.base_dir)
+            tok = resolved_model(t, d0, loaded.base_dir)
             summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
                                                     o.expected or {}, tokenizer=tok, limit=o.limit,
                                                     num_fewshot=o.num_fewshot, concurrency=o.eval_concurrency,
@@ -79,6 +92,20 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                                 request_rate=o.request_rate, seed=seed)
             summary["perf"] = {"pd": pd.to_dict(), "aggregated": agg.to_dict(), "ratio": load.ratios(pd, agg),
                                "status": "PASS" if pd.errors == 0 and agg.errors == 0 else "FAIL"}
+            if fleet_mode:
+                # The same load pinned to each pool pair in turn (fresh prompts): what each pair costs.
+                per_pair = []
+                for i, (pp, dp) in enumerate(t.pairs()):
+                    phase(f"load: pair {pp.name} -> {dp.name}")
+                    work = load.workload(o.requests, o.prompt_len, vocab, seed=seed + 2 + i)
+                    urls = [s.http_url for s in plan.by_role("decode") if s.pool == dp.name]
+                    r = load.run_load(f"{pp.name}->{dp.name}", proxy, t.model.name, work, o.max_tokens,
+                                      o.concurrency, urls, o.request_rate, seed, {ROUTE_HEADER: f"{pp.name}/{dp.name}"})
+                    per_pair.append({"prefill_pool": pp.name, "decode_pool": dp.name, **r.to_dict(),
+                                     "ratio": load.ratios(r, agg)})
+                    if r.errors:
+                        summary["perf"]["status"] = "FAIL"
+                summary["perf"]["pairs"] = per_pair
     finally:
         phase("down")
         run_mod.down(state, backend)

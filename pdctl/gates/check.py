@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from pdctl.gates.parity import ParityReport, Prompt, boundary_lengths, random_prompts, shared_prefix_prompts
+from pdctl.gates.parity import Prompt, boundary_lengths, random_prompts, shared_prefix_prompts
 
 
 def gsm8k_prompts(data_dir: Path, n: int, shots: int = 5, seed: int = 1234) -> list[Prompt]:
@@ -40,8 +40,11 @@ def with_nonce(prompts: list[Prompt], seed: int | None = None) -> list[Prompt]:
     return [replace(p, text=f"({rng.randrange(10**9)})\n{p.text}") if p.text else p for p in prompts]
 
 
-def junit_xml(report: ParityReport, name: str = "pdctl.check") -> str:
+def junit_xml(report, name: str = "pdctl.check") -> str:
+    """A ParityReport, or a fleet's report (one proof case per pool pair)."""
     cases = []
+    if hasattr(report, "pairs"):
+        return _junit_fleet(report, name)
     for r in report.results:
         body = "" if r.passed else (f'<failure message="first divergent token {r.first_divergence}">'
                                     f"{escape(r.error or '')}\nP/D: {escape(str(r.pd))}\n"
@@ -52,5 +55,22 @@ def junit_xml(report: ParityReport, name: str = "pdctl.check") -> str:
     failure = "" if proof_ok else f'<failure message="KV did not travel">{proof}</failure>'
     cases.append(f'  <testcase classname="{name}" name="kv-transfer-proof">{failure}</testcase>')
     failures = sum(not r.passed for r in report.results) + (not proof_ok)
+    return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{name}" tests="{len(cases)}" '
+            f'failures="{failures}">\n' + "\n".join(cases) + "\n</testsuite>\n")
+
+
+def _junit_fleet(report, name: str) -> str:
+    cases = []
+    for pair in report.all():
+        pid = f"{pair.prefill_pool}/{pair.decode_pool}"
+        for r in pair.report.results:
+            body = "" if r.passed else (f'<failure message="first divergent token {r.first_divergence}">'
+                                        f"{escape(r.error or '')}</failure>")
+            cases.append(f'  <testcase classname="{name}.{escape(pid)}" name="{escape(r.label)}">{body}</testcase>')
+        ok = pair.report.proof is not None and pair.report.proof.ok and not pair.problems
+        detail = escape(json.dumps(pair.to_dict()))
+        failure = "" if ok else f'<failure message="KV did not travel from the pinned pool">{detail}</failure>'
+        cases.append(f'  <testcase classname="{name}.{escape(pid)}" name="kv-transfer-proof">{failure}</testcase>')
+    failures = sum("<failure" in c for c in cases)
     return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{name}" tests="{len(cases)}" '
             f'failures="{failures}">\n' + "\n".join(cases) + "\n</testsuite>\n")

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from pdctl.launch import probe
 
+ROUTE_HEADER = "x-pdctl-route"  # the proxy's pair pin (pdctl.proxy.server)
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
 
 
@@ -52,12 +55,16 @@ def shared_prefix_prompts(base: Prompt, extra: list[int], vocab: int, seed: int)
             for n in extra]
 
 
-def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int, timeout: float = 300) -> dict:
+def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int, timeout: float = 300,
+             headers: dict[str, str] | None = None, seen: dict[str, str] | None = None) -> dict:
+    """One greedy completion; `headers` go with the request, the answer's headers land in `seen`."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
+        if seen is not None:
+            seen.update({k.lower(): v for k, v in r.headers.items()})
         return json.loads(r.read())
 
 
@@ -75,6 +82,9 @@ class PromptResult:
     pd: list[int] | str
     reference: list[int] | str
     error: str | None = None
+    request_id: str | None = None
+    prefill: str | None = None  # the instances the proxy says served it (x-pdctl-prefill / x-pdctl-decode)
+    decode: str | None = None
 
 
 @dataclass
@@ -155,23 +165,32 @@ def reference_answers(url: str, model: str, prompts: list[Prompt], max_tokens: i
 
 
 def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], model: str, prompts: list[Prompt],
-               max_tokens: int = 16, concurrency: int = 1) -> ParityReport:
+               max_tokens: int = 16, concurrency: int = 1, route: str | list[str | None] | None = None
+               ) -> ParityReport:
     """Send every prompt through the P/D proxy and to the reference (a URL, or its answers recorded ahead);
     compare token ids; prove the transfer. Shared-prefix prompts run after the others (_in_cache_order).
+    `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL".
     """
     before = decode_counters(decode_urls)
+    routes = route if isinstance(route, list) else [route] * len(prompts)
 
     def one(i: int) -> PromptResult:
         p = prompts[i]
+        rid = f"pdctl-check-{uuid.uuid4().hex[:16]}"
+        headers = {"X-Request-Id": rid, **({ROUTE_HEADER: routes[i]} if routes[i] else {})}
+        seen: dict[str, str] = {}
         try:
-            resp = complete(proxy_url, model, p.body, max_tokens)
+            resp = complete(proxy_url, model, p.body, max_tokens, headers=headers, seen=seen)
         except Exception as e:  # noqa: BLE001 - any failure is a failed prompt, reported with its cause
-            return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e}")
+            detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else ""
+            return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e} {detail}",
+                                rid)
         pd = _token_ids(resp)
         ref = reference[i] if isinstance(reference, list) else _token_ids(
             complete(reference, model, p.body, max_tokens))
         div = first_divergence(pd, ref)
-        return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref)
+        return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
+                            seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"))
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]

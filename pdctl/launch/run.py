@@ -136,11 +136,19 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
         time.sleep(0.25)
 
 
+def pool_pairs(plan: Plan) -> list[tuple[str, str]]:
+    """The (prefill pool, decode pool) pairs the proxy may route, from the plan's topology."""
+    t = plan.topology
+    excluded = {tuple(x) for x in (t.get("proxy") or {}).get("exclude_pairs", [])}
+    return [(p["name"], d["name"]) for p in t.get("prefill", []) for d in t.get("decode", [])
+            if (p["name"], d["name"]) not in excluded]
+
+
 def warm_up(plan: Plan, attempts: int = 3) -> None:
-    """One P/D request through the proxy before `ready`: a P/D pair the connector refuses fails here, at start,
-    with the decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that timed out
-    (vLLM waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is tried
-    again; a refusal is final."""
+    """One P/D request per pool pair through the proxy before `ready`: a pair the connector refuses fails here,
+    at start, with its decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that
+    timed out (vLLM waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is
+    tried again; a refusal is final."""
     import json
     import urllib.error
     import urllib.request
@@ -153,22 +161,27 @@ def warm_up(plan: Plan, attempts: int = 3) -> None:
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
     body = {"model": model.get("served_name") or model.get("path"), "prompt": [5 + i % 50 for i in range(n)],
             "max_tokens": 2, "temperature": 0}
-    decode = next(p for p in plan.processes if p.role == "decode")
-    for attempt in range(1, attempts + 1):
-        req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json", "X-Request-Id": f"pdctl-warm-up-{attempt}"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                r.read()
-            return
-        except (urllib.error.URLError, OSError) as e:
-            if attempt < attempts and _handshake_timed_out(decode.log_path):
-                time.sleep(2)
-                continue
-            detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
-            cause = _connector_error(decode.log_path)
-            raise LaunchFailed(decode.name, f"warm-up P/D request failed: {cause or detail}",
-                               decode.log_path) from None
+    for pool_p, pool_d in pool_pairs(plan) or [(None, None)]:
+        decode = next(p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool))
+        headers = {"Content-Type": "application/json"}
+        if pool_p is not None:
+            headers["x-pdctl-route"] = f"{pool_p}/{pool_d}"
+        for attempt in range(1, attempts + 1):
+            req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
+                                         {**headers, "X-Request-Id": f"pdctl-warm-up-{pool_p}-{pool_d}-{attempt}"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    r.read()
+                break
+            except (urllib.error.URLError, OSError) as e:
+                if attempt < attempts and _handshake_timed_out(decode.log_path):
+                    time.sleep(2)
+                    continue
+                detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
+                cause = _connector_error(decode.log_path)
+                pair = f" (pool pair {pool_p} -> {pool_d})" if len(pool_pairs(plan)) > 1 else ""
+                raise LaunchFailed(decode.name, f"warm-up P/D request failed{pair}: {cause or detail}",
+                                   decode.log_path) from None
 
 
 def _handshake_timed_out(log_path: str) -> bool:

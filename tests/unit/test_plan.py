@@ -142,3 +142,73 @@ def test_worker_spin_reaches_the_connector_only_when_set():
     assert "worker_spin_s" not in extra(_plan())  # the connector's own default (0 on CPU) applies
     set_ = _plan(overrides=[Override(("connector", "worker_spin_s"), 0.25, "--set connector.worker_spin_s=0.25")])
     assert extra(set_)["worker_spin_s"] == 0.25
+
+
+# -- fleets: several pools per role ------------------------------------------------------------------------------
+
+
+def _fleet(*sets: str):
+    from pdctl.topology import Override
+
+    loaded = load_topology(CONFIGS / "cpu-fleet.yaml", [Override.parse_set(s) for s in sets])
+    return loaded.topology, build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+
+
+def test_fleet_instances_are_named_by_pool_with_ports_that_never_collide():
+    _, p = _fleet()
+    servers = [s for s in p.processes if s.role != "proxy"]
+    assert [s.name for s in servers] == ["prefill-p32-0", "prefill-p128-0", "decode-d64-0", "decode-d32-0"]
+    assert [s.ports["http"] for s in servers] == [8100, 8101, 8200, 8201]
+    assert [s.ports["side_channel"] for s in servers] == [5600, 5601, 5700, 5701]
+    assert [s.pool for s in servers] == ["p32", "p128", "d64", "d32"]
+    assert p.get("decode-d32-0").log_path == "/s/logs/decode-d32-0.log"
+
+
+def test_fleet_count_2_pools_get_consecutive_ranges():
+    _, p = _fleet("prefill.p32.count=2", "prefill.p32.devices=[0,1]")
+    assert [s.ports["http"] for s in p.by_role("prefill")] == [8100, 8101, 8102]
+    assert [s.name for s in p.by_role("prefill")] == ["prefill-p32-0", "prefill-p32-1", "prefill-p128-0"]
+
+
+def _pdctl_extra(spec):
+    cfg = json.loads(spec.argv[spec.argv.index("--kv-transfer-config") + 1])
+    return cfg, cfg["kv_connector_extra_config"]["pdctl"]
+
+
+def test_staging_is_sized_for_the_largest_ratio_that_reaches_each_decode_pool():
+    t, p = _fleet()
+    assert _pdctl_extra(p.get("decode-d64-0"))[1]["staging_blocks"] == 32  # 128 -> 64: ratio 2
+    assert _pdctl_extra(p.get("decode-d32-0"))[1]["staging_blocks"] == 96  # 128 -> 32: ratio 4
+    assert "staging_blocks" not in _pdctl_extra(p.get("prefill-p128-0"))[1]
+    _, p = _fleet("proxy.exclude_pairs=[[p128, d32]]")  # only 32 -> 32 reaches d32 now
+    assert "staging_blocks" not in _pdctl_extra(p.get("decode-d32-0"))[1]
+
+
+def test_fleet_proxy_argv_names_pools_weights_and_excluded_pairs():
+    _, p = _fleet("proxy.exclude_pairs=[[p128, d32]]", "decode.d64.weight=2", "proxy.policy=prefix_affinity")
+    argv = p.get("proxy").argv
+    assert ["--prefill", "p32=http://127.0.0.1:8100"] == argv[argv.index("--prefill"):argv.index("--prefill") + 2]
+    assert "d32=http://127.0.0.1:8201" in argv and ["--weight", "decode/d64=2"] == argv[
+        argv.index("--weight"):argv.index("--weight") + 2]
+    assert argv[argv.index("--exclude-pair") + 1] == "p128/d32" and "--affinity-epsilon" in argv
+
+
+def test_kv_buffer_device_per_pool():
+    loaded = load_topology(CONFIGS / "cuda-gaudi-fleet.yaml")
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+    bufs = {s.name: _pdctl_extra(s)[0]["kv_buffer_device"] for s in p.processes if s.role != "proxy"}
+    assert bufs == {"prefill-cuda16-0": "cuda", "prefill-cuda16-1": "cuda", "prefill-gaudi128-0": "cpu",
+                    "decode-gaudi128-0": "cpu", "decode-gaudi128-1": "cpu", "decode-cuda16-0": "cuda"}
+    # Gaudi decodes receive from block-128 prefills only at ratio 1; the CUDA decode from Gaudi's 128 at 8.
+    assert _pdctl_extra(p.get("decode-cuda16-0"))[1]["staging_blocks"] == 32 * 7
+
+
+def test_select_processes_by_instance_role_pool_and_index():
+    from pdctl.plan import select
+
+    _, p = _fleet("prefill.p32.count=2", "prefill.p32.devices=[0,1]")
+    names = lambda which: [s.name for s in select(p, which)]  # noqa: E731
+    assert names("decode-d32-0") == ["decode-d32-0"]
+    assert names("prefill/p32") == ["prefill-p32-0", "prefill-p32-1"]
+    assert names("prefill/0") == ["prefill-p32-0", "prefill-p128-0"]
+    assert names("prefill/p32/1") == ["prefill-p32-1"] and names("proxy") == ["proxy"] and names("x") == []

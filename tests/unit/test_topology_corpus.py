@@ -62,6 +62,31 @@ def test_bad_override(run_cli, args, expects):
         assert e in err, f"{e!r} not in:\n{err}"
 
 
+FLEET_OVERRIDES = [
+    (["--decode-block-size", "128"], ["--decode-block-size 128", "the topology has 2 decode pools (d64, d32)",
+                                      "--set decode.d64.block_size=..."]),
+    (["--set", "decode.d99.block_size=64"], ["--set decode.d99.block_size=64", "pools (d64, d32)"]),
+    (["--set", "decode.d64.block_size=96"],
+     ["command line (--set decode.d64.block_size=96): decode.0.block_size: prefill pool p128 -> decode pool d64",
+      "no integer ratio"]),
+]
+
+
+@pytest.mark.parametrize("args,expects", FLEET_OVERRIDES, ids=[" ".join(a) for a, _ in FLEET_OVERRIDES])
+def test_bad_fleet_override(run_cli, args, expects):
+    code, out, err = run_cli("validate", CONFIGS / "cpu-fleet.yaml", *args)
+    assert code == 1, (out, err)
+    assert "Traceback" not in err
+    for e in expects:
+        assert e in err, f"{e!r} not in:\n{err}"
+
+
+def test_fleet_override_by_pool_name(run_cli):
+    code, out, err = run_cli("validate", CONFIGS / "cpu-fleet.yaml", "--set", "decode.d64.block_size=128")
+    assert code == 0, err
+    assert "d64 (1x cpu block 128" in out
+
+
 def test_missing_file(run_cli, tmp_path):
     code, _, err = run_cli("validate", tmp_path / "nope.yaml")
     assert code == 1 and "cannot read the topology" in err and "Traceback" not in err

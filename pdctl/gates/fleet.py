@@ -1,0 +1,152 @@
+"""The parity gate over a fleet: every allowed prefill pool x decode pool pair, pinned with the proxy's pair
+header, token for token against the aggregated reference, with proof per pair that the KV travelled and that it
+came from that pair's prefill pool.
+
+Pairs run one after another, so the decode pool's own counters (vLLM's prompt tokens by source, NIXL bytes) over
+a pair's phase are that pair's. Which prefill the KV came from is in no vLLM metric: pdctl's connector logs one
+line per received request, keyed by the request id the gate sent (`pdctl connector: received request ...`).
+A last, mixed phase sends prompts pinned round-robin over every pair at once, so transfers of different
+block-size ratios overlap on one decode.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdctl.gates.parity import ParityReport, Prompt, PromptResult, random_prompts, run_parity
+from pdctl.plan import Plan
+
+RECEIVED = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
+MIXED_LENGTHS = (65, 129, 200, 300, 97, 515, 700, 33)
+# Shorter prompts may be computed by the decode itself (vLLM leaves it the last token): not every one logs a read.
+MIN_LOGGED_PROMPT = 32
+
+
+@dataclass
+class PairReport:
+    prefill_pool: str
+    decode_pool: str
+    report: ParityReport
+    kv_from: dict[str, int] = field(default_factory=dict)  # prefill instance -> requests whose KV it sent
+    problems: list[str] = field(default_factory=list)  # misrouted requests, KV from another pool, no log line
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed and not self.problems
+
+    def to_dict(self) -> dict:
+        proof = self.report.proof
+        return {"prefill_pool": self.prefill_pool, "decode_pool": self.decode_pool,
+                "prompts": len(self.report.results), "passed": sum(r.passed for r in self.report.results),
+                "ok": self.passed, "tokens_by_transfer": proof.external_kv_tokens if proof else 0,
+                "tokens_computed": proof.local_compute_tokens if proof else 0,
+                "bytes_transferred": proof.bytes_transferred if proof else 0,
+                "kv_travelled": bool(proof and proof.ok), "kv_from": self.kv_from, "problems": self.problems}
+
+
+@dataclass
+class FleetReport:
+    pairs: list[PairReport]
+    mixed: PairReport | None = None
+    logs_checked: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.pairs) and all(p.passed for p in self.pairs) and (self.mixed is None or self.mixed.passed)
+
+    @property
+    def results(self) -> list[PromptResult]:
+        return [r for p in self.all() for r in p.report.results]
+
+    @property
+    def pass_rate(self) -> float:
+        return sum(r.passed for r in self.results) / max(1, len(self.results))
+
+    def all(self) -> list[PairReport]:
+        return self.pairs + ([self.mixed] if self.mixed else [])
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "pass_rate": self.pass_rate, "logs_checked": self.logs_checked,
+                "pairs": [p.to_dict() for p in self.pairs], "mixed": self.mixed.to_dict() if self.mixed else None,
+                "results": [{"pair": f"{p.prefill_pool}/{p.decode_pool}", **r.__dict__}
+                            for p in self.all() for r in p.report.results]}
+
+
+def received_from(log_paths: list[str]) -> dict[str, list[tuple[str, int]]]:
+    """Request id (as the gate sent it, inside vLLM's own id) -> the prefill side channels its KV came from."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for path in log_paths:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        for m in RECEIVED.finditer(text):
+            rid = re.search(r"pdctl-check-[0-9a-f]{16}", m.group(1))
+            if rid:
+                out.setdefault(rid.group(0), []).append((m.group(2), int(m.group(3))))
+    return out
+
+
+def attribute(pair: PairReport, plan: Plan, received: dict[str, list[tuple[str, int]]], pools: dict[str, str]
+              ) -> None:
+    """Fill kv_from and problems: every request went to the pinned pools, and each logged read came from one
+    of the pinned prefill pool's instances (pools: instance name -> pool; a mixed phase pins per prompt)."""
+    by_port = {s.ports["side_channel"]: s.name for s in plan.by_role("prefill")}
+    for r in pair.report.results:
+        want_p, want_d = _wanted(pair, r)
+        if r.prefill and pools.get(r.prefill) != want_p or r.decode and pools.get(r.decode) != want_d:
+            pair.problems.append(f"{r.label}: served by {r.prefill} -> {r.decode}, pinned to {want_p}/{want_d}")
+        sources = [by_port.get(port, f"{host}:{port}") for host, port in received.get(r.request_id or "", [])]
+        for src in sources:
+            pair.kv_from[src] = pair.kv_from.get(src, 0) + 1
+            if pools.get(src) != want_p:
+                pair.problems.append(f"{r.label}: the decode read its KV from {src}, not prefill pool {want_p}")
+        fresh = not r.label.startswith("prefix")
+        if fresh and r.passed and r.prompt_tokens > MIN_LOGGED_PROMPT and not sources:
+            pair.problems.append(f"{r.label}: no connector line says where its KV came from")
+
+
+def _wanted(pair: PairReport, r: PromptResult) -> tuple[str, str]:
+    if pair.prefill_pool != "*":
+        return pair.prefill_pool, pair.decode_pool
+    return tuple(r.label.split(" ", 1)[0].split("/"))  # mixed phase: "P/D random-65"
+
+
+def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
+                concurrency: int = 1, mixed: int = 16, mixed_concurrency: int = 12, vocab: int = 1000,
+                seed: int | None = None, read_logs: bool = True, progress=lambda _: None) -> FleetReport:
+    """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides)."""
+    t = plan.topology
+    blocks = {(role, g["name"]): g["block_size"] for role in ("prefill", "decode") for g in t[role]}
+    excluded = {tuple(x) for x in t["proxy"]["exclude_pairs"]}
+    pairs = [(p["name"], d["name"]) for p in t["prefill"] for d in t["decode"] if (p["name"], d["name"])
+             not in excluded]
+    decodes = {d["name"]: [s.http_url for s in plan.by_role("decode") if s.pool == d["name"]] for d in t["decode"]}
+    report = FleetReport([])
+    for p, d in pairs:
+        progress(f"pair {p} -> {d}")
+        prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)])
+        rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}")
+        report.pairs.append(PairReport(p, d, rep))
+    if mixed:
+        progress(f"{mixed} prompts over every pair at once, {mixed_concurrency} in flight")
+        prompts: list[Prompt] = []
+        routes: list[str] = []
+        for i, n in enumerate((MIXED_LENGTHS * (mixed // len(MIXED_LENGTHS) + 1))[:mixed]):
+            p, d = pairs[i % len(pairs)]
+            (prompt,) = random_prompts([n], vocab, None if seed is None else seed + i)
+            prompt.label = f"{p}/{d} {prompt.label}"
+            prompts.append(prompt)
+            routes.append(f"{p}/{d}")
+        all_decodes = [u for urls in decodes.values() for u in urls]
+        rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes)
+        report.mixed = PairReport("*", "*", rep)
+    if read_logs and t["connector"]["kind"] == "pdctl":
+        received = received_from([s.log_path for s in plan.by_role("decode")])
+        pools = {s.name: s.pool for s in plan.processes if s.pool}
+        for pair in report.all():
+            attribute(pair, plan, received, pools)
+        report.logs_checked = True
+    return report

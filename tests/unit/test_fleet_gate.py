@@ -1,0 +1,65 @@
+"""The fleet's parity gate, on its pure parts: which prefill a decode's logged read came from, and every way a
+pair's proof can fail (the e2e test runs it on a real fleet)."""
+
+from pathlib import Path
+
+from pdctl.gates.fleet import FleetReport, PairReport, attribute, received_from
+from pdctl.gates.parity import ParityReport, PromptResult, TransferProof
+from pdctl.plan import build_plan
+from pdctl.topology import load_topology
+from tests.conftest import CONFIGS
+
+LINE = ("(Worker pid=1) INFO 12-01 21:36:00 [nixl.py:301] pdctl connector: received request "
+        "cmpl-{rid}-0-1a2b3c4d from engine 5f1e at 127.0.0.1:{port} (prefill block 32 -> decode block 64): "
+        "3 decode blocks, 129 prompt tokens; 900 tokens from this engine so far\n")
+
+
+def _plan():
+    loaded = load_topology(CONFIGS / "cpu-fleet.yaml")
+    return build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+
+
+def _pair(rid: str, prefill: str = "prefill-p32-0", decode: str = "decode-d64-0", passed: bool = True):
+    r = PromptResult("random-129", 129, passed, None if passed else 3, [1], [1], None, rid, prefill, decode)
+    return PairReport("p32", "d64", ParityReport([r], TransferProof(128, 1, 131072, 129)))
+
+
+def test_reads_are_attributed_to_the_prefill_instance_by_its_side_channel(tmp_path):
+    plan, rid = _plan(), "pdctl-check-0123456789abcdef"
+    log = tmp_path / "d.log"
+    log.write_text("noise\n" + LINE.format(rid=rid, port=5600) + "more noise\n")
+    received = received_from([str(log), str(tmp_path / "missing.log")])
+    assert received == {rid: [("127.0.0.1", 5600)]}
+    pair = _pair(rid)
+    attribute(pair, plan, received, {s.name: s.pool for s in plan.processes if s.pool})
+    assert pair.kv_from == {"prefill-p32-0": 1} and pair.problems == [] and pair.passed
+
+
+def test_kv_from_another_pool_fails_the_pair(tmp_path):
+    plan, rid = _plan(), "pdctl-check-00000000000000aa"
+    received = {rid: [("127.0.0.1", 5601)]}  # p128's side channel
+    pair = _pair(rid)
+    attribute(pair, plan, received, {s.name: s.pool for s in plan.processes if s.pool})
+    assert not pair.passed and "read its KV from prefill-p128-0, not prefill pool p32" in pair.problems[0]
+    assert not FleetReport([pair]).passed
+
+
+def test_no_log_line_or_a_misrouted_request_fails_the_pair():
+    plan = _plan()
+    pools = {s.name: s.pool for s in plan.processes if s.pool}
+    silent = _pair("pdctl-check-00000000000000bb")
+    attribute(silent, plan, {}, pools)
+    assert silent.problems == ["random-129: no connector line says where its KV came from"]
+    misrouted = _pair("pdctl-check-00000000000000cc", decode="decode-d32-0")
+    attribute(misrouted, plan, {"pdctl-check-00000000000000cc": [("127.0.0.1", 5600)]}, pools)
+    assert any("pinned to p32/d64" in p for p in misrouted.problems)
+
+
+def test_a_fleet_without_pairs_or_with_a_failed_prompt_fails():
+    assert not FleetReport([]).passed
+    failed = _pair("pdctl-check-00000000000000dd", passed=False)
+    assert not failed.passed and not FleetReport([failed]).passed
+    no_transfer = _pair("pdctl-check-00000000000000ee")
+    no_transfer.report.proof = TransferProof(0, 129, 0, 129)
+    doc = no_transfer.to_dict()
+    assert not no_transfer.passed and doc["kv_travelled"] is False and doc["tokens_computed"] == 129
