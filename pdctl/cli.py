@@ -230,7 +230,7 @@ def render_k8s(
                                             "kubernetes-validate --strict")] = True,
     overrides: list = (),
 ) -> None:
-    """Kubernetes manifests: a StatefulSet + headless Service per role, the proxy, the topology as a ConfigMap.
+    """Kubernetes manifests: a StatefulSet + headless Service per pool, the proxy, the topology as a ConfigMap.
 
     Accelerators are requested per platform (nvidia.com/gpu, habana.ai/gaudi, gpu.intel.com/i915) instead of
     device ids, and each pod's NIXL side-channel host is its pod IP. A local model path is mounted from the
@@ -607,7 +607,8 @@ def proxy(
 # Gates
 
 
-def _render_parity(report, json_: bool, junit: Path | None) -> None:
+def _reported(report, json_: bool, junit: Path | None) -> bool:
+    """Write the JUnit file if asked; print JSON and say so (then there is nothing to render)."""
     from pdctl.gates.check import junit_xml
 
     if junit:
@@ -615,6 +616,11 @@ def _render_parity(report, json_: bool, junit: Path | None) -> None:
         junit.write_text(junit_xml(report))
     if json_:
         print(json.dumps(report.to_dict(), indent=2))
+    return json_
+
+
+def _render_parity(report, json_: bool, junit: Path | None) -> None:
+    if _reported(report, json_, junit):
         return
     table = Table(title="parity: P/D vs aggregated reference (greedy, token ids)")
     for col in ("prompt", "tokens", "result", "first divergent token"):
@@ -634,13 +640,7 @@ def _render_parity(report, json_: bool, junit: Path | None) -> None:
 
 
 def _render_fleet(report, json_: bool, junit: Path | None) -> None:
-    from pdctl.gates.check import junit_xml
-
-    if junit:
-        junit.parent.mkdir(parents=True, exist_ok=True)
-        junit.write_text(junit_xml(report))
-    if json_:
-        print(json.dumps(report.to_dict(), indent=2))
+    if _reported(report, json_, junit):
         return
     table = Table(title="parity per pool pair: P/D vs aggregated reference (greedy, token ids)")
     for col in ("prefill", "decode", "prompts", "passed", "by transfer", "computed", "KV from", "result"):

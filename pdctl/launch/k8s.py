@@ -1,4 +1,4 @@
-"""Kubernetes manifests for a topology (pure): a StatefulSet + headless Service per role, the proxy's Deployment and
+"""Kubernetes manifests for a topology (pure): a StatefulSet + headless Service per pool, the proxy's Deployment and
 Service, and a ConfigMap with the resolved topology.
 
 Rendered from the same plan `pdctl up` runs, with what a cluster decides instead of pdctl: the device plugin picks

@@ -159,9 +159,10 @@ def warm_up(plan: Plan, attempts: int = 3) -> None:
     model = plan.topology.get("model", {})
     blocks = [p.block_size or 16 for p in plan.processes if p.block_size]
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
-    body = {"model": model.get("served_name") or model.get("path"), "prompt": [5 + i % 50 for i in range(n)],
-            "max_tokens": 2, "temperature": 0}
-    for pool_p, pool_d in pool_pairs(plan) or [(None, None)]:
+    for k, (pool_p, pool_d) in enumerate(pool_pairs(plan) or [(None, None)]):
+        # Each pair its own prompt: a decode's prefix cache must not answer another pair's warm-up.
+        body = {"model": model.get("served_name") or model.get("path"), "max_tokens": 2, "temperature": 0,
+                "prompt": [5 + (i * (k + 1) + k) % 50 for i in range(n)]}
         decode = next(p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool))
         headers = {"Content-Type": "application/json"}
         if pool_p is not None:

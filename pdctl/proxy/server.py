@@ -181,8 +181,9 @@ class Proxy:
         t0 = time.perf_counter()
         status = 500
         chosen: list[Instance] = []  # the prefill, then the decode, as they are picked
+        request_id = req.headers.get("X-Request-Id") or f"pdctl-{uuid.uuid4().hex}"
         try:
-            resp = await self._pd_inner(req, route, t0, chosen)
+            resp = await self._pd_inner(req, route, t0, chosen, request_id)
             status = resp.status
             if not resp.prepared:  # a streamed answer carried these from its first byte
                 resp.headers.update(self._route_headers(chosen))
@@ -194,21 +195,21 @@ class Proxy:
             if d is not None:
                 self.metrics.pair_done(p.pool, d.pool, status)
             if self.cfg.access_log:
-                log.info("%s %s %d %.1f ms prefill=%s decode=%s", req.headers.get("X-Request-Id", "-"), route,
+                log.info("%s %s %d %.1f ms prefill=%s decode=%s", request_id, route,
                          status, 1e3 * seconds, p.name if p else "-", d.name if d else "-")
 
     @staticmethod
     def _route_headers(chosen: list[Instance]) -> dict[str, str]:
         return dict(zip(("x-pdctl-prefill", "x-pdctl-decode"), (i.name for i in chosen), strict=False))
 
-    async def _pd_inner(self, req: web.Request, route: str, t0: float, chosen: list[Instance]) -> web.StreamResponse:
+    async def _pd_inner(self, req: web.Request, route: str, t0: float, chosen: list[Instance],
+                        request_id: str) -> web.StreamResponse:
         try:
             body = await req.json()
             assert isinstance(body, dict)
         except (ValueError, AssertionError):
             return web.json_response(error_body("request body must be a JSON object", "invalid_request", 400),
                                      status=400)
-        request_id = req.headers.get("X-Request-Id") or f"pdctl-{uuid.uuid4().hex}"
         headers = self._headers(req, request_id)
         router = self.router
         try:

@@ -87,3 +87,20 @@ def test_cli_writes_files_without_yaml_anchors(run_cli, tmp_path):
     tool = Path(sys.executable).parent / "kubernetes-validate"
     r = subprocess.run([str(tool), "--strict", *map(str, files)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.count("passed") == 7, r.stdout + r.stderr
+
+
+def test_a_fleet_gets_one_statefulset_per_pool_and_the_proxy_names_pools():
+    t, m = _render(CONFIGS / "cuda-gaudi-fleet.yaml")
+    sts = {v["metadata"]["name"]: v for v in m.values() if v["kind"] == "StatefulSet"}
+    assert set(sts) == {"cuda-gaudi-fleet-prefill-cuda16", "cuda-gaudi-fleet-prefill-gaudi128",
+                        "cuda-gaudi-fleet-decode-gaudi128", "cuda-gaudi-fleet-decode-cuda16"}
+    assert sts["cuda-gaudi-fleet-decode-gaudi128"]["spec"]["replicas"] == 2
+    gaudi = sts["cuda-gaudi-fleet-decode-gaudi128"]["spec"]["template"]["spec"]["containers"][0]
+    assert gaudi["resources"]["limits"] == {"habana.ai/gaudi": "1"}
+    assert gaudi["command"][gaudi["command"].index("--block-size") + 1] == "128"
+    # Selectors tell the pools of a role apart.
+    selectors = [v["spec"]["selector"]["matchLabels"]["pdctl.dev/pool"] for v in sts.values()]
+    assert sorted(selectors) == ["cuda16", "cuda16", "gaudi128", "gaudi128"]
+    proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    svc = "cuda-gaudi-fleet-decode-gaudi128"
+    assert f"gaudi128=http://{svc}-1.{svc}.pd.svc:8200" in proxy and "--exclude-pair" not in proxy

@@ -132,6 +132,23 @@ def test_slurm_batch_script_places_each_instance_and_defers_its_address_to_the_n
     assert script.rstrip().endswith("wait")
 
 
+def test_slurm_places_each_pool_where_its_own_placement_says():
+    import shlex
+
+    from pdctl.launch.slurm_engine import render_batch
+    from pdctl.topology import Override
+
+    d32 = {"name": "d32", "block_size": 32, "devices": [0], "placement": {"partition": "debug", "nodelist": ["node1"]}}
+    d64 = {"name": "d64", "block_size": 64, "devices": [1]}  # the role's placement: node2
+    loaded = load_topology(CONFIGS / "cpu-slurm.yaml", [Override(("decode",), [d64, d32], "--set decode=[...]")])
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
+    steps = [shlex.split(line.removesuffix(" &")) for line in render_batch(p, p.topology["engine"]).splitlines()
+             if line.startswith("srun ")]
+    by_name = {next(a for a in s if a.startswith("--job-name=")).split("=")[1]: s for s in steps}
+    assert set(by_name) == {"prefill-0", "decode-d64-0", "decode-d32-0"}
+    assert "--nodelist=node2" in by_name["decode-d64-0"] and "--nodelist=node1" in by_name["decode-d32-0"]
+
+
 def test_worker_spin_reaches_the_connector_only_when_set():
     from pdctl.topology import Override
 
