@@ -144,7 +144,7 @@ def pool_pairs(plan: Plan) -> list[tuple[str, str]]:
             if (p["name"], d["name"]) not in excluded]
 
 
-def warm_up(plan: Plan, attempts: int = 3) -> None:
+def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
     """One P/D request per pool pair through the proxy before `ready`: a pair the connector refuses fails here,
     at start, with its decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that
     timed out (vLLM waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is
@@ -171,11 +171,14 @@ def warm_up(plan: Plan, attempts: int = 3) -> None:
             req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
                                          {**headers, "X-Request-Id": f"pdctl-warm-up-{pool_p}-{pool_d}-{attempt}"})
             try:
-                with urllib.request.urlopen(req, timeout=120) as r:
+                with urllib.request.urlopen(req, timeout=timeout_s) as r:
                     r.read()
                 break
             except (urllib.error.URLError, OSError) as e:
-                if attempt < attempts and _handshake_timed_out(decode.log_path):
+                # A fleet's first read from a newly handshaken prefill was seen to stall for ~30 s, once for
+                # more than 120 s, then pass: worth another try, like a handshake that timed out.
+                stalled = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+                if attempt < attempts and (stalled or _handshake_timed_out(decode.log_path)):
                     time.sleep(2)
                     continue
                 detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
