@@ -25,7 +25,8 @@ PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
 @pytest.fixture(scope="module")
 def fleet_up(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet")
-    with Reference("cpu-fleet.yaml", d / "ref", 8300) as ref, Up("cpu-fleet.yaml", d / "state") as up:
+    with Reference("cpu-fleet.yaml", d / "ref", 8300) as ref, Up("cpu-fleet.yaml", d / "state", timeout=900) as up:
+        # 900 s: a fleet's first read from a new prefill can stall (see the warm-up), and is tried again.
         up.reference = ref.url
         up.plan = state_mod.load(d / "state").plan
         yield up
