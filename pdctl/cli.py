@@ -724,6 +724,11 @@ def check(
     from pdctl.gates import parity
     from pdctl.launch import probe
 
+    try:
+        only = [int(n) for n in lengths.split(",")] if lengths else None
+    except ValueError:
+        raise UserError(f"--lengths {lengths}: expected token counts separated by commas, e.g. 65,129,300") from None
+
     if topology is None and state_dir is not None and not proxy_url:
         # A topology that is up (`pdctl up -d`): every pool pair, pinned, against a reference that runs too.
         from pdctl.gates import fleet
@@ -736,14 +741,12 @@ def check(
         served = st.plan.topology["model"].get("served_name") or st.plan.topology["model"]["path"]
         limit = (st.plan.topology["model"].get("max_model_len") or 2048) - max_tokens - 1
 
-        def running_prompts(pb: int, db: int) -> list:
-            if lengths:
-                return parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed)
-            return check_mod.default_prompts([pb, db], vocab, min(limit, 1024), gsm8k_dir, seed)
+        def pair_prompts(pb: int, db: int) -> list:
+            return check_mod.prompts_for([pb, db], vocab, limit, gsm8k_dir, seed, only)
 
         with err.status("checking every pool pair ...") as status:
             report = fleet.check_fleet(st.plan, st.plan.get("proxy").http_url, reference_url, model or served,
-                                       running_prompts, max_tokens, concurrency, mixed_prompts, mixed_concurrency,
+                                       pair_prompts, max_tokens, concurrency, mixed_prompts, mixed_concurrency,
                                        vocab, seed, progress=lambda text: status.update(f"checking {text} ..."))
         _render_fleet(report, json_, junit)
         raise typer.Exit(0 if report.passed else 1)
@@ -756,8 +759,7 @@ def check(
         if not decodes:
             raise UserError("no decode URL to prove the transfer with: pass --decode URL")
         name = model or json.loads(probe.http_get(reference_url.rstrip("/") + "/v1/models")[1])["data"][0]["id"]
-        prompts = (parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed) if lengths else
-                   check_mod.default_prompts([], vocab, 1024, gsm8k_dir, seed))
+        prompts = check_mod.prompts_for([], vocab, 1024, gsm8k_dir, seed, only)
         report = parity.run_parity(proxy_url, reference_url, decodes, name, prompts, max_tokens, concurrency)
         _render_parity(report, json_, junit)
         raise typer.Exit(0 if report.passed else 1)
@@ -770,9 +772,7 @@ def check(
     max_prompt = (t.model.max_model_len or 2048) - max_tokens - 1
 
     def prompts_for(blocks: list[int]) -> list:
-        if lengths:
-            return parity.random_prompts([int(n) for n in lengths.split(",")], vocab, seed)
-        return check_mod.default_prompts(blocks, vocab, min(max_prompt, 1024), gsm8k_dir, seed)
+        return check_mod.prompts_for(blocks, vocab, max_prompt, gsm8k_dir, seed, only)
 
     if len(t.prefill) > 1 or len(t.decode) > 1:
         if reference_first:

@@ -273,8 +273,8 @@ class Topology(_Strict):
         read, and chunks past a request's own decode blocks land here (2*(ratio-1) per request at most, room
         for 16 at once), sized for the largest ratio among the prefill pools that reach it."""
         assert decode.block_size is not None
-        ratios = [(p.block_size or 0) // decode.block_size for p, d in self.pairs() if d is decode]
-        return 32 * (max(ratios, default=1) - 1) if max(ratios, default=1) > 1 else 0
+        ratio = max(((p.block_size or 0) // decode.block_size for p, d in self.pairs() if d is decode), default=0)
+        return 32 * (ratio - 1) if ratio > 1 else 0
 
 
 def summary(t: Topology) -> str:

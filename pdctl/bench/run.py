@@ -10,10 +10,10 @@ from pathlib import Path
 
 from pdctl.bench import load
 from pdctl.gates import accuracy, check, fleet, parity
-from pdctl.gates.parity import ROUTE_HEADER
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
 from pdctl.plan import Plan, ProcessSpec
+from pdctl.proxy.routing import ROUTE_HEADER
 from pdctl.topology import Loaded, resolved_model
 from pdctl.topology import summary as summary_line
 
@@ -56,9 +56,9 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     try:
         if not o.skip_check:
             phase("parity check")
-            max_prompt = min((t.model.max_model_len or 2048) - 17, 1024)
+            max_prompt = (t.model.max_model_len or 2048) - 17
             if fleet_mode:
-                frep = fleet.check_fleet(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.default_prompts(
+                frep = fleet.check_fleet(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.prompts_for(
                     [pb, db], vocab, max_prompt, o.data_dir), vocab=vocab)
                 (out_dir / "parity.json").write_text(json.dumps(frep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if frep.passed else "FAIL", "pass_rate": frep.pass_rate,
@@ -66,7 +66,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                                          p.report.proof and p.report.proof.ok for p in frep.all()),
                                      "pairs": [p.to_dict() for p in frep.pairs]}
             else:
-                prompts = check.default_prompts([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
+                prompts = check.prompts_for([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
                 rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1)
                 (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,

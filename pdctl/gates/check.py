@@ -34,6 +34,14 @@ def default_prompts(block_sizes: list[int], vocab: int, max_prompt: int, gsm8k_d
     return prompts
 
 
+def prompts_for(block_sizes: list[int], vocab: int, max_prompt: int, gsm8k_dir: Path | None = None,
+                seed: int | None = None, lengths: list[int] | None = None) -> list[Prompt]:
+    """The check's prompts for one pair of block sizes: the defaults, or only random prompts of `lengths`."""
+    if lengths:
+        return random_prompts(lengths, vocab, seed)
+    return default_prompts(block_sizes, vocab, min(max_prompt, 1024), gsm8k_dir, seed)
+
+
 def with_nonce(prompts: list[Prompt], seed: int | None = None) -> list[Prompt]:
     """Text prompts get a fresh first line so no prefix cache can answer them (random ones are fresh already)."""
     rng = random.Random(seed)

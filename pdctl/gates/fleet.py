@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdctl.gates.parity import ParityReport, Prompt, PromptResult, random_prompts, run_parity
+from pdctl.launch.run import pool_pairs
 from pdctl.plan import Plan
 
 RECEIVED = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
@@ -120,9 +121,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
     """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides)."""
     t = plan.topology
     blocks = {(role, g["name"]): g["block_size"] for role in ("prefill", "decode") for g in t[role]}
-    excluded = {tuple(x) for x in t["proxy"]["exclude_pairs"]}
-    pairs = [(p["name"], d["name"]) for p in t["prefill"] for d in t["decode"] if (p["name"], d["name"])
-             not in excluded]
+    pairs = pool_pairs(plan)
     decodes = {d["name"]: [s.http_url for s in plan.by_role("decode") if s.pool == d["name"]] for d in t["decode"]}
     report = FleetReport([])
     for p, d in pairs:

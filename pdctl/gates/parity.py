@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from pdctl.launch import probe
+from pdctl.proxy.routing import ROUTE_HEADER
 
-ROUTE_HEADER = "x-pdctl-route"  # the proxy's pair pin (pdctl.proxy.server)
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
 
 

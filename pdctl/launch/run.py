@@ -18,6 +18,7 @@ from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec
+from pdctl.proxy.routing import ROUTE_HEADER
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 LOG_TAIL_LINES = 40
@@ -166,7 +167,7 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
         decode = next(p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool))
         headers = {"Content-Type": "application/json"}
         if pool_p is not None:
-            headers["x-pdctl-route"] = f"{pool_p}/{pool_d}"
+            headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
         for attempt in range(1, attempts + 1):
             req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
                                          {**headers, "X-Request-Id": f"pdctl-warm-up-{pool_p}-{pool_d}-{attempt}"})

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from itertools import count
 
 POLICIES = ("least_outstanding", "round_robin", "prefix_affinity")
+ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
 
 
 @dataclass(eq=False)  # identity semantics: instances are hashable, two with equal fields stay distinct

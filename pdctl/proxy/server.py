@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pdctl.proxy.metrics import Metrics
-from pdctl.proxy.routing import Instance, NoRoute, Router, affinity_key
+from pdctl.proxy.routing import ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, Upstream, UpstreamError
 from pdctl.topology import DEFAULT_POOL, instance_name
 
@@ -25,9 +25,6 @@ log = logging.getLogger("pdctl.proxy")
 PASS_HEADERS = ("Authorization",)
 REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
 
 
 @dataclass
