@@ -127,6 +127,9 @@ class InstanceGroup(_Strict):
     weight: float = Field(1.0, gt=0, description="share of traffic relative to other pools (unequal hardware)")
     placement: Placement | None = Field(None, description="cluster placement of this pool (default: the "
                                         "role's engine.placement)")
+    restart: Literal["on-failure", "always", "never"] = Field(
+        "on-failure", description="what the supervisor does when an instance exits or fails its health checks "
+        "persistently: on-failure (not after a clean exit 0), always, never")
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 
@@ -169,9 +172,29 @@ class ProxySpec(_Strict):
     affinity_epsilon: float = Field(0.25, ge=0, description="prefix_affinity's load bound: an instance is "
                                     "skipped above (1 + epsilon) x the mean outstanding + 1")
     affinity_prefix_chars: int = Field(256, ge=1, description="prefix_affinity hashes this many prompt chars")
-    strict: bool = Field(False, description="fail a request whose prefill returned no usable kv_transfer_params")
-    connect_timeout_s: float = Field(10.0, gt=0)
-    read_timeout_s: float = Field(600.0, gt=0)
+    on_prefill_down: Literal["fallback", "reject"] = Field(
+        "fallback", description="when no prefill can answer with usable KV (none healthy, every try failed, or "
+        "an answer without kv_transfer_params): 'fallback' sends the request to a decode as a plain request "
+        "(the decode computes the prompt; counted in pdctl_decode_only_fallback_total), 'reject' answers an "
+        "error at once. The gates run with 'reject'")
+    strict: bool | None = Field(None, description="deprecated: 'strict: true' is 'on_prefill_down: reject'")
+    connect_timeout_s: float = Field(10.0, gt=0, description="upstream TCP connect")
+    first_byte_timeout_s: float = Field(600.0, gt=0, description="request sent -> first byte of the answer "
+                                        "(a prefill computing a long prompt, a decode waiting for its KV)")
+    read_timeout_s: float = Field(600.0, gt=0, description="between two bytes of an answer once it started")
+    breaker_failures: int = Field(3, ge=1, description="consecutive failures that take an instance out of "
+                                  "routing (circuit breaker)")
+    breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
+                                  "trial request (half-open)")
+
+    @model_validator(mode="after")
+    def _strict_is_reject(self) -> ProxySpec:
+        if self.strict is not None:
+            if self.strict and "on_prefill_down" in self.model_fields_set and self.on_prefill_down != "reject":
+                raise ValueError("strict: true means on_prefill_down: reject; drop strict (it is deprecated)")
+            if self.strict:
+                self.on_prefill_down = "reject"
+        return self
 
 
 class ConnectorSpec(_Strict):
@@ -185,7 +208,24 @@ class ConnectorSpec(_Strict):
     worker_spin_s: float | None = Field(
         None, ge=0, description="how long vLLM's executor queues spin after a message (pdctl only; "
         "default 0 on CPU, where the spin starves compute and NIXL, vLLM's 1 s elsewhere)")
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
+        "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
+        "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
     extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class SupervisionSpec(_Strict):
+    """How `pdctl up` keeps instances running (each pool's `restart` says whether it may)."""
+
+    health_failures: int = Field(3, ge=1, description="consecutive failed /health probes before a restart ...")
+    health_window_s: float = Field(30.0, ge=0, description="... and at least this long since the first of them "
+                                   "(a /health stalled behind a busy engine on a small host is not a crash)")
+    health_interval_s: float = Field(5.0, gt=0, description="seconds between health probes of one instance")
+    backoff_s: float = Field(2.0, gt=0, description="wait before the first restart; doubles per restart in the window")
+    backoff_max_s: float = Field(60.0, gt=0)
+    max_restarts: int = Field(5, ge=0, description="restarts of one instance allowed per window; then it stays down")
+    window_s: float = Field(600.0, gt=0)
 
 
 RAY_PLACEMENT = ("resources", "labels", "node")
@@ -222,6 +262,7 @@ class Topology(_Strict):
     proxy: ProxySpec = Field(default_factory=ProxySpec)
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
+    supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
 
     @model_validator(mode="after")
     def _assign_ports(self) -> Topology:
