@@ -93,6 +93,10 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
         staging = t.staging_blocks(g) if role == "decode" else 0
         if staging:
             extra["pdctl"]["staging_blocks"] = staging
+    if role == "decode":
+        # vLLM's default is "fail"; pdctl's connector reports every KV it cannot deliver (staging full, a
+        # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.
+        cfg["kv_load_failure_policy"] = c.kv_load_failure_policy
     cfg["kv_buffer_device"] = t.kv_buffer_device(g)
     extra.update(c.extra_config)
     cfg["kv_connector_extra_config"] = extra
@@ -151,7 +155,9 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
     pools' weights and the excluded pairs."""
     px = t.proxy
     argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
-            "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s)]
+            "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s),
+            "--first-byte-timeout", str(px.first_byte_timeout_s), "--on-prefill-down", px.on_prefill_down,
+            "--breaker-failures", str(px.breaker_failures), "--breaker-open", str(px.breaker_open_s)]
     for s in servers:
         argv += [f"--{s.role}", s.http_url if s.pool == DEFAULT_POOL else f"{s.pool}={s.http_url}"]
     for role in ROLES:
@@ -161,8 +167,6 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
     if px.policy == "prefix_affinity":
         argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
                  str(px.affinity_prefix_chars)]
-    if px.strict:
-        argv.append("--strict")
     return argv
 
 

@@ -166,6 +166,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._remote_block: dict[str, int] = {}  # remote engine -> its block size (as it said at handshake)
         self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
         self._received_tokens: dict[str, int] = {}  # remote engine -> prompt tokens received so far
+        self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        # Test-only: hold each read this long after the decode got the request (a fault drill kills the prefill
+        # in that gap, deterministically).
+        self._read_delay_s = float(s.get("test_read_delay_s", 0))
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
@@ -265,6 +269,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
     # -- pairing ---------------------------------------------------------------------------------------------
 
     def _read_blocks_for_req(self, req_id: str, meta):
+        if self._read_delay_s:
+            log.warning("pdctl connector: test_read_delay_s: holding the read of request %s for %g s", req_id,
+                        self._read_delay_s)
+            time.sleep(self._read_delay_s)
         # The decode's own prefix-cache hit (blocks already computed) for this request, per group: vLLM's
         # sub-block pairing below does not know it and shifts every pair when it is non-zero.
         self._cached_blocks = tuple(meta.local_num_computed_blocks or ())
@@ -330,8 +338,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                     spare = [b * ratio + c for c in range(ratio) if not first <= b * ratio + c < last]
                     staging = self._take_staging(len(spare)) if spare else []
                     if staging is None:
-                        log.warning("pdctl connector: staging area full (%d blocks), request %s falls back to "
-                                    "local prefill", self._staging_blocks, req_id)
+                        log.warning("pdctl connector: staging area full (%d blocks): request %s's KV load fails "
+                                    "(kv_load_failure_policy %s: %s)", self._staging_blocks, req_id,
+                                    self._failure_policy, "the decode computes the prompt itself"
+                                    if self._failure_policy == "recompute" else "the request ends with an error")
                         self._release(groups + [chunk_groups])
                         return False
                     dests = []

@@ -36,6 +36,9 @@ class StopReport:
 
 class Backend(ABC):
     name: str = "abstract"
+    # Whether pdctl's supervisor can restart one instance (local: yes). Ray and Slurm start a plan as a whole;
+    # there a dead instance is reported by `status` and stays down until `pdctl down && pdctl up`.
+    restartable: bool = False
 
     @abstractmethod
     def preflight(self, plan: Plan) -> list[str]:
@@ -59,9 +62,13 @@ class Backend(ABC):
     def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
         """Stop every recorded process and everything it started; idempotent."""
 
+    def stop_one(self, state: LaunchState, name: str, grace_s: float = 10.0) -> StopReport:
+        """Stop one process and everything it started (what a restart needs first)."""
+        raise NotImplementedError(f"the {self.name} engine does not stop single instances")
+
     def log_tail(self, state: LaunchState, name: str, n: int) -> list[str]:
         """The last n lines of a process's log (a cluster backend may fetch them from the node)."""
-        from pdctl.launch.run import tail
+        from pdctl.launch.logs import tail
 
         return tail(state.plan.get(name).log_path, n)
 

@@ -5,8 +5,11 @@ and workers (its own children) were seen to live on, orphaned, holding the NIXL 
 leads a process group holding the server and all it starts; when its owner dies or it is told to stop, it stops
 the whole group: SIGTERM, then SIGKILL.
 
-The owner is the guard's parent (pdctl in the foreground: parent-death signal), or with --watch a process it
-polls (a Ray actor). A Ray worker SIGKILLs its direct children when it exits, which would take the guard and
+The owner is the guard's parent (pdctl in the foreground: parent-death signal), with --watch a process it
+polls (a Ray actor), or nobody with --orphan (`pdctl up -d`: the servers outlive the command; `pdctl down` or
+the supervisor stops them). When the server exits, the guard writes one line to its stderr (the instance's
+log) saying how: `--- pdctl guard: server exited with code N` or `... killed by signal 9 (SIGKILL)`; the
+supervisor and `pdctl status` read it. A Ray worker SIGKILLs its direct children when it exits, which would take the guard and
 leave the group orphaned: with --detach the guard forks away from its parent first, and prints its pid.
 """
 
@@ -47,20 +50,37 @@ def _start_ticks(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+EXIT_MARK = "--- pdctl guard: server "
+
+
+def exit_line(code: int) -> str:
+    """How the server ended, as Popen reports it (negative: killed by that signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "?"
+        return f"{EXIT_MARK}killed by signal {-code} ({name})"
+    return f"{EXIT_MARK}exited with code {code}"
+
+
 def main(argv: list[str]) -> int:
     watch: int | None = None
-    detach = False
+    detach = orphan = False
     while argv and argv[0] != "--":
         if argv[0] == "--watch" and len(argv) > 1:
             watch, argv = int(argv[1]), argv[2:]
         elif argv[0] == "--detach":
             detach, argv = True, argv[1:]
+        elif argv[0] == "--orphan":
+            orphan, argv = True, argv[1:]
         else:
             break
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv or (detach and watch is None):
-        print("usage: python -m pdctl.launch.guard [--watch PID [--detach]] -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m pdctl.launch.guard [--watch PID [--detach] | --orphan] -- COMMAND [ARGS...]",
+              file=sys.stderr)
         return 2
     watched = _start_ticks(watch) if watch is not None else None
     if detach:
@@ -72,7 +92,7 @@ def main(argv: list[str]) -> int:
         os.setsid()
     elif os.getpgrp() != os.getpid():
         os.setpgrp()
-    if watch is None:
+    if watch is None and not orphan:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() == 1:  # the parent died before the signal was armed
             return 1
@@ -90,6 +110,8 @@ def main(argv: list[str]) -> int:
             break
         time.sleep(0.2)
     code = child.returncode
+    if code is not None:
+        print(exit_line(code), file=sys.stderr, flush=True)
     # The server is gone or must go: nothing it started may stay behind.
     me, pgid = os.getpid(), os.getpgrp()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

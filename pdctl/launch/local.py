@@ -22,11 +22,12 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def guarded(argv: list[str], watch: int | None = None) -> list[str]:
-    """ARGV run under pdctl's guard: when its owner dies, the whole process group goes (a parent-death signal
-    alone stops only the direct child, and vLLM's EngineCore outlived its API server that way). The owner is
-    the parent, or the process `watch` names (then the guard detaches and prints its pid)."""
-    opts = ["--watch", str(watch), "--detach"] if watch is not None else []
+def guarded(argv: list[str], watch: int | None = None, orphan: bool = False) -> list[str]:
+    """ARGV run under pdctl's guard: when its owner dies, or the server itself, the whole process group goes (a
+    parent-death signal alone stops only the direct child, and vLLM's EngineCore outlived its API server that
+    way). The owner is the parent, the process `watch` names (then the guard detaches and prints its pid), or
+    nobody (`orphan`: detached topologies). The guard logs how the server ended."""
+    opts = ["--watch", str(watch), "--detach"] if watch is not None else ["--orphan"] if orphan else []
     return [sys.executable, "-m", "pdctl.launch.guard", *opts, "--", *argv]
 
 
@@ -68,6 +69,7 @@ def group_members(pgid: int) -> list[int]:
 
 class LocalBackend(Backend):
     name = "local"
+    restartable = True
 
     def __init__(self) -> None:
         self._children: dict[str, subprocess.Popen] = {}  # only for processes this pdctl started
@@ -87,7 +89,7 @@ class LocalBackend(Backend):
             log.flush()
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             proc = subprocess.Popen(
-                guarded(spec.argv) if attached else spec.argv, env={**os.environ, **spec.env},
+                guarded(spec.argv, orphan=not attached), env={**os.environ, **spec.env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent if attached else None,
             )
@@ -107,10 +109,13 @@ class LocalBackend(Backend):
         rec = state.processes.get(name)
         return Liveness(rec is not None and self._is_ours(rec))
 
-    def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
+    def stop(self, state: LaunchState, grace_s: float = 15.0, names: list[str] | None = None) -> StopReport:
+        """Stop every recorded process (or the named ones) and all of their process groups."""
         report = StopReport([], [], [])
         groups: dict[str, int] = {}
         for name, rec in state.processes.items():
+            if names is not None and name not in names:
+                continue
             leader_ours = self._is_ours(rec)
             # A pid reused by an unrelated process that leads its own group must not be signalled.
             if not leader_ours and start_ticks(rec.pid) is not None and os.getpgid(rec.pid) == rec.pid:
@@ -139,6 +144,9 @@ class LocalBackend(Backend):
             time.sleep(0.05)
         self._reap()
         return report
+
+    def stop_one(self, state: LaunchState, name: str, grace_s: float = 10.0) -> StopReport:
+        return self.stop(state, grace_s, [name])
 
     def _reap(self) -> None:
         for child in self._children.values():

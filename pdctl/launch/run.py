@@ -6,9 +6,7 @@ Rendering is the caller's: progress arrives through a callback, failures as Laun
 from __future__ import annotations
 
 import importlib.util
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 from pdctl.launch import probe
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
+from pdctl.launch.logs import root_cause, tail
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec
 from pdctl.proxy.routing import ROUTE_HEADER
@@ -37,19 +36,16 @@ class LaunchFailed(Exception):
         self.log_tail = tail(log_path, LOG_TAIL_LINES) if log_path else []
         super().__init__(f"{name}: {reason}")
 
+    @property
+    def cause(self) -> str | None:
+        """The line of the log that says why (pdctl's own error, else the first exception), if any."""
+        return root_cause(tail(self.log_path, 400) if self.log_path else self.log_tail)
+
 
 class PreflightFailed(Exception):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("; ".join(problems))
-
-
-def tail(path: str | Path, n: int) -> list[str]:
-    try:
-        with open(path, errors="replace") as f:
-            return [line.rstrip("\n") for line in deque(f, maxlen=n)]
-    except OSError:
-        return []
 
 
 def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
@@ -209,20 +205,17 @@ def _connector_error(log_path: str) -> str | None:
     return found
 
 
-def supervise(plan: Plan, backend: Backend, state: LaunchState, stop: threading.Event,
-              interval_s: float = 0.5) -> str | None:
-    """Block until `stop` is set (None) or a process exits (its name)."""
-    while not stop.wait(interval_s):
-        for spec in plan.processes:
-            if not backend.liveness(state, spec.name).alive:
-                return spec.name
-    return None
-
-
 def down(state: LaunchState, backend: Backend, grace_s: float = 15.0) -> StopReport:
     report = backend.stop(state, grace_s)
     state_mod.remove(Path(state.plan.state_dir))
     return report
+
+
+def stop_supervisor(state_dir: Path) -> str | None:
+    """Stop the topology's supervisor first, so nothing is restarted while it is taken down."""
+    from pdctl.launch import supervisor
+
+    return supervisor.stop(state_dir)
 
 
 @dataclass
@@ -244,6 +237,10 @@ class InstanceStatus:
     requests_waiting: float | None = None
     kv_usage: float | None = None
     pool: str | None = None
+    restarts: int = 0
+    phase: str = "running"
+    last_exit: str | None = None
+    last_error: str | None = None
 
 
 def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
@@ -258,6 +255,7 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
             time.time() - rec.started_at if rec and running else None, rec.where if rec else "-", spec.host,
             (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
-            (m or {}).get("vllm:kv_cache_usage_perc"), spec.pool,
+            (m or {}).get("vllm:kv_cache_usage_perc"), spec.pool, rec.restarts if rec else 0,
+            rec.phase if rec else "-", rec.last_exit if rec else None, rec.last_error if rec else None,
         ))
     return out

@@ -23,6 +23,11 @@ class ProcessRecord:
     start_ticks: int  # /proc/<pid>/stat starttime: tells our process from a later one reusing the pid
     started_at: float
     where: str = "local"  # or the engine's handle: "ray:<node ip>", "slurm:<node>"
+    # Kept by the supervisor across restarts:
+    restarts: int = 0
+    phase: str = "running"  # running | starting (after a restart) | backoff | failed (gave up) | exited (clean)
+    last_exit: str | None = None  # how the previous run ended: "killed by signal 9 (SIGKILL)", ...
+    last_error: str | None = None  # the root-cause line of its log then
 
 
 @dataclass
@@ -75,6 +80,30 @@ def remove(state_dir: Path) -> None:
 
 def clear_logs(state_dir: Path) -> None:
     shutil.rmtree(state_dir / "logs", ignore_errors=True)
+
+
+SUPERVISOR_FILE = "supervisor.json"
+
+
+def save_supervisor(state_dir: Path, pid: int, start_ticks: int, mode: str) -> None:
+    tmp = state_dir / (SUPERVISOR_FILE + ".tmp")
+    tmp.write_text(json.dumps({"pid": pid, "start_ticks": start_ticks, "mode": mode}))
+    os.replace(tmp, state_dir / SUPERVISOR_FILE)
+
+
+def load_supervisor(state_dir: Path) -> dict | None:
+    try:
+        d = json.loads((state_dir / SUPERVISOR_FILE).read_text())
+        return d if isinstance(d, dict) and isinstance(d.get("pid"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def remove_supervisor(state_dir: Path, pid: int) -> None:
+    """Remove the supervisor record if it is still this process's."""
+    d = load_supervisor(state_dir)
+    if d and d["pid"] == pid:
+        (state_dir / SUPERVISOR_FILE).unlink(missing_ok=True)
 
 
 def find_state_dirs(root: Path = DEFAULT_ROOT) -> list[Path]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+# Why a request went to a decode alone: no prefill was usable, the ones tried failed, or one answered without KV.
+FALLBACK_REASONS = ("prefill_down", "prefill_failed", "no_kv_params")
+
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
 
@@ -37,6 +40,9 @@ class Metrics:
     upstream_errors: Counter = field(default_factory=Counter)  # instance url -> n
     pairs: Counter = field(default_factory=Counter)  # (prefill pool, decode pool, status) -> n
     kv_transfer_missing: int = 0
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> decode-only requests
+    prefill_retries: int = 0
+    rejected: Counter = field(default_factory=Counter)  # reason -> requests refused (on_prefill_down: reject)
     prefill_latency: Histogram = field(default_factory=Histogram)
     first_decode_byte_latency: Histogram = field(default_factory=Histogram)
     e2e_latency: Histogram = field(default_factory=Histogram)
@@ -69,10 +75,25 @@ class Metrics:
                   for u, n in sorted(self.upstream_errors.items())]
         lines += ["# TYPE pdctl_proxy_kv_transfer_missing_total counter",
                   f"pdctl_proxy_kv_transfer_missing_total {self.kv_transfer_missing}",
-                  "# TYPE pdctl_proxy_inflight gauge"]
+                  "# HELP pdctl_decode_only_fallback_total requests a decode served alone (computing the "
+                  "prompt) because no prefill answered with usable KV",
+                  "# TYPE pdctl_decode_only_fallback_total counter"]
+        lines += [f'pdctl_decode_only_fallback_total{{reason="{r}"}} {self.fallbacks[r]}'
+                  for r in sorted({*FALLBACK_REASONS, *self.fallbacks})]
+        lines += ["# TYPE pdctl_proxy_prefill_retries_total counter",
+                  f"pdctl_proxy_prefill_retries_total {self.prefill_retries}",
+                  "# TYPE pdctl_proxy_rejected_total counter"]
+        lines += [f'pdctl_proxy_rejected_total{{reason="{r}"}} {n}' for r, n in sorted(self.rejected.items())]
+        lines += ["# TYPE pdctl_proxy_inflight gauge"]
         for i in instances:
             lines.append(f'pdctl_proxy_inflight{{role="{i.role}",pool="{i.pool}",name="{i.name}",'
                          f'instance="{i.url}"}} {i.inflight}')
+        lines.append("# TYPE pdctl_proxy_breaker_open gauge")
+        lines += [f'pdctl_proxy_breaker_open{{role="{i.role}",name="{i.name}"}} '
+                  f'{int(i.breaker.opened_at is not None)}' for i in instances]
+        lines.append("# TYPE pdctl_proxy_breaker_trips_total counter")
+        lines += [f'pdctl_proxy_breaker_trips_total{{role="{i.role}",name="{i.name}"}} {i.breaker.trips}'
+                  for i in instances]
         lines += self.prefill_latency.render("pdctl_proxy_prefill_seconds")
         lines += self.first_decode_byte_latency.render("pdctl_proxy_first_decode_byte_seconds")
         lines += self.e2e_latency.render("pdctl_proxy_e2e_seconds")

@@ -9,13 +9,55 @@ O(candidates), plus O(log ring) for prefix affinity.
 from __future__ import annotations
 
 import hashlib
+import time
 from bisect import bisect_right
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from itertools import count
 
 POLICIES = ("least_outstanding", "round_robin", "prefix_affinity")
 ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
+
+
+@dataclass(eq=False)
+class Breaker:
+    """Per-instance circuit breaker: `threshold` consecutive failures take the instance out of routing for
+    `open_s`; then one trial request is let through (half-open): success closes it, failure opens it again.
+    A flapping instance then costs one failed request per `open_s`, not one per request."""
+
+    threshold: int = 3
+    open_s: float = 10.0
+    failures: int = 0
+    opened_at: float | None = None
+    trial: bool = False  # the half-open trial request is out
+    trips: int = 0  # times it opened (metrics)
+
+    def state(self, now: float) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "open" if now - self.opened_at < self.open_s else "half_open"
+
+    def allows(self, now: float) -> bool:
+        st = self.state(now)
+        return st == "closed" or (st == "half_open" and not self.trial)
+
+    def picked(self, now: float) -> None:
+        if self.state(now) == "half_open":
+            self.trial = True
+
+    def success(self) -> None:
+        self.failures, self.opened_at, self.trial = 0, None, False
+
+    def failure(self, now: float) -> bool:
+        """Count a failure; True when this one opened the breaker."""
+        self.failures += 1
+        half_open = self.opened_at is not None
+        self.trial = False
+        if half_open or self.failures >= self.threshold:
+            self.opened_at = now
+            self.trips += 1
+            return True
+        return False
 
 
 @dataclass(eq=False)  # identity semantics: instances are hashable, two with equal fields stay distinct
@@ -27,6 +69,10 @@ class Instance:
     weight: float = 1.0  # per-pool weight for unequal hardware (>0)
     inflight: int = 0  # requests outstanding on it (the proxy increments/decrements)
     healthy: bool = True  # last health probe (or request) reached it
+    breaker: Breaker = field(default_factory=Breaker)
+
+    def usable(self, now: float) -> bool:
+        return self.healthy and self.breaker.allows(now)
 
 
 class NoRoute(Exception):
@@ -53,7 +99,7 @@ class Router:
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], policy: str = "least_outstanding",
                  exclude_pairs: Iterable[tuple[str, str]] = (), epsilon: float = 0.25, prefix_chars: int = 256,
-                 vnodes: int = 64):
+                 vnodes: int = 64, clock: Callable[[], float] = time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; one of: {', '.join(POLICIES)}")
         if not prefill or not decode:
@@ -68,6 +114,7 @@ class Router:
         if epsilon < 0 or vnodes < 1:
             raise ValueError(f"epsilon must be >= 0 and vnodes >= 1 (got {epsilon}, {vnodes})")
         self.policy = policy
+        self.clock = clock
         self.epsilon = epsilon
         self.prefix_chars = prefix_chars
         self.instances = [*prefill, *decode]
@@ -104,24 +151,34 @@ class Router:
         self._decode_for = {p: group("decode", [i for i in decode if (p, i.pool) in self._pair_set])
                             for p in p_pools}
         self._decode_pool = {d: group("decode", m) for d, m in d_pools.items()}
+        self._decode_all = group("decode", [i for i in decode if i.pool in {d for _, d in self.pairs}])
         self._rr = {"prefill": count(), "decode": count()}
 
     # -- public ----------------------------------------------------------------------------------------------
 
-    def pick_prefill(self, key: str | None = None, pin: tuple[str, str] | None = None) -> Instance:
+    def pick_prefill(self, key: str | None = None, pin: tuple[str, str] | None = None,
+                     exclude: Iterable[Instance] = (), usable_only: bool = False) -> Instance | None:
+        """A prefill for the request. `exclude`: instances already tried for it. With `usable_only`, None when
+        no candidate is healthy with a closed (or trial-ready) breaker; otherwise every candidate is tried then."""
         if pin is not None:
             self._check_pair(*pin)
-            return self._pick(self._prefill_pool[pin[0]], "prefill", key)
-        return self._pick(self._prefill_all, "prefill", key)
+            return self._pick(self._prefill_pool[pin[0]], "prefill", key, exclude, usable_only)
+        return self._pick(self._prefill_all, "prefill", key, exclude, usable_only)
 
-    def pick_decode(self, prefill_pool: str, key: str | None = None, pin: tuple[str, str] | None = None) -> Instance:
+    def pick_decode(self, prefill_pool: str | None, key: str | None = None, pin: tuple[str, str] | None = None,
+                    exclude: Iterable[Instance] = ()) -> Instance:
+        """A decode allowed for the prefill's pool; `prefill_pool` None (decode-only fallback): any paired decode,
+        or the pinned pair's decode pool."""
         if pin is not None:
-            self._check_pair(prefill_pool, pin[1])
-            return self._pick(self._decode_pool[pin[1]], "decode", key)
+            if prefill_pool is not None:
+                self._check_pair(prefill_pool, pin[1])
+            return self._pick(self._decode_pool[pin[1]], "decode", key, exclude)
+        if prefill_pool is None:
+            return self._pick(self._decode_all, "decode", key, exclude)
         g = self._decode_for.get(prefill_pool)
         if g is None:
             raise NoRoute(f"no such prefill pool {prefill_pool}; pairs: {self._pairs_text()}")
-        return self._pick(g, "decode", key)
+        return self._pick(g, "decode", key, exclude)
 
     def parse_pin(self, header: str) -> tuple[str, str]:
         """A pin header "P/D" -> (P, D), checked against the allowed pairs."""
@@ -145,10 +202,24 @@ class Router:
             raise NoRoute(f"pool pair {p}/{d} is excluded; pairs: {self._pairs_text()}")
         raise NoRoute(f"no such pool pair {p}/{d}; pairs: {self._pairs_text()}")
 
-    def _pick(self, g: _Group, role: str, key: str | None) -> Instance:
-        # Instances that failed their last probe get no traffic; with none healthy, every one is tried (the
-        # request then fails fast with the instance named, instead of waiting for a probe).
-        cands = [i for i in g.members if i.healthy] or g.members
+    def _pick(self, g: _Group, role: str, key: str | None, exclude: Iterable[Instance] = (),
+              usable_only: bool = False) -> Instance | None:
+        # Instances that failed their last probe, or whose breaker is open, get no traffic; with none usable,
+        # every one is tried (the request then fails fast with the instance named, instead of waiting for a
+        # probe), unless the caller has somewhere else to go (usable_only).
+        now = self.clock()
+        skip = set(map(id, exclude))
+        members = [i for i in g.members if id(i) not in skip]
+        cands = [i for i in members if i.usable(now)]
+        if not cands:
+            if usable_only or not members:
+                return None
+            cands = members
+        inst = self._choose(g, cands, role, key)
+        inst.breaker.picked(now)
+        return inst
+
+    def _choose(self, g: _Group, cands: list[Instance], role: str, key: str | None) -> Instance:
         if self.policy == "round_robin":
             return cands[next(self._rr[role]) % len(cands)]
         if self.policy == "prefix_affinity" and key is not None:
@@ -167,9 +238,11 @@ class Router:
         weights: (1 + epsilon) * mean inflight + 1), so one hot prefix cannot pile onto one instance; its overflow
         goes to the next instance on the ring, which is deterministic and so still cache-friendly.
         """
-        all_down = not any(i.healthy for i in cands)  # then cands is every member: unhealthy ones are eligible
+        now = self.clock()
+        all_down = not any(i.usable(now) for i in cands)  # then cands is every member: unhealthy ones are eligible
         share = (1 + self.epsilon) * sum(i.inflight for i in cands) / sum(i.weight for i in cands)
         ring, owners = g.ring, g.owners
+        cand_ids = set(map(id, cands))
         n = len(ring)
         start = bisect_right(ring, _h64(key))
         seen: set[int] = set()
@@ -177,7 +250,7 @@ class Router:
             inst = owners[(start + j) % n]
             if id(inst) in seen:
                 continue
-            if (inst.healthy or all_down) and inst.inflight <= share * inst.weight + 1:
+            if id(inst) in cand_ids and (inst.usable(now) or all_down) and inst.inflight <= share * inst.weight + 1:
                 return inst
             seen.add(id(inst))
             if len(seen) == len(g.members):

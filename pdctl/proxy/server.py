@@ -2,6 +2,11 @@
 
 Each request: prefill with max_tokens 1 and `do_remote_decode`, then the client's request plus the prefill's
 kv_transfer_params to a decode, whose answer (SSE or JSON) is passed through as it arrives.
+
+Faults: a prefill that fails before answering is tried once more on another (a prefill is idempotent); when no
+prefill answers with usable KV, `on_prefill_down` says fallback (the decode computes the prompt, counted) or
+reject. A decode is tried again only when nothing listened (it never saw the KV parameters): once a decode has
+them, the prefill may free its blocks as soon as they are read. Every instance has a circuit breaker.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from aiohttp import web
 
 from pdctl.proxy.metrics import Metrics
 from pdctl.proxy.routing import ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
-from pdctl.proxy.upstream import ConnectFailed, Upstream, UpstreamError
+from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
 from pdctl.topology import DEFAULT_POOL, instance_name
 
 log = logging.getLogger("pdctl.proxy")
@@ -32,9 +37,12 @@ class ProxyConfig:
     prefill: list[str]  # [POOL=]URL per instance; a bare URL is in pool "default"
     decode: list[str]
     policy: str = "least_outstanding"
-    strict: bool = False
+    on_prefill_down: str = "fallback"  # fallback | reject (see topology.ProxySpec)
     connect_timeout_s: float = 10.0
-    read_timeout_s: float = 600.0
+    read_timeout_s: float = 600.0  # between bytes
+    first_byte_timeout_s: float = 600.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 10.0
     health_interval_s: float = 2.0  # how often every instance's /health is probed for routing
     weights: dict[str, float] = field(default_factory=dict)  # "ROLE/POOL" -> weight
     exclude_pairs: list[tuple[str, str]] = field(default_factory=list)
@@ -74,16 +82,21 @@ def error_body(message: str, kind: str = "proxy_error", code: int = 502) -> dict
 class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg = cfg
+        if cfg.on_prefill_down not in ("fallback", "reject"):
+            raise ValueError(f"on_prefill_down must be fallback or reject, got {cfg.on_prefill_down!r}")
         self.router = Router(instances("prefill", cfg.prefill, cfg.weights), instances("decode", cfg.decode,
                              cfg.weights), cfg.policy, cfg.exclude_pairs, cfg.affinity_epsilon,
                              cfg.affinity_prefix_chars)
+        for inst in self.router.instances:
+            inst.breaker.threshold, inst.breaker.open_s = cfg.breaker_failures, cfg.breaker_open_s
         self.metrics = Metrics()
         self._upstreams: dict[str, Upstream] = {}
 
     def upstream(self, inst: Instance) -> Upstream:
         up = self._upstreams.get(inst.url)
         if up is None:
-            up = self._upstreams[inst.url] = Upstream(inst.url, self.cfg.connect_timeout_s, self.cfg.read_timeout_s)
+            up = self._upstreams[inst.url] = Upstream(inst.url, self.cfg.connect_timeout_s, self.cfg.read_timeout_s,
+                                                      self.cfg.first_byte_timeout_s)
         return up
 
     # -- app wiring ------------------------------------------------------------------------------------------
@@ -177,29 +190,35 @@ class Proxy:
     async def _pd(self, req: web.Request, route: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         status = 500
-        chosen: list[Instance] = []  # the prefill, then the decode, as they are picked
+        rt = _Route()
         request_id = req.headers.get("X-Request-Id") or f"pdctl-{uuid.uuid4().hex}"
         try:
-            resp = await self._pd_inner(req, route, t0, chosen, request_id)
+            resp = await self._pd_inner(req, route, t0, rt, request_id)
             status = resp.status
             if not resp.prepared:  # a streamed answer carried these from its first byte
-                resp.headers.update(self._route_headers(chosen))
+                resp.headers.update(rt.headers())
             return resp
         finally:
             seconds = time.perf_counter() - t0
             self.metrics.request_done(route, status, seconds)
-            p, d = (chosen + [None, None])[:2]
+            p, d = rt.prefill, rt.decode
             if d is not None:
-                self.metrics.pair_done(p.pool, d.pool, status)
+                self.metrics.pair_done(p.pool if p else "-", d.pool, status)
             if self.cfg.access_log:
-                log.info("%s %s %d %.1f ms prefill=%s decode=%s", request_id, route,
-                         status, 1e3 * seconds, p.name if p else "-", d.name if d else "-")
+                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s", request_id, route, status, 1e3 * seconds,
+                         p.name if p else "-", d.name if d else "-",
+                         f" fallback={rt.fallback}" if rt.fallback else "")
 
-    @staticmethod
-    def _route_headers(chosen: list[Instance]) -> dict[str, str]:
-        return dict(zip(("x-pdctl-prefill", "x-pdctl-decode"), (i.name for i in chosen), strict=False))
+    def _failed(self, inst: Instance, e: Exception | None = None) -> None:
+        """Count a failed call on an instance: its breaker, and (nothing listening) its health at once."""
+        self.metrics.upstream_error(inst.url)
+        if isinstance(e, ConnectFailed):
+            inst.healthy = False  # nothing listens there: route around it until a probe finds it back
+        if inst.breaker.failure(self.router.clock()):
+            log.warning("%s %s: %d consecutive failures, circuit open for %g s", inst.name, inst.url,
+                        inst.breaker.failures, inst.breaker.open_s)
 
-    async def _pd_inner(self, req: web.Request, route: str, t0: float, chosen: list[Instance],
+    async def _pd_inner(self, req: web.Request, route: str, t0: float, rt: _Route,
                         request_id: str) -> web.StreamResponse:
         try:
             body = await req.json()
@@ -215,6 +234,40 @@ class Proxy:
             return web.json_response(error_body(f"{ROUTE_HEADER}: {e}", "invalid_request", 400), status=400)
         key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
+        pre = await self._prefill(route, body, headers, key, pin, rt)
+        if isinstance(pre, web.Response):
+            return pre
+        dec_body = dict(body)
+        if pre is not None:
+            dec_body["kv_transfer_params"] = pre
+        else:
+            dec_body.pop("kv_transfer_params", None)  # decode-only: the decode computes the prompt itself
+        self.metrics.prefill_done(time.perf_counter() - t0)
+
+        tried: list[Instance] = []
+        while True:
+            d = router.pick_decode(rt.prefill.pool if rt.prefill else None, key, pin, exclude=tried)
+            if d is None:
+                last = tried[-1]
+                return web.json_response(error_body(f"decode {last.url} unavailable and no other decode may "
+                                                    "serve this request", "upstream_unavailable", 503), status=503)
+            rt.decode = d
+            tried.append(d)
+            d.inflight += 1
+            try:
+                resp = await self._decode(req, d, route, dec_body, headers, t0, rt.headers(),
+                                          retry_ok=len(tried) == 1)
+            finally:
+                d.inflight -= 1
+            if resp is not None:
+                return resp
+            # Nothing listened there: the decode never saw the request (nor its KV parameters); one more.
+
+    async def _prefill(self, route: str, body: dict, headers: dict[str, str], key: str | None,
+                       pin: tuple[str, str] | None, rt: _Route) -> dict | None | web.Response:
+        """The prefill leg: the request's KV parameters, None for decode-only fallback, or the answer to send
+        back (a client error, or a refusal under on_prefill_down: reject). Tried once more on another prefill
+        when the first fails before answering (it is idempotent: a prefill only computes and holds KV)."""
         pre_body = dict(body)
         pre_body["max_tokens"] = 1
         if "max_completion_tokens" in pre_body:
@@ -223,73 +276,94 @@ class Proxy:
         for k in ("stream_options", "min_tokens"):
             pre_body.pop(k, None)
         pre_body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
-
-        p = router.pick_prefill(key, pin)
-        chosen.append(p)
-        p.inflight += 1
-        try:
-            async with await self.upstream(p).request("POST", route, json.dumps(pre_body).encode(), headers) as r:
-                raw = await r.read()
-                if r.status >= 400:
+        wire = json.dumps(pre_body).encode()
+        tried: list[Instance] = []
+        errors: list[str] = []
+        for attempt in range(2):
+            p = self.router.pick_prefill(key, pin, exclude=tried, usable_only=True)
+            if p is None:
+                break
+            if attempt:
+                self.metrics.prefill_retries += 1
+                log.warning("request %s: prefill %s failed (%s); trying %s", headers.get("X-Request-Id"),
+                            tried[-1].name, errors[-1], p.name)
+            tried.append(p)
+            rt.prefill = p
+            p.inflight += 1
+            try:
+                async with await self.upstream(p).request("POST", route, wire, headers) as r:
+                    raw = await r.read()
+                if 400 <= r.status < 500:
                     # Client errors (e.g. prompt too long) go back as they are; the decode never sees them.
-                    if r.status >= 500:
-                        self.metrics.upstream_error(p.url)
+                    p.breaker.success()
                     return web.Response(status=r.status, body=raw, content_type="application/json")
+                if r.status >= 500:
+                    self._failed(p)
+                    errors.append(f"{p.name}: HTTP {r.status}: {raw[:200].decode(errors='replace')}")
+                    continue
                 pre = json.loads(raw)
-        except UpstreamError as e:
-            self.metrics.upstream_error(p.url)
-            if isinstance(e, ConnectFailed):
-                p.healthy = False  # nothing listens there: route around it until a probe finds it back
-            return web.json_response(error_body(f"prefill {p.url} unavailable: {e!s}", "upstream_unavailable",
-                                                503), status=503)
-        except ValueError:
-            self.metrics.upstream_error(p.url)
-            return web.json_response(error_body(f"prefill {p.url} returned no JSON"), status=502)
-        finally:
-            p.inflight -= 1
-        self.metrics.prefill_done(time.perf_counter() - t0)
-
-        kvp = pre.get("kv_transfer_params")
-        if not usable_kv_params(kvp):
+                assert isinstance(pre, dict)
+            except UpstreamError as e:
+                self._failed(p, e)
+                errors.append(f"{p.name}: {e}")
+                continue
+            except (ValueError, AssertionError):
+                self._failed(p)
+                errors.append(f"{p.name}: answered no JSON object")
+                continue
+            finally:
+                p.inflight -= 1
+            p.breaker.success()
+            kvp = pre.get("kv_transfer_params")
+            if usable_kv_params(kvp):
+                return kvp
             self.metrics.kv_transfer_missing += 1
-            log.warning("prefill %s returned no usable kv_transfer_params (request %s): the decode would "
-                        "recompute the prompt", p.url, request_id)
-            if self.cfg.strict:
-                return web.json_response(error_body(
-                    f"prefill {p.url} returned no usable kv_transfer_params; refusing to let the decode "
-                    "recompute the prompt (strict mode)", "kv_transfer_missing"), status=502)
-        dec_body = dict(body)
-        dec_body["kv_transfer_params"] = kvp
+            return self._no_prefill("no_kv_params", f"prefill {p.name} ({p.url}) returned no usable "
+                                    "kv_transfer_params", rt, "kv_transfer_missing", 502)
+        rt.prefill = None
+        if not tried:
+            why = "no prefill instance is healthy" + (f" in pool {pin[0]}" if pin else "")
+            return self._no_prefill("prefill_down", why, rt, "prefill_unavailable", 503)
+        return self._no_prefill("prefill_failed", "; ".join(errors), rt, "prefill_unavailable", 503)
 
-        d = router.pick_decode(p.pool, key, pin)
-        chosen.append(d)
-        d.inflight += 1
-        try:
-            return await self._decode(req, d, route, dec_body, headers, t0, self._route_headers(chosen))
-        finally:
-            d.inflight -= 1
+    def _no_prefill(self, reason: str, why: str, rt: _Route, kind: str, code: int) -> None | web.Response:
+        """on_prefill_down: reject -> the error answer; fallback -> None (the decode computes the prompt)."""
+        if self.cfg.on_prefill_down == "reject":
+            self.metrics.rejected[reason] += 1
+            return web.json_response(error_body(f"{why}; refusing to let a decode compute the prompt "
+                                                "(proxy.on_prefill_down: reject)", kind, code), status=code)
+        self.metrics.fallbacks[reason] += 1
+        rt.fallback = reason
+        log.warning("decode-only fallback (%s): %s", reason, why)
+        return None
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                      t0: float, route_headers: dict[str, str]) -> web.StreamResponse:
+                      t0: float, route_headers: dict[str, str], retry_ok: bool) -> web.StreamResponse | None:
+        """The decode's answer passed through; None when nothing listened and another decode may be tried."""
         try:
             upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
         except UpstreamError as e:
-            self.metrics.upstream_error(d.url)
-            if isinstance(e, ConnectFailed):
-                d.healthy = False
-            return web.json_response(error_body(f"decode {d.url} unavailable: {e!s}", "upstream_unavailable",
-                                                503), status=503)
+            self._failed(d, e)
+            if isinstance(e, ConnectFailed) and retry_ok:
+                return None
+            timeout = isinstance(e, FirstByteTimeout)
+            return web.json_response(error_body(f"decode {d.name} ({d.url}) {'timed out' if timeout else 'unavailable'}"
+                                                f": {e!s}", "upstream_timeout" if timeout else
+                                                "upstream_unavailable", 504 if timeout else 503),
+                                     status=504 if timeout else 503)
         async with upstream:
             ctype = upstream.headers.get("content-type", "application/json")
             if not body.get("stream") or upstream.status >= 400:
                 try:
                     raw = await upstream.read()
                 except UpstreamError as e:
-                    self.metrics.upstream_error(d.url)
-                    return web.json_response(error_body(f"decode {d.url} failed: {e!s}"), status=502)
+                    self._failed(d, e)
+                    return web.json_response(error_body(f"decode {d.name} ({d.url}) failed: {e!s}"), status=502)
                 self.metrics.first_decode_byte(time.perf_counter() - t0)
                 if upstream.status >= 500:
-                    self.metrics.upstream_error(d.url)
+                    self._failed(d)
+                else:
+                    d.breaker.success()
                 return web.Response(status=upstream.status, body=raw, content_type=ctype.split(";")[0])
             out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
                                                           "X-Request-Id": headers["X-Request-Id"], **route_headers})
@@ -301,13 +375,33 @@ class Proxy:
                         self.metrics.first_decode_byte(time.perf_counter() - t0)
                         first = False
                     await out.write(chunk)
+                d.breaker.success()
             except UpstreamError as e:
                 # The client must see the stream end with an error, never a hang.
-                self.metrics.upstream_error(d.url)
-                err = json.dumps(error_body(f"decode {d.url} failed mid-stream: {e!s}"))
+                self._failed(d, e)
+                err = json.dumps(error_body(f"decode {d.name} ({d.url}) failed mid-stream: {e!s}"))
                 await out.write(f"data: {err}\n\ndata: [DONE]\n\n".encode())
             await out.write_eof()
             return out
+
+
+@dataclass
+class _Route:
+    """Who served one request: the prefill (None for decode-only fallback), the decode, why it fell back."""
+
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    fallback: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        h = {}
+        if self.prefill is not None or self.fallback:
+            h["x-pdctl-prefill"] = self.prefill.name if self.prefill is not None else "none"
+        if self.decode is not None:
+            h["x-pdctl-decode"] = self.decode.name
+        if self.fallback:
+            h["x-pdctl-fallback"] = f"decode-only ({self.fallback})"
+        return h
 
 
 def serve(cfg: ProxyConfig, host: str, port: int) -> None:
@@ -321,5 +415,6 @@ def serve(cfg: ProxyConfig, host: str, port: int) -> None:
     proxy = Proxy(cfg)
     log.info("pdctl proxy on %s:%d: %s; pairs %s; policy %s%s", host, port,
              ", ".join(f"{i.name} {i.url}" for i in proxy.router.instances),
-             ", ".join(f"{p}/{d}" for p, d in proxy.router.pairs), cfg.policy, ", strict" if cfg.strict else "")
+             ", ".join(f"{p}/{d}" for p, d in proxy.router.pairs), cfg.policy,
+             f", on_prefill_down {cfg.on_prefill_down}")
     web.run_app(proxy.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)

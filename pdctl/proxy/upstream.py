@@ -4,7 +4,8 @@ Measured (scripts/bench_proxy.py): aiohttp's client was over 40% of the proxy's 
 objects, header multidicts, cookie jar, tracing hooks); the proxy only ever POSTs JSON to known instances and
 passes the answer through, so a pooled protocol with a C parser does the same for a fraction of it.
 
-Errors: `ConnectFailed` (nothing listens there: the proxy routes around the instance), `ReadTimeout`, and their
+Errors: `ConnectFailed` (nothing listens there: the proxy routes around the instance), `FirstByteTimeout` (sent,
+no answer in time), `ReadTimeout` (an answer stopped between two bytes), and their
 base `UpstreamError` (connection lost, unparseable answer). A reused keep-alive connection that dies before any
 byte of the answer is retried once on a new one: the server closed it idle, and never saw the request.
 """
@@ -31,6 +32,11 @@ class ConnectFailed(UpstreamError):
 
 class ReadTimeout(UpstreamError):
     pass
+
+
+class FirstByteTimeout(ReadTimeout):
+    """The request was sent and nothing came back in time (a prefill stuck on its prompt, a decode waiting for
+    KV that never arrives)."""
 
 
 class _Conn(asyncio.Protocol):
@@ -108,21 +114,23 @@ class _Conn(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(e)
 
-    async def wait(self, timeout: float) -> None:
-        """Until something new arrived (headers, body, the end) or the read timeout passed."""
+    async def wait(self, timeout: float, first_byte: bool = False) -> None:
+        """Until something new arrived (headers, body, the end) or the timeout passed."""
         if self.error is not None:
             raise self.error
         self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout, self._fail_timeout, self.waiter, timeout)
+        timer = self.loop.call_later(timeout, self._fail_timeout, self.waiter, timeout, first_byte)
         try:
             await self.waiter
         finally:
             timer.cancel()
             self.waiter = None
 
-    def _fail_timeout(self, waiter: asyncio.Future, timeout: float) -> None:
+    def _fail_timeout(self, waiter: asyncio.Future, timeout: float, first_byte: bool) -> None:
         if not waiter.done():
-            self.error = ReadTimeout(f"no answer within the read timeout ({timeout:g} s)")
+            self.error = (FirstByteTimeout(f"no answer within the first-byte timeout ({timeout:g} s)")
+                          if first_byte and not self.got_bytes else
+                          ReadTimeout(f"nothing more within the read timeout between bytes ({timeout:g} s)"))
             waiter.set_exception(self.error)
             self.close()
 
@@ -188,13 +196,15 @@ class Response:
 class Upstream:
     """Keep-alive connections to one instance (scheme://host:port)."""
 
-    def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float):
+    def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float,
+                 first_byte_timeout_s: float | None = None):
         u = urlsplit(url)
         if u.scheme != "http":
             raise ValueError(f"{url}: the proxy speaks plain http to its instances")
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.base_path = u.path.rstrip("/")
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s or read_timeout_s
         self._host_header = f"Host: {self.host}:{self.port}\r\n".encode()
         self._idle: list[_Conn] = []
 
@@ -204,7 +214,7 @@ class Upstream:
             _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(loop), self.host, self.port),
                                              self.connect_timeout_s)
         except TimeoutError:
-            raise UpstreamError(f"connect timed out after {self.connect_timeout_s:g} s") from None
+            raise ConnectFailed(f"connect timed out after {self.connect_timeout_s:g} s") from None
         except OSError as e:
             raise ConnectFailed(f"cannot connect: {e.strerror or e}") from None
         return conn
@@ -244,7 +254,8 @@ class Upstream:
             conn.transport.write(wire)
             try:
                 while not conn.headers_done:
-                    await conn.wait(self.read_timeout_s)
+                    await conn.wait(self.first_byte_timeout_s if not conn.got_bytes else self.read_timeout_s,
+                                    first_byte=True)
             except UpstreamError:
                 conn.close()
                 if reused and not conn.got_bytes and not isinstance(conn.error, ReadTimeout):

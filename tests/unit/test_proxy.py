@@ -197,35 +197,140 @@ def test_prefill_4xx_goes_back_to_the_client_and_skips_decode(pd):
     assert status == 400 and "prompt too long" in text and not pd.decode.requests
 
 
-def test_prefill_unreachable_is_503_json(pd):
+def test_prefill_unreachable_falls_back_to_decode_only_and_counts(pd):
     proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1))
     url = pd.loop.serve(proxy.app())
-    status, text, _ = post(url + "/v1/completions", BODY)
-    assert status == 503 and json.loads(text)["error"]["type"] == "upstream_unavailable"
+    status, text, h = post(url + "/v1/completions", BODY)
+    assert status == 200 and h["x-pdctl-fallback"].startswith("decode-only") and h["x-pdctl-prefill"] == "none"
+    (dec, _), = pd.decode.requests
+    assert "kv_transfer_params" not in dec  # a plain request: the decode computes the prompt itself
+    metrics = get(url + "/metrics")[1]
+    assert 'pdctl_decode_only_fallback_total{reason="prefill_failed"} 1' in metrics
+    # Now known down: the next one skips the prefill without trying it.
+    assert post(url + "/v1/completions", BODY)[0] == 200
+    assert 'pdctl_decode_only_fallback_total{reason="prefill_down"} 1' in get(url + "/metrics")[1]
 
 
-def test_slow_backend_times_out_instead_of_hanging(pd):
-    pd.prefill.mode = "slow"
+def test_prefill_unreachable_is_503_at_once_when_rejecting(pd):
+    proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1,
+                              on_prefill_down="reject"))
+    url = pd.loop.serve(proxy.app())
     t0 = time.monotonic()
-    status, text, _ = post(pd.url + "/v1/completions", BODY, timeout=20)
-    assert time.monotonic() - t0 < 6  # read timeout is 2 s
-    assert status == 503 and "unavailable" in text
+    status, text, _ = post(url + "/v1/completions", BODY)
+    assert status == 503 and json.loads(text)["error"]["type"] == "prefill_unavailable"
+    assert "on_prefill_down: reject" in json.loads(text)["error"]["message"]
+    assert time.monotonic() - t0 < 2 and not pd.decode.requests
+    metrics = get(url + "/metrics")[1]
+    assert 'pdctl_proxy_rejected_total{reason="prefill_failed"} 1' in metrics
+    assert 'pdctl_decode_only_fallback_total{reason="prefill_failed"} 0' in metrics
 
 
-def test_missing_kv_transfer_params_non_strict_counts_and_warns(pd, caplog):
+def test_slow_prefill_times_out_at_the_first_byte_then_falls_back(pd):
+    pd.prefill.mode = "slow"
+    _, url = pd.make(first_byte_timeout_s=1.0, read_timeout_s=30.0)
+    t0 = time.monotonic()
+    status, text, h = post(url + "/v1/completions", BODY, timeout=20)
+    assert time.monotonic() - t0 < 5  # first-byte timeout 1 s, not the 30 s between bytes
+    assert status == 200 and "decode-only" in h["x-pdctl-fallback"]
+
+
+def test_slow_prefill_rejected_names_the_timeout(pd):
+    pd.prefill.mode = "slow"
+    _, url = pd.make(first_byte_timeout_s=1.0, on_prefill_down="reject")
+    status, text, _ = post(url + "/v1/completions", BODY, timeout=20)
+    assert status == 503 and "first-byte timeout (1 s)" in json.loads(text)["error"]["message"]
+
+
+def test_prefill_retried_once_on_another_prefill(pd):
+    second = Backend("prefill")
+    p2 = pd.loop.serve(second.app())
+    for failure in ("error500", "refused"):
+        first = f"http://127.0.0.1:{free_port()}" if failure == "refused" else pd.p_url
+        pd.prefill.mode = failure if failure != "refused" else "ok"
+        proxy = Proxy(ProxyConfig([first, p2], [pd.d_url], policy="round_robin", connect_timeout_s=1))
+        url = pd.loop.serve(proxy.app())
+        proxy.router._rr["prefill"] = iter(range(0, 100, 2))  # the first pick is the failing one
+        n = len(second.requests)
+        status, text, h = post(url + "/v1/completions", BODY)
+        assert status == 200 and h["x-pdctl-prefill"] == "prefill-1" and "x-pdctl-fallback" not in h, failure
+        assert len(second.requests) == n + 1 and json.loads(text)["echo_kvp"] == KVP
+        assert "pdctl_proxy_prefill_retries_total 1" in get(url + "/metrics")[1]
+
+
+def test_prefill_client_error_is_not_retried(pd):
+    second = Backend("prefill")
+    p2 = pd.loop.serve(second.app())
+    pd.prefill.mode = second.mode = "error400"
+    proxy = Proxy(ProxyConfig([pd.p_url, p2], [pd.d_url]))
+    url = pd.loop.serve(proxy.app())
+    assert post(url + "/v1/completions", BODY)[0] == 400
+    assert len(pd.prefill.requests) + len(second.requests) == 1 and not pd.decode.requests
+
+
+def test_missing_kv_transfer_params_fallback_counts_and_warns(pd, caplog):
     pd.prefill.mode = "no_kvp"
-    status, _, _ = post(pd.url + "/v1/completions", BODY)
-    assert status == 200
-    assert "pdctl_proxy_kv_transfer_missing_total 1" in get(pd.url + "/metrics")[1]
-    assert any("no usable kv_transfer_params" in r.message and pd.p_url in r.getMessage() for r in caplog.records)
+    status, _, h = post(pd.url + "/v1/completions", BODY)
+    assert status == 200 and h["x-pdctl-fallback"] == "decode-only (no_kv_params)"
+    metrics = get(pd.url + "/metrics")[1]
+    assert "pdctl_proxy_kv_transfer_missing_total 1" in metrics
+    assert 'pdctl_decode_only_fallback_total{reason="no_kv_params"} 1' in metrics
+    assert any("no usable kv_transfer_params" in r.getMessage() and pd.p_url in r.getMessage()
+               for r in caplog.records)
 
 
-def test_missing_kv_transfer_params_strict_is_502(pd):
+def test_missing_kv_transfer_params_rejected_is_502(pd):
     pd.prefill.mode = "no_kvp"
-    _, url = pd.make(strict=True)
+    _, url = pd.make(on_prefill_down="reject")
     status, text, _ = post(url + "/v1/completions", BODY)
     assert status == 502 and json.loads(text)["error"]["type"] == "kv_transfer_missing"
     assert not pd.decode.requests
+
+
+def test_circuit_breaker_opens_then_lets_one_trial_through(pd):
+    second = Backend("prefill")
+    p2 = pd.loop.serve(second.app())
+    pd.prefill.mode = "error500"
+    proxy = Proxy(ProxyConfig([pd.p_url, p2], [pd.d_url], policy="round_robin", breaker_failures=2,
+                              breaker_open_s=1.0, health_interval_s=60))
+    url = pd.loop.serve(proxy.app())
+    for _ in range(8):
+        assert post(url + "/v1/completions", BODY)[0] == 200  # retried on the second prefill: no client error
+    # Two failures opened it; afterwards nothing more is sent to it while it is open.
+    assert len(pd.prefill.requests) == 2
+    metrics = get(url + "/metrics")[1]
+    assert 'pdctl_proxy_breaker_open{role="prefill",name="prefill-0"} 1' in metrics
+    assert 'pdctl_proxy_breaker_trips_total{role="prefill",name="prefill-0"} 1' in metrics
+    time.sleep(1.2)
+    pd.prefill.mode = "ok"  # recovered: the half-open trial succeeds and closes the breaker
+    for _ in range(4):
+        assert post(url + "/v1/completions", BODY)[0] == 200
+    assert len(pd.prefill.requests) >= 3
+    assert 'pdctl_proxy_breaker_open{role="prefill",name="prefill-0"} 0' in get(url + "/metrics")[1]
+
+
+def test_decode_refusing_connections_is_retried_on_another_decode(pd):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy, url = pd.make(decodes=[dead], policy="round_robin", health_interval_s=60)
+    proxy.router._rr["decode"] = iter(range(0, 100, 2))  # the dead one first
+    status, text, h = post(url + "/v1/completions", BODY)
+    assert status == 200 and h["x-pdctl-decode"] == "decode-1" and json.loads(text)["echo_kvp"] == KVP
+
+
+def test_decode_first_byte_timeout_is_504_openai_error(pd):
+    pd.decode.mode = "slow"
+    _, url = pd.make(first_byte_timeout_s=1.0)
+    status, text, _ = post(url + "/v1/completions", BODY, timeout=20)
+    err = json.loads(text)["error"]
+    assert status == 504 and err["type"] == "upstream_timeout" and err["code"] == 504 and "decode-0" in err["message"]
+
+
+def test_stream_stalled_between_bytes_ends_with_error_event(pd):
+    pd.decode.mode = "slow_stream"  # 0.5 s between events
+    _, url = pd.make(read_timeout_s=0.2)
+    t0 = time.monotonic()
+    status, text, _ = post(url + "/v1/completions", {**BODY, "stream": True})
+    assert status == 200 and time.monotonic() - t0 < 3
+    assert "between bytes" in text and text.rstrip().endswith("data: [DONE]")
 
 
 def test_client_disconnect_cancels_upstream(pd):

@@ -365,3 +365,44 @@ def test_affinity_key_none_without_prompt(body):
 def test_affinity_key_tolerates_odd_json():
     assert affinity_key({"prompt": "\ud800 lone surrogate"}) is not None
     assert affinity_key({"messages": [{"role": "assistant", "content": None}, "junk", {"content": 3}]}) is not None
+
+
+# -- circuit breaker and fault-aware picks ------------------------------------------------------------------------
+
+def test_breaker_opens_after_threshold_half_opens_and_closes():
+    from pdctl.proxy.routing import Breaker
+
+    b = Breaker(threshold=3, open_s=10)
+    assert not b.failure(0) and not b.failure(1) and b.state(1) == "closed"
+    assert b.failure(2) and b.state(2) == "open" and not b.allows(11.9)
+    assert b.state(12.5) == "half_open" and b.allows(12.5)
+    b.picked(12.5)
+    assert not b.allows(12.6)  # one trial at a time
+    assert b.failure(13) and b.state(13) == "open" and b.trips == 2  # a failed trial opens it again at once
+    b.picked(30)
+    b.success()
+    assert b.state(30) == "closed" and b.failures == 0
+
+
+def test_pick_skips_open_breakers_and_excluded_and_may_return_none():
+    clock = [100.0]
+    pre, dec = [Instance(f"prefill-{i}", f"http://p{i}", "prefill", "default") for i in range(2)], \
+        [Instance("decode-0", "http://d", "decode", "default")]
+    r = Router(pre, dec, clock=lambda: clock[0])
+    pre[0].breaker.threshold = 1
+    pre[0].breaker.failure(clock[0])
+    assert all(r.pick_prefill() is pre[1] for _ in range(5))
+    assert r.pick_prefill(exclude=[pre[1]], usable_only=True) is None
+    assert r.pick_prefill(exclude=[pre[1]]) is pre[0]  # nowhere else to go: tried anyway
+    pre[1].healthy = False
+    assert r.pick_prefill(usable_only=True) is None
+    clock[0] += 11  # half-open: the trial goes to pre[0]
+    assert r.pick_prefill(usable_only=True) is pre[0] and r.pick_prefill(usable_only=True) is None
+
+
+def test_decode_only_fallback_picks_any_paired_decode_or_the_pinned_pool():
+    pre = [Instance("prefill-p-0", "http://p", "prefill", "p")]
+    dec = [Instance("decode-a-0", "http://a", "decode", "a"), Instance("decode-b-0", "http://b", "decode", "b")]
+    r = Router(pre, dec)
+    assert {r.pick_decode(None).name for _ in range(4)} == {"decode-a-0", "decode-b-0"}
+    assert {r.pick_decode(None, pin=("p", "b")).name for _ in range(4)} == {"decode-b-0"}

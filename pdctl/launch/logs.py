@@ -1,0 +1,58 @@
+"""Reading instance logs: the tail, how a server ended, and the one line that says why.
+
+A vLLM server that fails at start prints a ~40-line traceback whose useful line (pdctl's own refusal, or the
+first exception) sits in the middle; `root_cause` finds it so `up`, the supervisor and `status` can show it
+first.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from pathlib import Path
+
+from pdctl.launch.guard import EXIT_MARK
+
+# vLLM prefixes a child process's lines with "(EngineCore_DP0 pid=123) " and its logger with
+# "ERROR 12-02 10:00:00 [file.py:12] "; the exception line is what follows.
+_PREFIX = re.compile(r"^(\([\w.\-]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?")
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)|AssertionError|KeyError)(:\s.*)?$")
+_PDCTL_ERROR = re.compile(r"pdctl( connector)?: (unsupported|.*cannot |.*refus|.*needs? )", re.IGNORECASE)
+
+
+def tail(path: str | Path, n: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=n)]
+    except OSError:
+        return []
+
+
+def _strip(line: str) -> str:
+    return _PREFIX.sub("", line.strip(), count=1).strip()
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """pdctl's own error line if there is one, else the first exception line of the last traceback, else the
+    first exception-looking line; None when the log says nothing of the kind."""
+    body = [_strip(ln) for ln in lines if not ln.startswith(EXIT_MARK) and not ln.startswith("--- pdctl")]
+    for ln in body:
+        if _PDCTL_ERROR.search(ln) and (_EXCEPTION.match(ln) or ln.lower().startswith("pdctl")):
+            return ln
+    for ln in body:
+        if _PDCTL_ERROR.search(ln):
+            return ln[ln.lower().index("pdctl"):]
+    # The first exception after the last "Traceback" header: the root of a chained traceback comes first.
+    starts = [i for i, ln in enumerate(body) if ln.startswith("Traceback (most recent call last)")]
+    for ln in body[starts[0] if starts else 0:]:
+        if _EXCEPTION.match(ln):
+            return ln
+    return None
+
+
+def exit_of(lines: list[str]) -> str | None:
+    """The guard's last word on how the server ended ('exited with code 1', 'killed by signal 9 (SIGKILL)')."""
+    for ln in reversed(lines):
+        if ln.startswith(EXIT_MARK):
+            return ln[len(EXIT_MARK):]
+    return None

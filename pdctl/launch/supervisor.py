@@ -1,0 +1,293 @@
+"""Keeps a launched topology running: restarts an instance that exits or fails its health checks persistently.
+
+One supervisor per topology. The foreground `pdctl up` runs it in-process; `pdctl up -d` starts it as a detached
+process (`python -m pdctl.launch.supervisor STATE_DIR`, log in STATE_DIR/logs/supervisor.log). Either way its pid
+is in STATE_DIR/supervisor.json, so `pdctl down` stops it before anything else and nothing is restarted behind
+`down`'s back. After launch it is the only writer of state.json: each instance's restarts, phase, last exit and
+last error line live there for `pdctl status`.
+
+Policy (topology `supervision:` and each pool's `restart:`):
+- an instance whose process is gone is restarted unless its pool says `never`, or `on-failure` and it exited
+  with code 0;
+- an instance that fails `health_failures` probes in a row, the first at least `health_window_s` ago, is
+  stopped and restarted (a /health stalled behind a busy engine on a small host is not a crash);
+- restarts back off exponentially (`backoff_s` doubling, at most `backoff_max_s`); after `max_restarts` within
+  `window_s` the instance is left down (phase `failed`).
+A restarted instance is `starting` until its /health answers; it gets `start_timeout_s` for that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdctl.launch import probe as probe_mod
+from pdctl.launch import state as state_mod
+from pdctl.launch.backend import Backend
+from pdctl.launch.logs import exit_of, root_cause, tail
+from pdctl.launch.state import LaunchState
+from pdctl.plan import ProcessSpec
+
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Policy:
+    health_failures: int = 3
+    health_window_s: float = 30.0
+    health_interval_s: float = 5.0
+    backoff_s: float = 2.0
+    backoff_max_s: float = 60.0
+    max_restarts: int = 5
+    window_s: float = 600.0
+    start_timeout_s: float = START_TIMEOUT_S
+
+    @classmethod
+    def of(cls, topology: dict) -> Policy:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in (topology.get("supervision") or {}).items() if k in known})
+
+
+def restart_policy(topology: dict, spec: ProcessSpec) -> str:
+    """The pool's `restart:` (the proxy is always restarted on failure)."""
+    pools = topology.get(spec.role)
+    if isinstance(pools, list):
+        for p in pools:
+            if p.get("name") == spec.pool:
+                return p.get("restart", "on-failure")
+    return "on-failure"
+
+
+@dataclass
+class _Watch:
+    phase: str = "running"
+    started: float = 0.0  # clock() when the current run started
+    next_probe: float = 0.0
+    fails: int = 0
+    fail_since: float | None = None
+    restart_at: float = 0.0
+    restarts: deque = field(default_factory=deque)  # clock() of restarts within the window
+
+
+class Supervisor:
+    def __init__(self, state: LaunchState, backend: Backend, *, attached: bool,
+                 clock: Callable[[], float] = time.monotonic,
+                 healthy: Callable[[str], bool] = lambda url: probe_mod.healthy(url, timeout=2.0),
+                 say: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+                 save: Callable[[LaunchState], None] = state_mod.save):
+        self.state, self.backend, self.attached = state, backend, attached
+        self.clock, self.healthy, self.say, self.save = clock, healthy, say, save
+        self.policy = Policy.of(state.plan.topology)
+        now = clock()
+        self.watches = {}
+        for spec in state.plan.processes:
+            rec = state.processes.get(spec.name)
+            w = _Watch(phase=rec.phase if rec else "running", started=now)
+            if w.phase in ("starting", "backoff"):  # a supervisor taking over mid-restart
+                w.restart_at = now
+            self.watches[spec.name] = w
+
+    # -- one pass over every instance -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        now = self.clock()
+        for spec in self.state.plan.processes:
+            w = self.watches[spec.name]
+            if w.phase in ("failed", "exited"):
+                continue
+            if w.phase == "backoff":
+                if now >= w.restart_at:
+                    self._restart(spec, w, now)
+                continue
+            live = self.backend.liveness(self.state, spec.name)
+            if not live.alive:
+                self._ended(spec, w, now, live.exit_code, None)
+                continue
+            if now < w.next_probe:
+                continue
+            w.next_probe = now + self.policy.health_interval_s
+            ok = self.healthy(spec.readiness_url)
+            if w.phase == "starting":
+                if ok:
+                    self._set(spec, w, "running")
+                    self.say(f"{spec.name} is serving again (restart {self.state.processes[spec.name].restarts})")
+                elif now - w.started > self.policy.start_timeout_s:
+                    self._stop(spec)
+                    self._ended(spec, w, now, None, f"not ready {self.policy.start_timeout_s:.0f} s after restart")
+                continue
+            if ok:
+                w.fails, w.fail_since = 0, None
+                continue
+            w.fails += 1
+            w.fail_since = now if w.fail_since is None else w.fail_since
+            if w.fails >= self.policy.health_failures and now - w.fail_since >= self.policy.health_window_s:
+                reason = f"failed {w.fails} health checks over {now - w.fail_since:.0f} s"
+                self.say(f"{spec.name}: {reason}; stopping it")
+                self._stop(spec)
+                self._ended(spec, w, now, None, reason)
+
+    def run(self, stop: threading.Event, interval_s: float = 0.5) -> None:
+        while not stop.wait(interval_s):
+            self.tick()
+
+    def settled(self) -> bool:
+        """Nothing left to supervise: every instance gave up or exited cleanly."""
+        return all(w.phase in ("failed", "exited") for w in self.watches.values())
+
+    # -- transitions ----------------------------------------------------------------------------------------
+
+    def _set(self, spec: ProcessSpec, w: _Watch, phase: str) -> None:
+        w.phase = phase
+        rec = self.state.processes.get(spec.name)
+        if rec is not None:
+            rec.phase = phase
+        self.save(self.state)
+
+    def _stop(self, spec: ProcessSpec) -> None:
+        try:
+            self.backend.stop_one(self.state, spec.name)
+        except NotImplementedError:
+            pass
+
+    def _ended(self, spec: ProcessSpec, w: _Watch, now: float, code: int | None, reason: str | None) -> None:
+        """The instance is gone: record how and why, then restart it later, or leave it down."""
+        if self.backend.restartable:
+            self._stop(spec)  # whatever the server left behind (an orphaned EngineCore holds its ports)
+        lines = self.backend.log_tail(self.state, spec.name, 400)
+        how = exit_of(lines) or (f"exited with code {code}" if code is not None else "gone")
+        rec = self.state.processes.get(spec.name)
+        if rec is not None:
+            rec.last_exit = f"{reason} ({how})" if reason else how
+            rec.last_error = root_cause(lines)
+        clean = reason is None and (code == 0 or how == "exited with code 0")
+        policy = restart_policy(self.state.plan.topology, spec)
+        cause = f": {rec.last_error}" if rec and rec.last_error else ""
+        if not self.backend.restartable:
+            self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; the {self.backend.name} engine does "
+                     "not restart single instances (pdctl down && pdctl up)")
+            return self._set(spec, w, "failed")
+        if policy == "never" or (policy == "on-failure" and clean):
+            self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; restart: {policy}, left down")
+            return self._set(spec, w, "exited" if clean else "failed")
+        while w.restarts and now - w.restarts[0] > self.policy.window_s:
+            w.restarts.popleft()
+        if len(w.restarts) >= self.policy.max_restarts:
+            self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; gave up after {len(w.restarts)} restarts "
+                     f"within {self.policy.window_s:.0f} s (supervision.max_restarts)")
+            return self._set(spec, w, "failed")
+        delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** len(w.restarts))
+        w.restart_at = now + delay
+        self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; restarting in {delay:.0f} s")
+        self._set(spec, w, "backoff")
+
+    def _restart(self, spec: ProcessSpec, w: _Watch, now: float) -> None:
+        old = self.state.processes.get(spec.name)
+        try:
+            self.backend.start(self.state.plan, spec, self.state, attached=self.attached)
+        except (OSError, NotImplementedError) as e:
+            self.say(f"{spec.name}: restart failed: {e}")
+            return self._ended(spec, w, now, None, f"restart failed: {e}")
+        rec = self.state.processes[spec.name]
+        if old is not None:
+            rec.restarts, rec.last_exit, rec.last_error = old.restarts, old.last_exit, old.last_error
+        rec.restarts += 1
+        w.restarts.append(now)
+        w.started, w.next_probe, w.fails, w.fail_since = now, now, 0, None
+        self.say(f"{spec.name} restarted (pid {rec.pid}, restart {rec.restarts})")
+        self._set(spec, w, "starting")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The supervisor as a process of its own (pdctl up -d), and how `down` stops it.
+
+
+def start_detached(state: LaunchState) -> int:
+    """Start the detached supervisor for a launched topology; returns its pid once it has recorded itself."""
+    import subprocess
+
+    d = Path(state.plan.state_dir)
+    log_path = d / "logs" / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pdctl.launch.supervisor", str(d)], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        rec = state_mod.load_supervisor(d)
+        if rec and rec["pid"] == proc.pid:
+            return proc.pid
+        if proc.poll() is not None:
+            raise RuntimeError(f"the supervisor exited at start (code {proc.returncode}); log: {log_path}")
+        time.sleep(0.05)
+    raise RuntimeError(f"the supervisor did not start within 20 s; log: {log_path}")
+
+
+def record_self(state_dir: Path, mode: str) -> None:
+    from pdctl.launch.local import start_ticks
+
+    state_mod.save_supervisor(state_dir, os.getpid(), start_ticks(os.getpid()) or 0, mode)
+
+
+def stop(state_dir: Path, timeout_s: float = 60.0) -> str | None:
+    """Stop the topology's supervisor, if one runs; its mode ('detached' | 'foreground') when one was stopped.
+
+    A foreground `pdctl up` stops its whole topology when told to; wait for that, so `down` finds what is left."""
+    from pdctl.launch.local import start_ticks
+
+    rec = state_mod.load_supervisor(state_dir)
+    if rec is None:
+        return None
+    pid = rec["pid"]
+    if pid == os.getpid() or start_ticks(pid) != rec.get("start_ticks"):
+        (state_dir / state_mod.SUPERVISOR_FILE).unlink(missing_ok=True)  # stale record
+        return None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and start_ticks(pid) == rec.get("start_ticks"):
+        time.sleep(0.1)
+    if start_ticks(pid) == rec.get("start_ticks"):
+        os.kill(pid, signal.SIGKILL)
+    (state_dir / state_mod.SUPERVISOR_FILE).unlink(missing_ok=True)
+    return str(rec.get("mode", "detached"))
+
+
+def main(argv: list[str]) -> int:
+    from pdctl.launch.backend import backend_of
+
+    if len(argv) != 1:
+        print("usage: python -m pdctl.launch.supervisor STATE_DIR", file=sys.stderr)
+        return 2
+    d = Path(argv[0])
+    state = state_mod.load(d)
+    if state is None:
+        print(f"no launched topology in {d}", file=sys.stderr)
+        return 1
+    stop_event = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, lambda *_: stop_event.set())
+    record_self(d, "detached")
+
+    def say(msg: str) -> None:
+        print(f"{time.strftime('%F %T')} {msg}", flush=True)
+
+    say(f"supervising {state.plan.name} ({len(state.plan.processes)} processes, pid {os.getpid()})")
+    try:
+        Supervisor(state, backend_of(state), attached=False, say=say).run(stop_event)
+    finally:
+        state_mod.remove_supervisor(d, os.getpid())
+    say("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
