@@ -312,10 +312,16 @@ def _progress_table(rows: list) -> Table:
 
 
 def _launch_failed(e) -> None:
+    """The root cause first (pdctl's own error line, else the first exception of the failing process), then
+    where the whole log is; a few last lines only when no cause line was found."""
     err.print(f"[red]launch failed:[/red] {e.name}: {e.reason}", highlight=False)
-    if e.log_tail:
-        err.print(f"--- last {len(e.log_tail)} lines of {e.log_path}:", highlight=False)
-        err.print("\n".join(e.log_tail), markup=False, highlight=False)
+    cause = e.cause
+    if cause and cause not in e.reason:
+        err.print(f"  cause: {cause}", markup=False, highlight=False)
+    elif not cause and e.log_tail:
+        last = e.log_tail[-8:]
+        err.print(f"--- last {len(last)} lines of {e.log_path}:", highlight=False)
+        err.print("\n".join(last), markup=False, highlight=False)
     err.print((f"log: {e.log_path}\n" if e.log_path else "") + "every process was stopped", highlight=False)
 
 
@@ -330,9 +336,12 @@ def up(
 ) -> None:
     """Start the topology's prefill and decode servers and the proxy, wait until all are ready.
 
-    Every process runs in its own process group with its log in the state dir. If any instance exits or the
-    timeout passes, everything is stopped and the failing instance's log tail is shown. In the foreground
-    (default) Ctrl-C stops everything; with -d the command returns once ready.
+    Every process runs in its own process group with its log in the state dir. If an instance exits or the
+    timeout passes before everything is ready, everything is stopped and the root cause is shown. Once ready,
+    a supervisor keeps the topology running: an instance that exits, or fails its health checks persistently,
+    is restarted with backoff (each pool's `restart: on-failure|always|never`, the `supervision:` section).
+    In the foreground (default) pdctl is the supervisor and Ctrl-C stops everything; with -d the command
+    returns once ready and leaves a supervisor process behind (`pdctl down` stops it first).
 
     Examples:
 
@@ -348,6 +357,7 @@ def up(
     from rich.live import Live
 
     from pdctl.launch import run as run_mod
+    from pdctl.launch import supervisor
     from pdctl.launch.backend import backend_for
 
     loaded = _load(topology, overrides)
@@ -385,20 +395,38 @@ def up(
     where = "" if backend.name == "local" else f"  engine {backend.name}"
     out.print(f"[green]ready[/green]: {p.name}  proxy {proxy.http_url}  state {p.state_dir}{where}", highlight=False)
     if detach:
+        if backend.restartable:
+            try:
+                pid = supervisor.start_detached(launched)
+            except RuntimeError as e:
+                err.print(f"[yellow]warning:[/yellow] {e}; instances will not be restarted", highlight=False)
+            else:
+                out.print(f"supervisor pid {pid} (log {Path(p.state_dir) / 'logs' / 'supervisor.log'})",
+                          highlight=False)
+        else:
+            err.print(f"note: the {backend.name} engine starts a plan as a whole; pdctl does not restart its "
+                      "single instances (status shows them down; pdctl down && pdctl up)", highlight=False)
         return
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: (got.append(signum), stop.set()))
-    out.print("attached: Ctrl-C stops everything", highlight=False)
-    exited = run_mod.supervise(p, backend, launched, stop)
-    if exited:
-        spec = p.get(exited)
-        err.print(f"[red]{exited} exited[/red]; stopping everything. log: {spec.log_path}", highlight=False)
-        err.print("\n".join(backend.log_tail(launched, exited, run_mod.LOG_TAIL_LINES)), markup=False,
-                  highlight=False)
-    run_mod.down(launched, backend)
+    out.print("attached: supervising (restarts instances that fail); Ctrl-C stops everything", highlight=False)
+    sup = supervisor.Supervisor(launched, backend, attached=True,
+                                say=lambda msg: err.print(msg, markup=False, highlight=False))
+    supervisor.record_self(Path(p.state_dir), "foreground")
+    try:
+        while not stop.wait(0.5):
+            sup.tick()
+            if sup.settled():
+                err.print("[red]every instance is down and none will be restarted[/red]; stopping",
+                          highlight=False)
+                got.append(-1)
+                break
+    finally:
+        run_mod.down(launched, backend)
+        (Path(p.state_dir) / "supervisor.json").unlink(missing_ok=True)
     err.print("stopped every process", highlight=False)
-    raise typer.Exit(1 if exited else (130 if signal.SIGINT in got else 0))
+    raise typer.Exit(1 if -1 in got else (130 if signal.SIGINT in got else 0))
 
 
 NameArg = Annotated[str | None, typer.Argument(help="topology name (default: the only one that is up)")]
@@ -436,6 +464,17 @@ def down(name: NameArg = None, state_dir: StateDirOpt = None,
     except UserError as e:
         out.print(f"nothing to stop: {e}", highlight=False)
         return
+    # The supervisor first: nothing may be restarted behind down's back. A foreground `pdctl up` stops its
+    # whole topology when told to.
+    mode = run_mod.stop_supervisor(d)
+    if mode:
+        out.print(f"stopped the {mode} supervisor", highlight=False)
+        from pdctl.launch import state as state_mod
+
+        st = state_mod.load(d)
+        if st is None and mode == "foreground":
+            out.print("its `pdctl up` stopped every process", highlight=False)
+            return
     if st is None:
         out.print(f"nothing to stop: no state in {d}", highlight=False)
         return
@@ -464,6 +503,7 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
     import dataclasses
 
     from pdctl.launch import run as run_mod
+    from pdctl.launch import state as supervisor_mod
     from pdctl.launch.backend import backend_of
 
     d, st = _state_or_exit(name, state_dir)
@@ -472,21 +512,31 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
     rows = run_mod.status(st, backend_of(st))
     if json_:
         print(json.dumps({"name": st.plan.name, "state_dir": str(d), "engine": st.backend,
+                          "supervisor": supervisor_mod.load_supervisor(d),
                           "ready": all(r.healthy for r in rows),
                           "instances": [dataclasses.asdict(r) for r in rows]}, indent=2))
         return
     table = Table(title=f"{st.plan.name} ({d})")
-    for col in ("instance", "where", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "run", "wait",
-                "KV"):
+    for col in ("instance", "where", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "restarts",
+                "run", "wait", "KV"):
         table.add_column(col)
     for r in rows:
         health = "[green]ok[/]" if r.healthy else ("[yellow]running[/]" if r.running else "[red]down[/]")
+        if r.phase in ("starting", "backoff", "failed", "exited") and not r.healthy:
+            health += f" ({r.phase})"
         table.add_row(r.name, r.where, _fmt(r.pid), f"{r.host}:{r.http_port}", _fmt(r.side_channel_port),
                       _fmt(r.block_size),
-                      _fmt(r.tp), health, _fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""),
+                      _fmt(r.tp), health, _fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""), str(r.restarts),
                       _fmt(r.requests_running, ".0f"), _fmt(r.requests_waiting, ".0f"),
                       _fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else ""))
     out.print(table)
+    sup = supervisor_mod.load_supervisor(d)
+    out.print(f"supervisor: {sup['mode']} pid {sup['pid']}" if sup else
+              "supervisor: none (nothing restarts failed instances)", highlight=False)
+    for r in rows:
+        if r.last_exit or r.last_error:
+            out.print(f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}"
+                      if r.last_error else ""), markup=False, highlight=False)
 
 
 @app.command()
@@ -556,9 +606,17 @@ def proxy(
     affinity_epsilon: Annotated[float, typer.Option(help="prefix_affinity: skip an instance above (1 + eps) x "
                                                     "the mean outstanding + 1")] = 0.25,
     affinity_prefix_chars: Annotated[int, typer.Option(help="prefix_affinity: prompt characters hashed")] = 256,
-    strict: Annotated[bool, typer.Option(help="502 when a prefill returns no kv_transfer_params")] = False,
+    on_prefill_down: Annotated[str, typer.Option(help="no prefill answers with usable KV: fallback (a decode "
+                                                 "computes the prompt, counted) | reject (error at once)")]
+    = "fallback",
+    strict: Annotated[bool, typer.Option(help="deprecated: --on-prefill-down reject")] = False,
     connect_timeout: Annotated[float, typer.Option(help="upstream connect timeout, s")] = 10.0,
+    first_byte_timeout: Annotated[float, typer.Option(help="request sent -> first byte of the answer, s")] = 600.0,
     read_timeout: Annotated[float, typer.Option(help="upstream read timeout between bytes, s")] = 600.0,
+    breaker_failures: Annotated[int, typer.Option(help="consecutive failures that open an instance's circuit "
+                                                  "breaker")] = 3,
+    breaker_open: Annotated[float, typer.Option(help="seconds a tripped instance stays out before a trial")]
+    = 10.0,
     access_log: Annotated[bool, typer.Option(help="one log line per request: id, status, ms, pair")] = True,
 ) -> None:
     """Run the P/D proxy standalone (pdctl up starts it from the topology).
@@ -593,9 +651,17 @@ def proxy(
         if not sep or not p or not d:
             raise UserError(f"--exclude-pair {x}: expected PREFILL_POOL/DECODE_POOL, e.g. --exclude-pair p128/d32")
         pairs.append((p, d))
-    cfg = ProxyConfig(prefill, decode, policy, strict, connect_timeout, read_timeout, weights=weights,
-                      exclude_pairs=pairs, affinity_epsilon=affinity_epsilon,
-                      affinity_prefix_chars=affinity_prefix_chars, access_log=access_log)
+    if strict:
+        on_prefill_down = "reject"
+    for flag, value in (("--connect-timeout", connect_timeout), ("--first-byte-timeout", first_byte_timeout),
+                        ("--read-timeout", read_timeout), ("--breaker-open", breaker_open),
+                        ("--breaker-failures", breaker_failures)):
+        if not value > 0:
+            raise UserError(f"{flag} {value:g}: must be > 0")
+    cfg = ProxyConfig(prefill, decode, policy, on_prefill_down, connect_timeout, read_timeout, first_byte_timeout,
+                      breaker_failures, breaker_open, weights=weights, exclude_pairs=pairs,
+                      affinity_epsilon=affinity_epsilon, affinity_prefix_chars=affinity_prefix_chars,
+                      access_log=access_log)
     try:
         Proxy(cfg)  # every routing rule checked before the port opens
     except ValueError as e:
@@ -721,13 +787,29 @@ def check(
       pdctl check --state-dir .pdctl/cpu-fleet --reference http://127.0.0.1:8300   # a fleet that is up
     """
     from pdctl.gates import check as check_mod
-    from pdctl.gates import parity
+    from pdctl.gates import gated as gated_mod
+    from pdctl.gates import gsm8k, parity
     from pdctl.launch import probe
 
     try:
         only = [int(n) for n in lengths.split(",")] if lengths else None
     except ValueError:
         raise UserError(f"--lengths {lengths}: expected token counts separated by commas, e.g. 65,129,300") from None
+    if gsm8k_dir is not None:
+        try:
+            gsm8k.check_dir(gsm8k_dir, "--gsm8k-dir ")
+        except gsm8k.DataError as e:
+            raise UserError(str(e)) from None
+
+    def why_not(report) -> None:
+        """After the table: why a transfer proof failed (the first reason, per pair for a fleet)."""
+        if json_:
+            return
+        for pair in getattr(report, "all", lambda: [report])():
+            rep = getattr(pair, "report", pair)
+            name = f"{pair.prefill_pool}/{pair.decode_pool} " if hasattr(pair, "prefill_pool") else ""
+            if rep.proof is not None and not rep.proof.ok:
+                out.print(f"[red]FAIL[/] {name}{rep.proof.message}", highlight=False)
 
     if topology is None and state_dir is not None and not proxy_url:
         # A topology that is up (`pdctl up -d`): every pool pair, pinned, against a reference that runs too.
@@ -738,6 +820,9 @@ def check(
         _, st = _state_or_exit(None, state_dir)
         if st is None:
             raise UserError(f"nothing is up in {state_dir}")
+        warning = gated_mod.running_warning(st.plan.topology)
+        if warning:
+            err.print(warning, style="yellow", markup=False, highlight=False)
         served = st.plan.topology["model"].get("served_name") or st.plan.topology["model"]["path"]
         limit = (st.plan.topology["model"].get("max_model_len") or 2048) - max_tokens - 1
 
@@ -749,11 +834,19 @@ def check(
                                        pair_prompts, max_tokens, concurrency, mixed_prompts, mixed_concurrency,
                                        vocab, seed, progress=lambda text: status.update(f"checking {text} ..."))
         _render_fleet(report, json_, junit)
+        why_not(report)
         raise typer.Exit(0 if report.passed else 1)
     if topology is None:
         if not (proxy_url and reference_url):
             raise UserError("give a TOPOLOGY, --state-dir of a running one with --reference, or both --proxy "
                             "and --reference for running systems")
+        st = _state_or_exit(None, state_dir)[1] if state_dir is not None else None
+        warning = (gated_mod.running_warning(st.plan.topology) if st is not None else
+                   "note: a running system's proxy.on_prefill_down and connector.kv_load_failure_policy are its "
+                   "own (give --state-dir to have them checked); the transfer proof and the proxy's fallback "
+                   "counter still fail a request answered without its KV")
+        if warning:
+            err.print(warning, style="yellow", markup=False, highlight=False)
         decodes = decode_url or [u.split(" ", 1)[1] for u in json.loads(probe.http_get(
             proxy_url.rstrip("/") + "/ready")[1] or "{}").get("instances", {}) if u.startswith("decode ")]
         if not decodes:
@@ -762,10 +855,15 @@ def check(
         prompts = check_mod.prompts_for([], vocab, 1024, gsm8k_dir, seed, only)
         report = parity.run_parity(proxy_url, reference_url, decodes, name, prompts, max_tokens, concurrency)
         _render_parity(report, json_, junit)
+        why_not(report)
         raise typer.Exit(0 if report.passed else 1)
 
 
+    overrides, applied, kept = gated_mod.gated(overrides)
     loaded = _load(topology, overrides)
+    for line in gated_mod.gated_lines(applied, kept):
+        if line:
+            err.print(line, style="yellow" if line.startswith("warning") else None, markup=False, highlight=False)
     t = loaded.topology
     p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port)
     vocab = loaded.model_info.vocab_size or vocab
@@ -787,6 +885,7 @@ def check(
                                        mixed_prompts, mixed_concurrency, vocab, seed,
                                        progress=lambda text: status.update(f"checking {text} ..."))
         _render_fleet(report, json_, junit)
+        why_not(report)
         raise typer.Exit(0 if report.passed else 1)
     prompts = prompts_for([t.prefill[0].block_size, t.decode[0].block_size])
     reference: str | list = ref.http_url
@@ -802,6 +901,7 @@ def check(
         report = parity.run_parity(p.get("proxy").http_url, reference, [s.http_url for s in p.by_role("decode")],
                                    t.model.name, prompts, max_tokens, concurrency)
     _render_parity(report, json_, junit)
+    why_not(report)
     raise typer.Exit(0 if report.passed else 1)
 
 
@@ -809,19 +909,27 @@ def _render_accuracy(summary: dict, expected_file: str) -> None:
     """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts."""
     task, shots = summary["task"], summary["num_fewshot"]
     t = Table(title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
-    for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Expected", "Status"):
+    for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Gate", "Expected", "Status"):
         t.add_column(col)
     for v in summary["verdicts"]:
         metric, _, filt = v["metric"].partition(",")
-        t.add_row(task, filt, str(shots), metric, _fmt(v["measured"], ".4f"), _fmt(v["stderr"], ".4f"),
-                  "-" if v["expected"] is None else f"{v['expected']} ± {v['rtol']}", v["status"])
+        gate = v.get("gate", "absolute")
+        if v["expected"] is None:
+            want = "-"
+        elif gate == "relative":  # the aggregated reference's value on the same rows
+            want = f"reference {v['expected']:.4f} ± {v['rtol']}"
+        else:
+            want = f"{v['expected']} ± {v['rtol']}"
+        t.add_row(task, filt, str(shots), metric, _fmt(v["measured"], ".4f"), _fmt(v["stderr"], ".4f"), gate, want,
+                  v["status"])
     out.print(t)
+    for line in summary.get("gates", []):  # which gate was applied, and how it came out
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    for v in summary["verdicts"]:
+        if v["status"] == "FAIL" and v.get("message"):
+            out.print(f"FAIL {v['message']}", highlight=False, markup=False, soft_wrap=True)
     if "baseline" in summary:
-        b = summary["baseline"]
-        out.print(f"baseline: agreement {100 * b['agreement']:.1f}% over {b['samples']} samples, delta "
-                  + ", ".join(f"{k} {d:+.4f}" for k, d in b["delta"].items()) + f" -> {b['status']}",
-                  highlight=False)
-        for d in b.get("diverged", [])[:10]:
+        for d in summary["baseline"].get("diverged", [])[:10]:
             out.print(f"  doc {d['doc_id']}: texts differ from character {d['first_diff_char']} of {d['length']}",
                       highlight=False)
     if summary["status"] == "UNGATED":
@@ -845,8 +953,11 @@ def eval_(
     expected: Annotated[Path, typer.Option(help="expected accuracy table")] = Path("configs/expected.yaml"),
     model: Annotated[str | None, typer.Option(help="served model name (with --url)")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="tokenizer path or id (default: the model's path)")] = None,
-    min_agreement: Annotated[float, typer.Option(help="with --baseline: minimum per-sample agreement")] = 1.0,
-    tolerance: Annotated[float, typer.Option(help="with --baseline: maximum |accuracy difference|")] = 0.0,
+    min_agreement: Annotated[float | None, typer.Option(help="with a baseline: minimum per-sample agreement "
+                                                        "(default: expected.yaml's relative gate, else 1.0)")]
+    = None,
+    tolerance: Annotated[float | None, typer.Option(help="with a baseline: maximum |accuracy difference| "
+                                                    "(default: expected.yaml's relative gate, else 0.0)")] = None,
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
     reference_port: Annotated[int, typer.Option(help="port of the reference pdctl starts for --baseline auto")]
     = 8300,
@@ -859,9 +970,16 @@ def eval_(
 
     Runs lm-eval's `local-completions` model (tokenized requests off) with gsm8k's strict-match and
     flexible-extract filters. With --data-dir, the dataset is read from local jsonl files (same prompts, few-shot
-    source and answer extraction: the task is lm-eval's own gsm8k config). With --baseline, an aggregated reference
-    is evaluated too and the gate also needs |delta accuracy| <= --tolerance and per-sample agreement >=
-    --min-agreement. Exit 1 on FAIL; an unknown model is reported UNGATED, never PASS.
+    source and answer extraction: the task is lm-eval's own gsm8k config); else $GSM8K_DIR, else a cached copy of
+    openai/gsm8k, else the hub; with none of them it stops before anything starts.
+
+    The gate is expected.yaml's for the model: absolute (accuracy within rtol of a known value) and/or relative
+    (per-sample agreement and accuracy delta against an aggregated reference, for a model whose accuracy says
+    nothing, like the random tiny one). --baseline URL|auto evaluates an aggregated reference too (any model:
+    agreement >= --min-agreement, |delta| <= --tolerance). A model with a relative gate needs a baseline: with a
+    TOPOLOGY pdctl starts one beside it (as --baseline auto); with --url, give --baseline URL. The topology runs
+    with proxy.on_prefill_down=reject and connector.kv_load_failure_policy=fail (unless set on the command line):
+    a fallback never counts as P/D. Exit 1 on FAIL; a model expected.yaml does not know is UNGATED, never PASS.
 
     Examples:
 
@@ -869,13 +987,29 @@ def eval_(
 
       pdctl eval --url http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
     """
+    import os
     import time as _time
 
-    from pdctl.gates import accuracy
+    from pdctl.gates import accuracy, gsm8k
+    from pdctl.gates import gated as gated_mod
 
-    table = accuracy.load_expected(expected) if expected.is_file() else {}
+    try:
+        table = accuracy.load_expected(expected) if expected.is_file() else {}
+    except (ValueError, OSError) as e:
+        raise UserError(str(e)) from None
     if not expected.is_file():
         err.print(f"warning: {expected} not found: nothing is gated", style="yellow")
+    if topology is None and not url:
+        raise UserError("give a TOPOLOGY, or --url of a running P/D proxy")
+    if topology is None and baseline == "auto":
+        raise UserError("--baseline auto needs a TOPOLOGY; with --url give the reference's URL")
+    try:  # before anything starts: a bring-up of minutes must not end in lm-eval's ConnectionError
+        source = gsm8k.data_source(data_dir)
+    except gsm8k.DataError as e:
+        raise UserError(str(e)) from None
+    data_dir = source.data_dir
+    os.environ.update(source.env)
+    err.print(f"GSM8K: {source.detail}", highlight=False, markup=False)
     stamp = _time.strftime("%Y%m%d-%H%M%S")
 
     def evaluate(proxy_url: str, ref_url: str | None, name: str, tok: str | None, out_dir: Path) -> int:
@@ -892,19 +1026,33 @@ def eval_(
         return 1 if summary["status"] == "FAIL" else 0
 
     if topology is None:
-        if not url:
-            raise UserError("give a TOPOLOGY, or --url of a running P/D proxy")
-        if baseline == "auto":
-            raise UserError("--baseline auto needs a TOPOLOGY; with --url give the reference's URL")
         from pdctl.launch import probe
 
         name = model or json.loads(probe.http_get(url.rstrip("/") + "/v1/models")[1])["data"][0]["id"]
+        if accuracy.needs_baseline(table, name) and not baseline:
+            raise UserError(f"model '{name}' has a relative gsm8k gate in {expected} (per-sample agreement and "
+                            "accuracy delta against an aggregated reference): give --baseline URL of an aggregated "
+                            "server of the same model, or a TOPOLOGY (pdctl then starts one)")
+        st = _state_or_exit(None, state_dir)[1] if state_dir is not None else None
+        warning = (gated_mod.running_warning(st.plan.topology) if st is not None else
+                   "note: a running system's proxy.on_prefill_down and connector.kv_load_failure_policy are its "
+                   "own (give --state-dir to have them checked); the proxy's fallback counter still fails the gate")
+        if warning:
+            err.print(warning, style="yellow", markup=False, highlight=False)
         out_dir = results or Path("results") / f"eval-{stamp}"
         raise typer.Exit(evaluate(url, baseline, name, tokenizer, out_dir))
 
-
+    overrides, applied, kept = gated_mod.gated(overrides)
     loaded = _load(topology, overrides)
+    for line in gated_mod.gated_lines(applied, kept):
+        if line:
+            err.print(line, style="yellow" if line.startswith("warning") else None, markup=False, highlight=False)
     t = loaded.topology
+    if accuracy.needs_baseline(table, t.model.name) and not baseline:
+        # The gate cannot be judged without the reference, and the topology says how to start one.
+        baseline = "auto"
+        err.print(f"model '{t.model.name}' has a relative gsm8k gate in {expected}: starting an aggregated "
+                  "reference beside the topology to compare with (as --baseline auto)", highlight=False, markup=False)
     p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port if baseline == "auto" else None)
     tok = tokenizer or topo_mod.resolved_model(t, t.decode[0], loaded.base_dir)
     out_dir = results or Path("results") / f"eval-{t.name}-{stamp}"
@@ -947,24 +1095,48 @@ def bench(
     TPOT, ITL, end-to-end p50/p99, throughput, NIXL transfer time and bytes) and reports P/D / aggregated ratios.
     Exit 1 if a gate failed. Every artefact, with the resolved topology, lands under --results.
 
+    The accuracy gate is expected.yaml's for the model (absolute and/or relative to the reference). GSM8K comes
+    from --data-dir, else $GSM8K_DIR, else a cached openai/gsm8k, else the hub: with none, it stops before
+    anything starts. The topology runs with proxy.on_prefill_down=reject and connector.kv_load_failure_policy=fail
+    (unless set on the command line): a fallback never counts as P/D.
+
     Examples:
 
       pdctl bench configs/cpu-demo.yaml --decode-block-size 128 --data-dir ../shared/data/gsm8k
 
       pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --decode-block-size 64 --limit 256
     """
+    import os
     import time as _time
 
     from pdctl.bench.run import BenchOptions, run_bench
-    from pdctl.gates import accuracy
+    from pdctl.gates import accuracy, gsm8k
+    from pdctl.gates import gated as gated_mod
     from pdctl.launch import run as run_mod
 
+    try:
+        table = accuracy.load_expected(expected) if expected.is_file() else {}
+    except (ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+    try:  # before anything starts: a bring-up of minutes must not end in lm-eval's ConnectionError
+        if not skip_eval:
+            source = gsm8k.data_source(data_dir)
+            data_dir = source.data_dir
+            os.environ.update(source.env)
+            err.print(f"GSM8K: {source.detail}", highlight=False, markup=False)
+        elif data_dir is not None:  # the parity gate's GSM8K prompts
+            data_dir = gsm8k.check_dir(data_dir).data_dir
+    except gsm8k.DataError as e:
+        raise UserError(str(e)) from None
+    overrides, applied, kept = gated_mod.gated(overrides)
     loaded = _load(topology, overrides)
+    for line in gated_mod.gated_lines(applied, kept):
+        if line:
+            err.print(line, style="yellow" if line.startswith("warning") else None, markup=False, highlight=False)
     t = loaded.topology
     p, ref, backend = _plan_with_reference(loaded, state_dir, reference_port)
     out_dir = results or Path("results") / f"bench-{t.name}-{_time.strftime('%Y%m%d-%H%M%S')}"
-    opts = BenchOptions(skip_check, skip_eval, skip_perf, data_dir, limit, 5,
-                        accuracy.load_expected(expected) if expected.is_file() else {}, requests, prompt_len,
+    opts = BenchOptions(skip_check, skip_eval, skip_perf, data_dir, limit, 5, table, requests, prompt_len,
                         max_tokens, concurrency, timeout, eval_concurrency, request_rate)
     t0 = _time.monotonic()
     with err.status("bench ...") as status:
@@ -1015,9 +1187,12 @@ def _render_bench(s: dict, expected_file: str, out_dir: Path) -> None:
                         + ("travelled" if pz["kv_travelled"] else "did NOT travel"))
     if "accuracy" in s:
         a = s["accuracy"]
-        detail = ", ".join(f"{v['metric']} {_fmt(v['measured'], '.3f')}" for v in a["verdicts"])
+        measured = {v["metric"]: v["measured"] for v in a["verdicts"]}  # absolute and relative rows: one value
+        detail = f"{a.get('gate', 'absolute')} gate: " + ", ".join(f"{m} {_fmt(x, '.3f')}" for m, x in
+                                                                  measured.items())
         if "baseline" in a:
-            detail += f"; agreement {100 * a['baseline']['agreement']:.0f}%"
+            b = a["baseline"]
+            detail += f"; agreement {b.get('agreed', round(b['agreement'] * b['samples']))}/{b['samples']}"
         summary.add_row("accuracy", a["status"], detail)
     if "perf" in s:
         r = s["perf"]["ratio"]

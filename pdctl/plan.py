@@ -98,7 +98,8 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
         # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.
         cfg["kv_load_failure_policy"] = c.kv_load_failure_policy
     cfg["kv_buffer_device"] = t.kv_buffer_device(g)
-    extra.update(c.extra_config)
+    for k, v in c.extra_config.items():  # a user's "pdctl" settings add to pdctl's own, never replace them
+        extra[k] = {**extra[k], **v} if k == "pdctl" and isinstance(v, dict) and k in extra else v
     cfg["kv_connector_extra_config"] = extra
     return cfg
 

@@ -170,6 +170,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         # Test-only: hold each read this long after the decode got the request (a fault drill kills the prefill
         # in that gap, deterministically).
         self._read_delay_s = float(s.get("test_read_delay_s", 0))
+        self._read_delay_match = str(s.get("test_read_delay_match", ""))  # only requests whose id holds this
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
@@ -269,7 +270,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
     # -- pairing ---------------------------------------------------------------------------------------------
 
     def _read_blocks_for_req(self, req_id: str, meta):
-        if self._read_delay_s:
+        if self._read_delay_s and self._read_delay_match in req_id:
             log.warning("pdctl connector: test_read_delay_s: holding the read of request %s for %g s", req_id,
                         self._read_delay_s)
             time.sleep(self._read_delay_s)

@@ -19,32 +19,164 @@ class Verdict:
     metric: str
     measured: float | None
     stderr: float | None
-    expected: float | None
-    rtol: float | None
+    expected: float | None  # absolute: expected.yaml's value; relative: the aggregated reference's
+    rtol: float | None  # absolute: rtol; relative: max_delta
     status: str  # PASS | FAIL | UNGATED
+    message: str = ""
+    gate: str = "absolute"  # absolute | relative | none
 
     @property
     def passed(self) -> bool:
         return self.status == "PASS"
 
 
+DEFAULT_MIN_AGREEMENT = 1.0
+DEFAULT_MAX_DELTA = 0.0
+_RELATIVE_KEYS = {"min_agreement", "max_delta", "metrics"}
+
+
+@dataclass
+class GateSpec:
+    """One model's gate for one task in expected.yaml.
+
+    absolute: metric -> {expected, rtol}: |measured - expected| <= rtol, a real model's known accuracy.
+    relative: {min_agreement, max_delta, metrics}: against an aggregated reference run on the same rows (the
+    baseline), per-sample agreement >= min_agreement and |P/D - reference| <= max_delta per metric. The gate of
+    a model whose accuracy says nothing (the random tiny model solves no problem: 0.0 ± 0.05 cannot fail).
+    """
+
+    absolute: dict[str, dict]
+    relative: dict | None = None
+
+    @property
+    def kind(self) -> str:
+        return "+".join(k for k in ("absolute", "relative") if getattr(self, k)) or "none"
+
+
+def gate_spec(expected: dict, model: str, task: str = "gsm8k") -> GateSpec | None:
+    """The gate expected.yaml holds for a model and task; None when it holds none."""
+    table = (expected.get(model) or {}).get(task)
+    if not table:
+        return None
+    absolute = {**(table.get("absolute") or {}),
+                **{k: v for k, v in table.items() if k not in ("absolute", "relative")}}  # legacy: metrics at top
+    relative = table.get("relative")
+    return GateSpec(absolute, None if relative is None else {
+        "min_agreement": float(relative.get("min_agreement", DEFAULT_MIN_AGREEMENT)),
+        "max_delta": float(relative.get("max_delta", DEFAULT_MAX_DELTA)),
+        "metrics": list(relative.get("metrics") or [])})
+
+
+def needs_baseline(expected: dict, model: str, task: str = "gsm8k") -> bool:
+    """A relative gate is judged against an aggregated reference: without one it would not be applied."""
+    spec = gate_spec(expected, model, task)
+    return bool(spec and spec.relative is not None)
+
+
+def validate_expected(table: dict, where: str = "expected.yaml") -> dict:
+    """Every entry well-formed (model -> task -> absolute metrics and/or relative), or ValueError naming it."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a mapping of model -> task -> gate")
+    for model, tasks in table.items():
+        if not isinstance(tasks, dict):
+            raise ValueError(f"{where}: {model}: expected a mapping of task -> gate")
+        for task, gate in tasks.items():
+            at = f"{where}: {model}.{task}"
+            if not isinstance(gate, dict) or not gate:
+                raise ValueError(f"{at}: expected 'absolute: {{METRIC: {{expected, rtol}}}}' and/or "
+                                 "'relative: {min_agreement, max_delta}'")
+            rel = gate.get("relative")
+            if rel is not None:
+                if not isinstance(rel, dict) or set(rel) - _RELATIVE_KEYS:
+                    raise ValueError(f"{at}.relative: keys are {', '.join(sorted(_RELATIVE_KEYS))}")
+                for k in ("min_agreement", "max_delta"):
+                    if k in rel and not (isinstance(rel[k], (int, float)) and 0 <= rel[k] <= 1):
+                        raise ValueError(f"{at}.relative.{k}: a number from 0 to 1, got {rel[k]!r}")
+                if not isinstance(rel.get("metrics", []), list):
+                    raise ValueError(f"{at}.relative.metrics: a list of lm-eval metric names")
+            absolute = {**(gate.get("absolute") or {}),
+                        **{k: v for k, v in gate.items() if k not in ("absolute", "relative")}}
+            for metric, spec in absolute.items():
+                if not (isinstance(spec, dict) and isinstance(spec.get("expected"), (int, float))
+                        and isinstance(spec.get("rtol", 0.05), (int, float))):
+                    raise ValueError(f"{at}: {metric}: expected {{expected: NUMBER, rtol: NUMBER}}")
+    return table
+
+
 def load_expected(path: Path) -> dict:
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML ({e})") from None
+    return validate_expected(data or {}, str(path))
 
 
 def judge(model: str, task: str, measured: dict[str, float], stderr: dict[str, float], expected: dict
           ) -> list[Verdict]:
-    """One verdict per expected metric; an unknown model or task yields UNGATED rows, never a PASS."""
-    table = (expected.get(model) or {}).get(task)
-    if not table:
-        return [Verdict(m, v, stderr.get(m), None, None, "UNGATED") for m, v in sorted(measured.items())]
+    """One verdict per absolute metric of expected.yaml; a model without a gate there yields UNGATED rows, never
+    a PASS (a model with only a relative gate yields none: run_gate judges it against the baseline)."""
+    spec = gate_spec(expected, model, task)
+    if spec is None:
+        return [Verdict(m, v, stderr.get(m), None, None, "UNGATED",
+                        f"no gate for model '{model}' task {task} in expected.yaml", "none")
+                for m, v in sorted(measured.items())]
     out = []
-    for metric, spec in table.items():
+    for metric, s in spec.absolute.items():
         value = measured.get(metric)
-        exp, rtol = float(spec["expected"]), float(spec.get("rtol", 0.05))
-        ok = value is not None and abs(value - exp) <= rtol
-        out.append(Verdict(metric, value, stderr.get(metric), exp, rtol, "PASS" if ok else "FAIL"))
+        exp, rtol = float(s["expected"]), float(s.get("rtol", 0.05))
+        if value is None:
+            have = ", ".join(sorted(measured)) or "none"
+            out.append(Verdict(metric, None, None, exp, rtol, "FAIL",
+                               f"{metric}: missing from lm-eval's output (it has: {have})"))
+            continue
+        ok = abs(value - exp) <= rtol
+        out.append(Verdict(metric, value, stderr.get(metric), exp, rtol, "PASS" if ok else "FAIL",
+                           f"{metric} {value:.4f} {'within' if ok else 'outside'} {exp} ± {rtol}"))
     return out
+
+
+def judge_relative(values: dict[str, float], stderr: dict[str, float], ref_values: dict[str, float],
+                   agreed: int, samples: int, min_agreement: float, max_delta: float,
+                   metrics: list[str] | None = None) -> tuple[str, str, list[Verdict]]:
+    """The relative gate: (status, message, one verdict per metric). Per-sample agreement with the aggregated
+    reference >= min_agreement, and |P/D - reference| <= max_delta for every metric (those named, else every
+    metric either run reports; one missing from either run fails)."""
+    names = list(metrics or sorted(set(values) | set(ref_values)))
+    verdicts = []
+    for m in names:
+        pd, ref = values.get(m), ref_values.get(m)
+        if pd is None or ref is None:
+            side = "the P/D run" if pd is None else "the reference run"
+            verdicts.append(Verdict(m, pd, stderr.get(m), ref, max_delta, "FAIL",
+                                    f"{m}: missing from {side}'s lm-eval output", "relative"))
+            continue
+        d = pd - ref
+        ok = abs(d) <= max_delta + 1e-12
+        verdicts.append(Verdict(m, pd, stderr.get(m), ref, max_delta, "PASS" if ok else "FAIL",
+                                f"{m} delta {d:+.4f} {'within' if ok else 'outside'} ± {max_delta}", "relative"))
+    rate = agreed / samples if samples else 0.0
+    problems = [v.message for v in verdicts if not v.passed]
+    if not samples:
+        problems.insert(0, "no sample was compared (the runs share no document)")
+    elif rate < min_agreement:
+        problems.insert(0, f"agreement {agreed}/{samples} below {min_agreement:.0%}")
+    if not names:
+        problems.append("no metric to compare")
+    deltas = ", ".join(f"{v.metric} {v.measured - v.expected:+.4f}" for v in verdicts
+                       if v.measured is not None and v.expected is not None) or "-"
+    status = "FAIL" if problems else "PASS"
+    message = (f"relative gate: agreement {agreed}/{samples} with the aggregated reference (min "
+               f"{min_agreement:.0%}), delta {deltas} (max ± {max_delta}) -> {status}"
+               + (": " + "; ".join(problems) if problems else ""))
+    return status, message, verdicts
+
+
+def absolute_line(verdicts: list[Verdict]) -> str:
+    """'absolute: exact_match,strict-match 0.4300 vs 0.41 ± 0.05, ... -> PASS'"""
+    rows = [v for v in verdicts if v.gate == "absolute"]
+    parts = [f"{v.metric} {'missing' if v.measured is None else format(v.measured, '.4f')} vs {v.expected} ± "
+             f"{v.rtol}" for v in rows]
+    return f"absolute: {', '.join(parts)} -> {gate_status(rows)}"
 
 
 def gate_status(verdicts: list[Verdict]) -> str:
@@ -140,27 +272,76 @@ def agreement(a: list[dict], b: list[dict]) -> tuple[float, int, list[dict]]:
 
 def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path, expected: dict, *,
              tokenizer: str | None, limit: int | None, num_fewshot: int, concurrency: int, data_dir: Path | None,
-             min_agreement: float = 1.0, tolerance: float = 0.0) -> dict:
-    """lm-eval through P/D (and the baseline), judged: the summary that `pdctl eval` and `pdctl bench` report."""
+             min_agreement: float | None = None, tolerance: float | None = None) -> dict:
+    """lm-eval through P/D (and the baseline), judged: the summary that `pdctl eval` and `pdctl bench` report.
+
+    The gates are expected.yaml's for the model: absolute (accuracy within rtol of a known value) and/or relative
+    (per-sample agreement and accuracy delta against the baseline, an aggregated reference). A baseline adds the
+    relative gate for any model; min_agreement / tolerance (the command line) override expected.yaml's values,
+    else 1.0 / 0.0. A relative gate without a baseline is an error (raised before lm-eval runs). The proxy's
+    fallback counter must not grow over the P/D run: a request served by a decode alone is not P/D.
+    """
+    spec = gate_spec(expected, model, "gsm8k")
+    if spec and spec.relative is not None and not baseline_url:
+        raise ValueError(f"model '{model}' has a relative gsm8k gate in expected.yaml: it needs a baseline (an "
+                         "aggregated reference to compare with)")
+    from pdctl.gates.parity import proxy_fallbacks
+
+    fallbacks_before = proxy_fallbacks(proxy_url)
     pd = run_lm_eval(proxy_url, model, out_dir / "pd", tokenizer=tokenizer, limit=limit, num_fewshot=num_fewshot,
                      concurrency=concurrency, data_dir=data_dir)
+    fallbacks_after = proxy_fallbacks(proxy_url)
     task = pd.results["pdctl_task"]
     values, errs = pd.metrics(task)
     verdicts = judge(model, "gsm8k", values, errs, expected)
+    gates: list[str] = []
+    if spec and spec.absolute:
+        gates.append(absolute_line(verdicts))
     summary: dict = {"model": model, "task": task, "limit": limit, "num_fewshot": num_fewshot,
-                     "verdicts": [v.__dict__ for v in verdicts], "status": gate_status(verdicts)}
+                     "gate": spec.kind if spec else "none", "gates": gates, "verdicts": [], "status": ""}
+    statuses = [gate_status(verdicts)] if verdicts else []
     if baseline_url:
+        rel = dict(spec.relative) if spec and spec.relative is not None else {
+            "min_agreement": DEFAULT_MIN_AGREEMENT, "max_delta": DEFAULT_MAX_DELTA, "metrics": []}
+        source = "expected.yaml" if spec and spec.relative is not None else "defaults"
+        if min_agreement is not None:
+            rel["min_agreement"], source = float(min_agreement), "command line"
+        if tolerance is not None:
+            rel["max_delta"], source = float(tolerance), "command line"
         ref = run_lm_eval(baseline_url, model, out_dir / "baseline", tokenizer=tokenizer, limit=limit,
                           num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
         ref_values, _ = ref.metrics(task)
         rate, n, diverged = agreement(pd.samples, ref.samples)
-        deltas = {m: values.get(m, 0.0) - ref_values.get(m, 0.0) for m in values}
-        ok = n > 0 and rate >= min_agreement and all(abs(d) <= tolerance for d in deltas.values())
-        summary["baseline"] = {"values": ref_values, "delta": deltas, "agreement": rate, "samples": n,
-                               "concurrency": concurrency, "diverged": diverged,
-                               "status": "PASS" if ok else "FAIL"}
-        if not ok:
-            summary["status"] = "FAIL"
+        agreed = round(rate * n)
+        status, message, rel_verdicts = judge_relative(values, errs, ref_values, agreed, n, rel["min_agreement"],
+                                                       rel["max_delta"], rel["metrics"])
+        if spec is None:  # a baseline with a model expected.yaml does not know: the per-metric rows are these
+            verdicts = []
+        verdicts += rel_verdicts
+        gates.append(message)
+        summary["baseline"] = {"values": ref_values,
+                               "delta": {v.metric: v.measured - v.expected for v in rel_verdicts
+                                         if v.measured is not None and v.expected is not None},
+                               "agreement": rate, "agreed": agreed, "samples": n, "concurrency": concurrency,
+                               "min_agreement": rel["min_agreement"], "max_delta": rel["max_delta"],
+                               "thresholds_from": source, "diverged": diverged, "status": status,
+                               "message": message}
+        statuses.append(status)
+        if not (spec and spec.relative is not None):
+            summary["gate"] = "+".join(k for k in ("absolute" if spec and spec.absolute else "", "relative") if k)
+    if fallbacks_before is not None and fallbacks_after is not None and fallbacks_after > fallbacks_before:
+        n_fb = fallbacks_after - fallbacks_before
+        gates.append(f"P/D: {n_fb:.0f} requests were served by a decode alone (proxy fallback, "
+                     "pdctl_decode_only_fallback_total): not P/D -> FAIL")
+        summary["fallbacks"] = n_fb
+        statuses.append("FAIL")
+    summary["verdicts"] = [v.__dict__ for v in verdicts]
+    if "FAIL" in statuses:
+        summary["status"] = "FAIL"
+    elif spec is None:
+        summary["status"] = "UNGATED"  # a model expected.yaml does not know is never a PASS
+    else:
+        summary["status"] = "PASS"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

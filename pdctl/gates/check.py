@@ -60,7 +60,8 @@ def junit_xml(report, name: str = "pdctl.check") -> str:
         cases.append(f'  <testcase classname="{name}" name="{escape(r.label)}">{body}</testcase>')
     proof_ok = bool(report.proof and report.proof.ok)
     proof = escape(json.dumps(report.to_dict()["proof"]))
-    failure = "" if proof_ok else f'<failure message="KV did not travel">{proof}</failure>'
+    why = escape(report.proof.message if report.proof else "no transfer proof", {'"': "&quot;"})
+    failure = "" if proof_ok else f'<failure message="{why}">{proof}</failure>'
     cases.append(f'  <testcase classname="{name}" name="kv-transfer-proof">{failure}</testcase>')
     failures = sum(not r.passed for r in report.results) + (not proof_ok)
     return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{name}" tests="{len(cases)}" '
@@ -77,7 +78,10 @@ def _junit_fleet(report, name: str) -> str:
             cases.append(f'  <testcase classname="{name}.{escape(pid)}" name="{escape(r.label)}">{body}</testcase>')
         ok = pair.report.proof is not None and pair.report.proof.ok and not pair.problems
         detail = escape(json.dumps(pair.to_dict()))
-        failure = "" if ok else f'<failure message="KV did not travel from the pinned pool">{detail}</failure>'
+        proof = pair.report.proof
+        why = escape(pair.problems[0] if proof and proof.ok and pair.problems else
+                     proof.message if proof else "no transfer proof", {'"': "&quot;"})
+        failure = "" if ok else f'<failure message="{why}">{detail}</failure>'
         cases.append(f'  <testcase classname="{name}.{escape(pid)}" name="kv-transfer-proof">{failure}</testcase>')
     failures = sum("<failure" in c for c in cases)
     return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{name}" tests="{len(cases)}" '

@@ -89,15 +89,72 @@ class PromptResult:
 
 @dataclass
 class TransferProof:
+    """What the decodes' own /metrics (and the proxy's) say about the prompts of one gate run.
+
+    The bound: every prompt token but the last of every answered request arrives by KV transfer, except what
+    the decode's own prefix cache held already:
+
+        external_kv_tokens >= sum(prompt_len - 1) - cache_hit_tokens
+
+    How vLLM counts (0.32, vllm/v1/core/sched/scheduler.py and v1/metrics/stats.py): when a request with
+    `do_remote_prefill` is scheduled, the decode's local prefix-cache hit (whole blocks, at most prompt_len - 1
+    tokens) is `local_cache_hit` and the NIXL connector claims the rest of the prompt,
+    `prompt_len - local_hit` (`_get_remote_prefill_token_count`), as `external_kv_transfer`; after the load the
+    scheduler recomputes the last token, so the decode computes at most that one token itself. The bound leaves
+    exactly that token per request and no more. It is the tightest one that holds across vLLM versions and
+    connectors: one that counts the last token as computed (`_prefill_backoff` = 1, e.g. Mamba) still meets
+    it, and a bound of all tokens (what 0.32 reports for an attention model) would fail there. Models with a
+    multi-token backoff (multi-module MTP) cannot meet it; pdctl serves none.
+
+    vLLM counts the external tokens when it schedules the load, so a load that failed and was recomputed
+    (`kv_load_failure_policy: recompute`) still counts as transferred: failed NIXL transfers fail the proof,
+    and the gates run with `kv_load_failure_policy: fail`. A request the proxy served from a decode alone
+    (`on_prefill_down: fallback`) fails it too, through the proxy's pdctl_decode_only_fallback_total.
+    """
+
     external_kv_tokens: float
     local_compute_tokens: float
     bytes_transferred: float
-    prompt_tokens: int
+    prompt_tokens: int  # tokens of the fresh prompts (no shared head with an earlier one)
+    shared_prompt_tokens: int = 0  # tokens of the prompts sent after one sharing their head
+    requests: int = 0  # answered requests: one token each may be computed by the decode
+    cache_hit_tokens: float = 0.0  # prompt tokens the decode served from its own prefix cache
+    failed_transfers: float = 0.0  # vLLM's nixl_num_failed_transfers over the run
+    fallbacks: float | None = None  # requests the proxy sent to a decode alone (None: not a pdctl proxy)
+    missing: list[str] = field(default_factory=list)  # metrics the proof needs and did not find
+
+    @property
+    def required(self) -> float:
+        """The fewest prompt tokens that must have arrived by transfer."""
+        return self.prompt_tokens + self.shared_prompt_tokens - self.requests - self.cache_hit_tokens
 
     @property
     def ok(self) -> bool:
-        # The decode may compute the last prompt token itself; everything else must arrive by transfer.
-        return self.external_kv_tokens >= 0.9 * self.prompt_tokens - 1 and self.bytes_transferred > 0
+        return (not self.missing and self.external_kv_tokens >= self.required and self.bytes_transferred > 0
+                and self.failed_transfers == 0 and not self.fallbacks)
+
+    @property
+    def message(self) -> str:
+        """Why the proof fails (the first reason), or what it shows."""
+        tokens = self.prompt_tokens + self.shared_prompt_tokens
+        bound = (f"at least {self.required:.0f} required: all but the last token of {self.requests} prompts "
+                 f"({tokens} - {self.requests})" + (f", minus {self.cache_hit_tokens:.0f} served by the decode's "
+                                                    "own prefix cache" if self.cache_hit_tokens else ""))
+        if self.missing:
+            return "cannot prove the transfer: " + "; ".join(self.missing)
+        if self.fallbacks:
+            return (f"{self.fallbacks:.0f} requests were served by a decode alone (proxy fallback, "
+                    "pdctl_decode_only_fallback_total): not P/D")
+        if self.failed_transfers:
+            return (f"{self.failed_transfers:.0f} NIXL transfers failed (vllm:nixl_num_failed_transfers): their "
+                    "prompts were recomputed or failed, not transferred")
+        if self.external_kv_tokens < self.required:
+            return (f"KV did not travel: {self.external_kv_tokens:.0f} prompt tokens arrived by transfer, {bound}; "
+                    f"{self.local_compute_tokens:.0f} computed locally")
+        if self.bytes_transferred <= 0:
+            return "KV did not travel: the decodes' NIXL bytes did not grow (vllm:nixl_bytes_transferred)"
+        return (f"KV travelled: {self.external_kv_tokens:.0f} prompt tokens by transfer, {bound}; "
+                f"{self.local_compute_tokens:.0f} computed locally, NIXL bytes {self.bytes_transferred:.0f}")
 
 
 @dataclass
@@ -115,7 +172,8 @@ class ParityReport:
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "pass_rate": self.pass_rate,
-                "proof": asdict(self.proof) | {"ok": self.proof.ok} if self.proof else None,
+                "proof": asdict(self.proof) | {"ok": self.proof.ok, "required": self.proof.required,
+                                               "message": self.proof.message} if self.proof else None,
                 "results": [asdict(r) for r in self.results]}
 
 
@@ -126,20 +184,43 @@ def first_divergence(a: list | str, b: list | str) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def decode_counters(decode_urls: list[str]) -> dict[str, float]:
-    """Prompt tokens by source and NIXL bytes, summed over the decode instances (vLLM's own /metrics)."""
-    total = {"external": 0.0, "local": 0.0, "bytes": 0.0}
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
+PROXY_FALLBACKS = "pdctl_decode_only_fallback_total"
+
+
+def decode_counters(decode_urls: list[str], missing: list[str] | None = None) -> dict[str, float]:
+    """Prompt tokens by source, NIXL bytes and failed transfers, summed over the decode instances (vLLM's own
+    /metrics). What a proof needs and a decode does not expose is named in `missing` (when given)."""
+    total = {"external": 0.0, "local": 0.0, "cache_hit": 0.0, "bytes": 0.0, "failed": 0.0}
     for url in decode_urls:
-        m = probe.metrics(url) or {}
+        m = probe.metrics(url)
+        if m is None:
+            if missing is not None:
+                missing.append(f"decode {url}: /metrics did not answer")
+            continue
+        if missing is not None:
+            if not any(k.startswith(BY_SOURCE + "{") for k in m):
+                missing.append(f"decode {url}: /metrics has no {BY_SOURCE} (prompt tokens by source)")
+            if NIXL_BYTES not in m:
+                missing.append(f"decode {url}: /metrics has no {NIXL_BYTES} (is its KV connector NIXL?)")
         total["external"] += _by_source(m, "external_kv_transfer")
         total["local"] += _by_source(m, "local_compute")
-        total["bytes"] += m.get("vllm:nixl_bytes_transferred_sum", 0.0)
+        total["cache_hit"] += _by_source(m, "local_cache_hit")
+        total["bytes"] += m.get(NIXL_BYTES, 0.0)
+        total["failed"] += m.get(NIXL_FAILED, 0.0)
     return total
 
 
+def proxy_fallbacks(proxy_url: str) -> float | None:
+    """Requests pdctl's proxy sent to a decode alone so far; None when the proxy does not count them."""
+    m = probe.metrics(proxy_url)
+    return None if m is None or PROXY_FALLBACKS not in m else m[PROXY_FALLBACKS]
+
+
 def _by_source(m: dict[str, float], source: str) -> float:
-    return sum(v for k, v in m.items()
-               if k.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in k)
+    return sum(v for k, v in m.items() if k.startswith(BY_SOURCE + "{") and f'source="{source}"' in k)
 
 
 def _in_cache_order(prompts: list[Prompt]) -> tuple[list[int], list[int]]:
@@ -172,6 +253,7 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL".
     """
     before = decode_counters(decode_urls)
+    fallbacks_before = proxy_fallbacks(proxy_url)
     routes = route if isinstance(route, list) else [route] * len(prompts)
 
     def one(i: int) -> PromptResult:
@@ -194,9 +276,23 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]
-    after = decode_counters(decode_urls)
-    # Tokens the decode held in its own prefix cache were neither transferred nor computed: count only fresh ones.
-    fresh = sum(r.prompt_tokens for r in results if not r.label.startswith("prefix"))
-    proof = TransferProof(after["external"] - before["external"], after["local"] - before["local"],
-                          after["bytes"] - before["bytes"], fresh)
-    return ParityReport(results, proof)
+    missing: list[str] = []
+    after = decode_counters(decode_urls, missing)
+    fallbacks_after = proxy_fallbacks(proxy_url)
+    return ParityReport(results, transfer_proof(results, before, after, missing, fallbacks_before, fallbacks_after))
+
+
+def transfer_proof(results: list[PromptResult], before: dict[str, float], after: dict[str, float],
+                   missing: list[str] = (), fallbacks_before: float | None = None,
+                   fallbacks_after: float | None = None) -> TransferProof:
+    """The proof over the answered requests (a failed one fails the report by itself): the decodes' counters
+    before and after, and the proxy's fallback counter (when it has one)."""
+    answered = [r for r in results if r.error is None]
+    fresh = sum(r.prompt_tokens for r in answered if not r.label.startswith("prefix"))
+    shared = sum(r.prompt_tokens for r in answered if r.label.startswith("prefix"))
+    fallbacks = (None if fallbacks_before is None or fallbacks_after is None
+                 else fallbacks_after - fallbacks_before)
+    return TransferProof(after["external"] - before["external"], after["local"] - before["local"],
+                         after["bytes"] - before["bytes"], fresh, shared, len(answered),
+                         after["cache_hit"] - before["cache_hit"], after["failed"] - before["failed"], fallbacks,
+                         list(missing))

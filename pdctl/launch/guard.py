@@ -9,8 +9,10 @@ The owner is the guard's parent (pdctl in the foreground: parent-death signal), 
 polls (a Ray actor), or nobody with --orphan (`pdctl up -d`: the servers outlive the command; `pdctl down` or
 the supervisor stops them). When the server exits, the guard writes one line to its stderr (the instance's
 log) saying how: `--- pdctl guard: server exited with code N` or `... killed by signal 9 (SIGKILL)`; the
-supervisor and `pdctl status` read it. A Ray worker SIGKILLs its direct children when it exits, which would take the guard and
-leave the group orphaned: with --detach the guard forks away from its parent first, and prints its pid.
+supervisor and `pdctl status` read it.
+
+A Ray worker SIGKILLs its direct children when it exits, which would take the guard and leave the group
+orphaned: with --detach the guard forks away from its parent first, and prints its pid.
 """
 
 from __future__ import annotations

@@ -32,6 +32,15 @@ def _strip(line: str) -> str:
     return _PREFIX.sub("", line.strip(), count=1).strip()
 
 
+START_MARK = "--- pdctl: starting "
+
+
+def this_run(lines: list[str]) -> list[str]:
+    """The lines of the instance's latest run (a restarted instance appends to the same log)."""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(START_MARK)]
+    return lines[starts[-1]:] if starts else lines
+
+
 def root_cause(lines: list[str]) -> str | None:
     """pdctl's own error line if there is one, else the first exception line of the last traceback, else the
     first exception-looking line; None when the log says nothing of the kind."""

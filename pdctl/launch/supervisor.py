@@ -31,7 +31,7 @@ from pathlib import Path
 from pdctl.launch import probe as probe_mod
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend
-from pdctl.launch.logs import exit_of, root_cause, tail
+from pdctl.launch.logs import exit_of, root_cause, this_run
 from pdctl.launch.state import LaunchState
 from pdctl.plan import ProcessSpec
 
@@ -160,7 +160,7 @@ class Supervisor:
         """The instance is gone: record how and why, then restart it later, or leave it down."""
         if self.backend.restartable:
             self._stop(spec)  # whatever the server left behind (an orphaned EngineCore holds its ports)
-        lines = self.backend.log_tail(self.state, spec.name, 400)
+        lines = this_run(self.backend.log_tail(self.state, spec.name, 2000))
         how = exit_of(lines) or (f"exited with code {code}" if code is not None else "gone")
         rec = self.state.processes.get(spec.name)
         if rec is not None:

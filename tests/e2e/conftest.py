@@ -83,6 +83,8 @@ class Up:
         return self
 
     def __exit__(self, *exc):
+        if (self.state_dir / "state.json").exists():  # restarted instances have new process groups
+            self.pgids = sorted(set(self.pgids) | set(state_pgids(self.state_dir)))
         pdctl("down", "--state-dir", self.state_dir)
         for pid in live(self.pgids):  # never leave servers behind, even when down failed
             os.kill(pid, signal.SIGKILL)

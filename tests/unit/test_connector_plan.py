@@ -12,7 +12,7 @@ def worker(block_size=32, staging=8, total_blocks=100):
     w = object.__new__(PdctlNixlWorker)  # no vLLM engine: only the planning state
     w.block_size, w._staging_blocks, w._staging_free = block_size, staging, None
     w.device_kv_caches = {"layer0": torch.zeros(total_blocks, 1, 1, 2)}
-    w._cached_blocks, w._split_plans = (), {}
+    w._cached_blocks, w._split_plans, w._failure_policy = (), {}, "recompute"
     return w
 
 

@@ -21,7 +21,7 @@ def _plan():
 
 def _pair(rid: str, prefill: str = "prefill-p32-0", decode: str = "decode-d64-0", passed: bool = True):
     r = PromptResult("random-129", 129, passed, None if passed else 3, [1], [1], None, rid, prefill, decode)
-    return PairReport("p32", "d64", ParityReport([r], TransferProof(128, 1, 131072, 129)))
+    return PairReport("p32", "d64", ParityReport([r], TransferProof(128, 1, 131072, 129, requests=1)))
 
 
 def test_reads_are_attributed_to_the_prefill_instance_by_its_side_channel(tmp_path):
@@ -60,6 +60,27 @@ def test_a_fleet_without_pairs_or_with_a_failed_prompt_fails():
     failed = _pair("pdctl-check-00000000000000dd", passed=False)
     assert not failed.passed and not FleetReport([failed]).passed
     no_transfer = _pair("pdctl-check-00000000000000ee")
-    no_transfer.report.proof = TransferProof(0, 129, 0, 129)
+    no_transfer.report.proof = TransferProof(0, 129, 0, 129, requests=1)
     doc = no_transfer.to_dict()
     assert not no_transfer.passed and doc["kv_travelled"] is False and doc["tokens_computed"] == 129
+    assert doc["kv_proof"] == ("KV did not travel: 0 prompt tokens arrived by transfer, at least 128 required: all "
+                               "but the last token of 1 prompts (129 - 1); 129 computed locally")
+
+
+def test_a_pair_one_token_short_of_all_but_the_last_fails_and_the_junit_says_why(tmp_path):
+    from pdctl.gates.check import junit_xml
+
+    plan = _plan()
+    pools = {s.name: s.pool for s in plan.processes if s.pool}
+    rid = "pdctl-check-00000000000000ff"
+    edge = _pair(rid)  # 128 of 129 tokens by transfer: the edge
+    attribute(edge, plan, {rid: [("127.0.0.1", 5600)]}, pools)
+    assert edge.passed and edge.report.proof.required == 128 and FleetReport([edge]).passed
+    short = _pair(rid)
+    short.report.proof = TransferProof(127, 2, 131072, 129, requests=1)
+    attribute(short, plan, {rid: [("127.0.0.1", 5600)]}, pools)
+    assert short.problems == [] and not short.passed and not FleetReport([edge, short]).passed
+    xml = junit_xml(FleetReport([edge, short]))
+    assert 'failures="1"' in xml
+    assert ('<failure message="KV did not travel: 127 prompt tokens arrived by transfer, at least 128 required'
+            in xml)

@@ -83,3 +83,211 @@ def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path
         server.shutdown()
     assert [r for r, _ in seen] == ["p1/d", "p1/d", "p1/e", "p2/e"]  # the stalled one again; p2/d is excluded
     assert seen[1][1].endswith("-2")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The transfer proof's bound, and every way the parity gate fails (each with its passing twin)
+
+
+def _proof(external: float, prompts: list[int], cache_hit: float = 0, **kw):
+    from pdctl.gates.parity import TransferProof
+
+    return TransferProof(external, kw.pop("local", len(prompts)), kw.pop("bytes_", 4096.0), sum(prompts), 0,
+                         len(prompts), cache_hit, **kw)
+
+
+def test_transfer_proof_needs_every_prompt_token_but_the_last_by_transfer():
+    """At the edge (one token per request computed by the decode) it passes; one token short, it fails."""
+    prompts = [65, 129, 300]  # 494 tokens, 3 requests: at least 491 must arrive by transfer
+    edge = _proof(491, prompts)
+    assert edge.required == 491 and edge.ok
+    assert edge.message.startswith("KV travelled: 491 prompt tokens by transfer, at least 491 required: all but "
+                                   "the last token of 3 prompts (494 - 3)")
+    short = _proof(490, prompts, local=4)
+    assert not short.ok
+    assert short.message == ("KV did not travel: 490 prompt tokens arrived by transfer, at least 491 required: all "
+                             "but the last token of 3 prompts (494 - 3); 4 computed locally")
+
+
+def test_the_decodes_own_prefix_cache_is_not_required_to_travel():
+    """A prompt sharing a head with an earlier one: the decode serves the head from its prefix cache."""
+    from pdctl.gates.parity import TransferProof
+
+    # random-130 (fresh, 130 tokens) then prefix130+37 (167 tokens; 128 of them in the decode's cache).
+    proof = TransferProof(130 + 39, 0, 4096.0, 130, 167, 2, 128)
+    assert proof.required == 130 + 167 - 2 - 128 == 167 and proof.ok
+    assert "minus 128 served by the decode's own prefix cache" in proof.message
+    below = TransferProof(166, 2, 4096.0, 130, 167, 2, 128)
+    assert not below.ok and below.message.startswith("KV did not travel: 166 prompt tokens arrived by transfer, "
+                                                     "at least 167 required")
+
+
+def test_transfer_proof_fails_when_the_tokens_were_computed_locally():
+    """The KV did not travel: the decode computed every prompt (a fallback, or no connector)."""
+    proof = _proof(0, [65, 129], local=194, bytes_=0.0)
+    assert not proof.ok
+    assert proof.message == ("KV did not travel: 0 prompt tokens arrived by transfer, at least 192 required: all "
+                             "but the last token of 2 prompts (194 - 2); 194 computed locally")
+
+
+def test_transfer_proof_fails_without_nixl_bytes_failed_transfers_or_on_a_fallback():
+    assert _proof(192, [65, 129]).ok
+    no_bytes = _proof(192, [65, 129], bytes_=0.0)
+    assert not no_bytes.ok and no_bytes.message == ("KV did not travel: the decodes' NIXL bytes did not grow "
+                                                    "(vllm:nixl_bytes_transferred)")
+    failed = _proof(192, [65, 129], failed_transfers=1.0)  # vLLM counts a recomputed load as transferred
+    assert not failed.ok and failed.message.startswith("1 NIXL transfers failed (vllm:nixl_num_failed_transfers)")
+    fell_back = _proof(192, [65, 129], fallbacks=1.0)
+    assert not fell_back.ok and fell_back.message.startswith("1 requests were served by a decode alone (proxy "
+                                                             "fallback, pdctl_decode_only_fallback_total)")
+    assert _proof(192, [65, 129], fallbacks=0.0).ok
+
+
+def test_transfer_proof_fails_on_a_missing_metric():
+    missing = _proof(192, [65, 129], missing=["decode http://d: /metrics has no vllm:prompt_tokens_by_source_total "
+                                              "(prompt tokens by source)"])
+    assert not missing.ok
+    assert missing.message == ("cannot prove the transfer: decode http://d: /metrics has no "
+                               "vllm:prompt_tokens_by_source_total (prompt tokens by source)")
+
+
+class FakePD:
+    """One loopback HTTP server playing the P/D proxy (/proxy), the aggregated reference (/ref) and the decode's
+    /metrics (/decode): the proxy's answers move the decode's counters as a real P/D pair would, or not."""
+
+    def __init__(self, mode: str = "transfer", diverge_on: int | None = None, metrics: bool = True):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.mode, self.diverge_on, self.with_metrics = mode, diverge_on, metrics
+        self.counters = {"external_kv_transfer": 0, "local_compute": 0, "local_cache_hit": 0}
+        self.bytes = 0
+        self.fallbacks = 0
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                import json
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt, n = body["prompt"], body["max_tokens"]
+                ids = [(sum(prompt) + i) % 997 for i in range(n)]
+                if self.path.startswith("/proxy"):
+                    fake.served(len(prompt))
+                    if len(prompt) == fake.diverge_on:
+                        ids[5] += 1
+                out = json.dumps({"choices": [{"token_ids": ids, "text": ""}],
+                                  "usage": {"prompt_tokens": len(prompt)}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def do_GET(self):  # noqa: N802
+                text = fake.metrics_text(self.path)
+                self.send_response(200 if text is not None else 404)
+                self.end_headers()
+                self.wfile.write((text or "").encode())
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def served(self, tokens: int) -> None:
+        if self.mode == "transfer":  # vLLM 0.32: the connector claims the whole prompt
+            self.counters["external_kv_transfer"] += tokens
+            self.bytes += 1024 * tokens
+        elif self.mode == "all-but-one":  # a connector that leaves the last token to the decode
+            self.counters["external_kv_transfer"] += tokens - 1
+            self.counters["local_compute"] += 1
+            self.bytes += 1024 * tokens
+        elif self.mode == "fallback":  # the proxy sent it to the decode alone
+            self.counters["local_compute"] += tokens
+            self.fallbacks += 1
+        else:  # "local": the decode computed it, no fallback counted (no connector at all)
+            self.counters["local_compute"] += tokens
+
+    def metrics_text(self, path: str) -> str | None:
+        if path.startswith("/decode"):
+            lines = [f'vllm:nixl_bytes_transferred_sum{{engine="0"}} {self.bytes}']
+            if self.with_metrics:
+                lines += [f'vllm:prompt_tokens_by_source_total{{engine="0",source="{k}"}} {v}'
+                          for k, v in self.counters.items()]
+            return "\n".join(lines) + "\n"
+        if path.startswith("/proxy"):
+            return f'pdctl_decode_only_fallback_total{{reason="prefill_down"}} {self.fallbacks}\n'
+        return None
+
+    def run(self, lengths=(33, 65, 129)):
+        from pdctl.gates.parity import random_prompts, run_parity
+
+        try:
+            return run_parity(self.url + "/proxy", self.url + "/ref", [self.url + "/decode"], "tiny",
+                              random_prompts(list(lengths), 1000, seed=3), max_tokens=8)
+        finally:
+            self.server.shutdown()
+
+
+def test_parity_gate_passes_when_every_token_matches_and_the_kv_travelled():
+    report = FakePD("transfer").run()
+    assert report.passed and report.pass_rate == 1.0 and report.proof.ok
+    assert (report.proof.external_kv_tokens, report.proof.required) == (227, 224)
+    assert report.to_dict()["proof"]["message"].startswith("KV travelled: 227 prompt tokens by transfer")
+
+
+def test_parity_gate_passes_at_the_edge_all_but_one_token_per_request():
+    report = FakePD("all-but-one").run()
+    assert report.passed and report.proof.external_kv_tokens == report.proof.required == 224
+
+
+def test_parity_gate_fails_on_one_mismatching_prompt():
+    report = FakePD("transfer", diverge_on=65).run()
+    assert not report.passed and report.proof.ok  # the KV travelled; one prompt's tokens differ
+    failed = [r for r in report.results if not r.passed]
+    assert [(r.label, r.first_divergence) for r in failed] == [("random-65", 5)]
+    from pdctl.gates.check import junit_xml
+
+    assert '<failure message="first divergent token 5">' in junit_xml(report)
+
+
+def test_parity_gate_fails_when_the_kv_did_not_travel():
+    """Same answers, but the decode computed the prompts itself: the proof fails the gate."""
+    report = FakePD("local").run()
+    assert all(r.passed for r in report.results) and not report.passed
+    assert report.proof.message == ("KV did not travel: 0 prompt tokens arrived by transfer, at least 224 "
+                                    "required: all but the last token of 3 prompts (227 - 3); 227 computed locally")
+    from pdctl.gates.check import junit_xml
+
+    assert '<failure message="KV did not travel: 0 prompt tokens arrived by transfer' in junit_xml(report)
+
+
+def test_parity_gate_fails_on_a_proxy_fallback():
+    report = FakePD("fallback").run()
+    assert all(r.passed for r in report.results) and not report.passed
+    assert report.proof.fallbacks == 3 and report.proof.message.startswith("3 requests were served by a decode "
+                                                                           "alone (proxy fallback")
+
+
+def test_parity_gate_fails_when_the_decode_lacks_the_prompt_tokens_by_source_counter():
+    fake = FakePD("transfer", metrics=False)
+    report = fake.run()
+    assert all(r.passed for r in report.results) and not report.passed
+    assert report.proof.message == (f"cannot prove the transfer: decode {fake.url}/decode: /metrics has no "
+                                    "vllm:prompt_tokens_by_source_total (prompt tokens by source)")
+
+
+def test_parity_gate_fails_when_the_decode_metrics_do_not_answer():
+    fake = FakePD("transfer")
+    from pdctl.gates.parity import random_prompts, run_parity
+
+    try:
+        report = run_parity(fake.url + "/proxy", fake.url + "/ref", [fake.url + "/nowhere"], "tiny",
+                            random_prompts([33], 1000, seed=3), max_tokens=8)
+    finally:
+        fake.server.shutdown()
+    assert not report.passed
+    assert report.proof.message == f"cannot prove the transfer: decode {fake.url}/nowhere: /metrics did not answer"

@@ -1,0 +1,102 @@
+"""Fault drills that need a topology of their own (cpu-homog, P32 -> D32): (d) a prefill killed between its
+answer and the decode's read with `kv_load_failure_policy: fail` (a clear error, no hang), then Ctrl-C on the
+same foreground `pdctl up` (nothing left behind); (e) `pdctl down` while `pdctl up -d` is still starting."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import threading
+import time
+
+from tests.conftest import CONFIGS, REPO
+from tests.e2e.conftest import PDCTL, live, pdctl, state_pgids, wait_for
+from tests.e2e.faults import complete, fresh_prompt, kill_server
+
+DELAY_S = 8
+
+
+def _ports(base: int) -> list[str]:
+    return ["--set", f"proxy.port={8000 + base}", "--set", f"prefill.http_port={8100 + base}", "--set",
+            f"decode.http_port={8200 + base}", "--set", f"prefill.side_channel_port={5600 + base}",
+            "--set", f"decode.side_channel_port={5700 + base}"]
+
+
+def _leftovers(text: str) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if text in cmd and stat[stat.rindex(")") + 2] not in "ZX":
+                out.append(int(d.name))
+    return out
+
+
+def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(tmp_path):
+    args = [*_ports(70), "--set", "connector.kv_load_failure_policy=fail", "--set", "prefill.restart=never",
+            "--set", f'connector.extra_config={{"pdctl": {{"test_read_delay_s": {DELAY_S}, '
+                     '"test_read_delay_match": "delay-read"}}']
+    proc = subprocess.Popen([*PDCTL, "up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "state.json").exists(), 60)
+
+        def ready():
+            r = pdctl("status", "--state-dir", tmp_path, "--json")
+            return r.returncode == 0 and json.loads(r.stdout)["ready"]
+
+        assert wait_for(ready, 400, 2), proc.stderr.read() if proc.poll() is not None else "not ready"
+        assert json.loads(pdctl("status", "--state-dir", tmp_path, "--json").stdout)["supervisor"]["mode"] == \
+            "foreground"
+        body = {"model": "tiny", "prompt": fresh_prompt(random.Random(5), 150), "max_tokens": 16, "temperature": 0}
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(complete("http://127.0.0.1:8070", body,
+                                                                {"X-Request-Id": "pdctl-delay-read-fail"})))
+        t.start()
+        decode_log = tmp_path / "logs" / "decode-0.log"
+        assert wait_for(lambda: "holding the read of request" in decode_log.read_text(errors="replace"), 60)
+        killed = kill_server(tmp_path, "prefill-0")
+        t.join(300)
+        (a,) = out
+        print(f"\ndrill (d, fail): answer {a.status} {a.ended - killed:.1f} s after the kill: {a.text[:300]}")
+        assert not a.ok and a.ended - killed < 60  # an error, never a hang
+        assert a.status >= 400 or "error" in a.text
+        # The foreground up is the supervisor: prefill restart: never leaves it down, the decode still serves.
+        assert wait_for(lambda: json.loads((tmp_path / "state.json").read_text())["processes"]["prefill-0"]
+                        ["phase"] == "failed", 30)
+        pgids = state_pgids(tmp_path)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130, proc.stderr.read()
+    assert wait_for(lambda: not live(pgids), 10), live(pgids)
+    assert not (tmp_path / "state.json").exists() and not (tmp_path / "supervisor.json").exists()
+    assert not _leftovers(str(tmp_path))
+
+
+def test_down_while_up_is_starting_leaves_nothing(tmp_path):
+    proc = subprocess.Popen([*PDCTL, "up", "-d", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *_ports(80)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "state.json").exists(), 60)
+        time.sleep(3)  # the servers are loading
+        pgids = state_pgids(tmp_path)
+        r = pdctl("down", "--state-dir", tmp_path, check=True)
+        assert "is down" in r.stdout
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1  # up saw its instances stopped and failed the launch
+    assert wait_for(lambda: not live(pgids), 10), live(pgids)
+    assert wait_for(lambda: not _leftovers(str(tmp_path)), 10), _leftovers(str(tmp_path))
