@@ -362,6 +362,8 @@ class Proxy:
                 self.metrics.first_decode_byte(time.perf_counter() - t0)
                 if upstream.status >= 500:
                     self._failed(d)
+                    if body.get("kv_transfer_params"):
+                        return web.json_response(_decode_failed(d, upstream.status, raw), status=upstream.status)
                 else:
                     d.breaker.success()
                 return web.Response(status=upstream.status, body=raw, content_type=ctype.split(";")[0])
@@ -383,6 +385,19 @@ class Proxy:
                 await out.write(f"data: {err}\n\ndata: [DONE]\n\n".encode())
             await out.write_eof()
             return out
+
+
+def _decode_failed(d: Instance, status: int, raw: bytes) -> dict:
+    """vLLM answers a request it ended (a failed KV load under kv_load_failure_policy: fail included) with a
+    bare "Internal server error"; say what that can mean for a P/D request."""
+    try:
+        said = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        said = raw[:200].decode(errors="replace")
+    return error_body(f"decode {d.name} ({d.url}) ended the request with HTTP {status} ({said}) after it was "
+                      "handed the prefill's KV parameters; when its KV read fails and connector."
+                      "kv_load_failure_policy is 'fail', this is how vLLM reports it (the decode's log then says "
+                      "'Failing ... request(s) due to KV load failure')", "decode_failed", status)
 
 
 @dataclass

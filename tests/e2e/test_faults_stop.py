@@ -68,7 +68,9 @@ def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(t
         (a,) = out
         print(f"\ndrill (d, fail): answer {a.status} {a.ended - killed:.1f} s after the kill: {a.text[:300]}")
         assert not a.ok and a.ended - killed < 60  # an error, never a hang
-        assert a.status >= 400 or "error" in a.text
+        err = json.loads(a.text)["error"]
+        assert a.status == 500 and err["type"] == "decode_failed" and "kv_load_failure_policy" in err["message"]
+        assert "due to KV load failure" in decode_log.read_text(errors="replace")
         # The foreground up is the supervisor: prefill restart: never leaves it down, the decode still serves.
         assert wait_for(lambda: json.loads((tmp_path / "state.json").read_text())["processes"]["prefill-0"]
                         ["phase"] == "failed", 30)

@@ -186,6 +186,9 @@ def test_decode_500_is_passed_and_counted(pd):
     pd.decode.mode = "error500"
     status, text, _ = post(pd.url + "/v1/completions", BODY)
     assert status == 500
+    err = json.loads(text)["error"]
+    assert err["type"] == "decode_failed" and "kv_load_failure_policy" in err["message"] and "decode-0" in err[
+        "message"]
     metrics = get(pd.url + "/metrics")[1]
     assert f'pdctl_proxy_upstream_errors_total{{instance="{pd.d_url}"}} 1' in metrics
     assert 'pdctl_proxy_requests_total{route="/v1/completions",status="500"} 1' in metrics
