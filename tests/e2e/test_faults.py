@@ -49,6 +49,36 @@ def _log(up, name: str) -> str:
     return (up.state_dir / "logs" / f"{name}.log").read_text(errors="replace")
 
 
+def test_1_decode_killed_mid_stream_ends_only_its_streams_with_an_error_event(fleet):
+    rng = random.Random(3)
+    body = {"model": "tiny", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
+    answers: list = [None] * 6
+    threads = [threading.Thread(target=lambda k=k: answers.__setitem__(
+        k, complete(fleet.proxy, {**body, "prompt": fresh_prompt(rng, 120)}))) for k in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    time.sleep(3)  # every stream is under way
+    before = record(fleet.state_dir, "decode-0")["restarts"]
+    killed_at = kill_server(fleet.state_dir, "decode-0")
+    for t in threads:
+        t.join(300)
+    on_killed = [a for a in answers if a.headers.get("x-pdctl-decode") == "decode-0"]
+    others = [a for a in answers if a.headers.get("x-pdctl-decode") == "decode-1"]
+    ends = [a.ended - killed_at for a in on_killed]
+    print(f"\ndrill (c): {len(on_killed)} streams on the killed decode ended with an error event "
+          f"{', '.join(f'{e:.2f}' for e in ends)} s after the kill; {len(others)} on the other decode completed")
+    assert on_killed and others, [a.headers for a in answers]
+    assert all(a.error and "error event" in a.error and "failed mid-stream" in a.text for a in on_killed)
+    assert max(ends) < 5.0
+    assert all(a.ok and len(stream_text(a)) > 0 for a in others), [a.error for a in others]
+    assert wait_restarted(fleet.state_dir, "decode-0", before + 1), _log(fleet, "supervisor")[-2000:]
+    # Serves again.
+    assert wait_for(lambda: complete(fleet.proxy, {"model": "tiny", "prompt": fresh_prompt(rng), "max_tokens": 4,
+                                                   "temperature": 0}).headers.get("x-pdctl-decode") == "decode-0",
+                    60, 0.1)
+
+
 def test_2_prefill_killed_under_load_loses_nothing_and_is_restarted(fleet):
     with Load(fleet.proxy, clients=8, seed=1) as load:
         assert wait_for(lambda: len(load.answers) >= 16, 120)
@@ -78,6 +108,33 @@ def test_2_prefill_killed_under_load_loses_nothing_and_is_restarted(fleet):
     assert "prefill-0: last exit: killed by signal 9 (SIGKILL)" in table
 
 
+def test_3_prefill_killed_before_the_read_recompute_gives_the_right_tokens(fleet):
+    rng = random.Random(4)
+    prompt = fresh_prompt(rng, 150)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    # The reference: the same greedy request computed whole by one server (block size does not change CPU output).
+    ref = complete(fleet.urls["prefill-1"], body)
+    assert ref.ok, ref.error
+    computed = {n: prompt_tokens_by_source(fleet.urls[n]).get("local_compute", 0) for n in ("decode-0", "decode-1")}
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(complete(fleet.proxy, body, {"X-Request-Id": "pdctl-delay-read-1"})))
+    t.start()
+    held = "holding the read of request"
+    assert wait_for(lambda: any(held in _log(fleet, n) for n in ("decode-0", "decode-1")), 60)
+    for n in ("prefill-0", "prefill-1"):  # whichever holds the KV
+        kill_server(fleet.state_dir, n)
+    t.join(300)
+    (a,) = out
+    decode = a.headers.get("x-pdctl-decode")
+    print(f"\ndrill (d): prefill killed while {decode} held its read for {DELAY_S} s; answer {a.status} in "
+          f"{a.ended - a.started:.1f} s")
+    assert a.ok, a.error
+    assert "x-pdctl-fallback" not in a.headers  # the prefill had answered: this is the decode's recompute
+    assert json.loads(a.text)["choices"][0]["text"] == json.loads(ref.text)["choices"][0]["text"]
+    log = _log(fleet, decode)
+    assert "pdctl connector: FAILED request" in log and "delay-read" in log
+    assert prompt_tokens_by_source(fleet.urls[decode]).get("local_compute", 0) - computed[decode] >= len(prompt) - 1
+    assert "transfer_setup_failed" in log or "NIXL transfer failure" in log
 def test_4_every_prefill_down_falls_back_to_decode_only_or_rejects(fleet):
     urls = fleet.urls
     reject = subprocess.Popen([*PDCTL, "proxy", "--port", "8061", "--on-prefill-down", "reject",
@@ -124,60 +181,3 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_1_decode_killed_mid_stream_ends_only_its_streams_with_an_error_event(fleet):
-    rng = random.Random(3)
-    body = {"model": "tiny", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
-    answers: list = [None] * 6
-    threads = [threading.Thread(target=lambda k=k: answers.__setitem__(
-        k, complete(fleet.proxy, {**body, "prompt": fresh_prompt(rng, 120)}))) for k in range(6)]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
-    time.sleep(3)  # every stream is under way
-    before = record(fleet.state_dir, "decode-0")["restarts"]
-    killed_at = kill_server(fleet.state_dir, "decode-0")
-    for t in threads:
-        t.join(300)
-    on_killed = [a for a in answers if a.headers.get("x-pdctl-decode") == "decode-0"]
-    others = [a for a in answers if a.headers.get("x-pdctl-decode") == "decode-1"]
-    ends = [a.ended - killed_at for a in on_killed]
-    print(f"\ndrill (c): {len(on_killed)} streams on the killed decode ended with an error event "
-          f"{', '.join(f'{e:.2f}' for e in ends)} s after the kill; {len(others)} on the other decode completed")
-    assert on_killed and others, [a.headers for a in answers]
-    assert all(a.error and "error event" in a.error and "failed mid-stream" in a.text for a in on_killed)
-    assert max(ends) < 5.0
-    assert all(a.ok and len(stream_text(a)) > 0 for a in others), [a.error for a in others]
-    assert wait_restarted(fleet.state_dir, "decode-0", before + 1), _log(fleet, "supervisor")[-2000:]
-    # Serves again.
-    assert wait_for(lambda: complete(fleet.proxy, {"model": "tiny", "prompt": fresh_prompt(rng), "max_tokens": 4,
-                                                   "temperature": 0}).headers.get("x-pdctl-decode") == "decode-0",
-                    60, 0.1)
-
-
-def test_3_prefill_killed_before_the_read_recompute_gives_the_right_tokens(fleet):
-    rng = random.Random(4)
-    prompt = fresh_prompt(rng, 150)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
-    # The reference: the same greedy request computed whole by one server (block size does not change CPU output).
-    ref = complete(fleet.urls["prefill-1"], body)
-    assert ref.ok, ref.error
-    computed = {n: prompt_tokens_by_source(fleet.urls[n]).get("local_compute", 0) for n in ("decode-0", "decode-1")}
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(complete(fleet.proxy, body, {"X-Request-Id": "pdctl-delay-read-1"})))
-    t.start()
-    held = "holding the read of request"
-    assert wait_for(lambda: any(held in _log(fleet, n) for n in ("decode-0", "decode-1")), 60)
-    for n in ("prefill-0", "prefill-1"):  # whichever holds the KV
-        kill_server(fleet.state_dir, n)
-    t.join(300)
-    (a,) = out
-    decode = a.headers.get("x-pdctl-decode")
-    print(f"\ndrill (d): prefill killed while {decode} held its read for {DELAY_S} s; answer {a.status} in "
-          f"{a.ended - a.started:.1f} s")
-    assert a.ok, a.error
-    assert "x-pdctl-fallback" not in a.headers  # the prefill had answered: this is the decode's recompute
-    assert json.loads(a.text)["choices"][0]["text"] == json.loads(ref.text)["choices"][0]["text"]
-    log = _log(fleet, decode)
-    assert "pdctl connector: FAILED request" in log and "delay-read" in log
-    assert prompt_tokens_by_source(fleet.urls[decode]).get("local_compute", 0) - computed[decode] >= len(prompt) - 1
-    assert "transfer_setup_failed" in log or "NIXL transfer failure" in log

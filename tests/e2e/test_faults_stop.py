@@ -1,6 +1,7 @@
 """Fault drills that need a topology of their own (cpu-homog, P32 -> D32): (d) a prefill killed between its
-answer and the decode's read with `kv_load_failure_policy: fail` (a clear error, no hang), then Ctrl-C on the
-same foreground `pdctl up` (nothing left behind); (e) `pdctl down` while `pdctl up -d` is still starting."""
+answer and the decode's read with `kv_load_failure_policy: fail` (a clear error, no hang), then `pdctl down` on
+the same foreground `pdctl up` (nothing left behind); (e) Ctrl-C on a foreground `pdctl up` and `pdctl down` on a
+`pdctl up -d`, both while the servers are still starting (test_launch.py has Ctrl-C once ready)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,26 @@ def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(t
         assert wait_for(lambda: json.loads((tmp_path / "state.json").read_text())["processes"]["prefill-0"]
                         ["phase"] == "failed", 30)
         pgids = state_pgids(tmp_path)
+        # `pdctl down` from another shell stops the foreground up (its supervisor), which stops everything.
+        r = pdctl("down", "--state-dir", tmp_path, check=True, timeout=120)
+        assert "stopped the foreground supervisor" in r.stdout, r.stdout
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, proc.stderr.read()
+    assert wait_for(lambda: not live(pgids), 10), live(pgids)
+    assert not (tmp_path / "state.json").exists() and not (tmp_path / "supervisor.json").exists()
+    assert not _leftovers(str(tmp_path))
+
+
+def test_ctrl_c_while_starting_leaves_nothing(tmp_path):
+    proc = subprocess.Popen([*PDCTL, "up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *_ports(75)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "state.json").exists(), 60)
+        time.sleep(4)  # the servers are loading
+        pgids = state_pgids(tmp_path)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=90)
     finally:
@@ -82,8 +103,7 @@ def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(t
             proc.kill()
     assert code == 130, proc.stderr.read()
     assert wait_for(lambda: not live(pgids), 10), live(pgids)
-    assert not (tmp_path / "state.json").exists() and not (tmp_path / "supervisor.json").exists()
-    assert not _leftovers(str(tmp_path))
+    assert wait_for(lambda: not _leftovers(str(tmp_path)), 10), _leftovers(str(tmp_path))
 
 
 def test_down_while_up_is_starting_leaves_nothing(tmp_path):
