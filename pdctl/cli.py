@@ -1247,7 +1247,10 @@ def sweep(
     except (OSError, ValidationError, ValueError) as e:
         raise UserError(f"{matrix}: {e}") from None
     out_dir = results or Path("results") / f"sweep-{matrix.stem}"
-    table = accuracy.load_expected(expected) if expected.is_file() else {}
+    try:
+        table = accuracy.load_expected(expected) if expected.is_file() else {}
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
     def run_case(case, case_dir: Path) -> dict:
         base = {"prefill_block": case.prefill_block_size, "decode_block": case.decode_block_size,

@@ -6,16 +6,17 @@ Errors are collected (never raised one at a time) and each names file:line, the 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
 import re
 import typing
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from pdctl import yamlsrc
@@ -48,9 +49,10 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, 
 def parse_bytes(v: Any) -> Any:
     """'256MiB' -> 268435456; ints pass through; anything else is left for pydantic to reject."""
     if isinstance(v, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", v)
+        m = re.fullmatch(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([a-zA-Z]*)\s*", v)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            # Exact arithmetic: float() of a long digit string is inf, and int(inf) an OverflowError.
+            return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
         raise ValueError(f"{v!r} is not a size; write e.g. 268435456, '256MiB' or '1GiB'")
     return v
 
@@ -81,7 +83,7 @@ class ModelSpec(_Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=16)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    kv_heads: int | None = Field(None, ge=1, description="KV heads, when config.json is not local")
+    kv_heads: int | None = Field(None, ge=1, le=2**16, description="KV heads, when config.json is not local")
     seed: int = 0
 
     @property
@@ -247,11 +249,14 @@ class EngineSpec(_Strict):
 def _as_pools(v: Any) -> Any:
     """A role written as one mapping is one pool named 'default' (today's form); a list is several pools."""
     if isinstance(v, dict):
-        return [{"name": DEFAULT_POOL, **v}]
+        pool: dict[Any, Any] = {"name": DEFAULT_POOL}
+        pool.update(v)  # not {**v}: a non-string key (1: x) is pydantic's to reject, not a TypeError here
+        return [pool]
     return v
 
 
-Pools = Annotated[list[InstanceGroup], BeforeValidator(_as_pools), Field(min_length=1)]
+MAX_POOLS = 64  # per role; the rules look at every prefill x decode pair
+Pools = Annotated[list[InstanceGroup], BeforeValidator(_as_pools), Field(min_length=1, max_length=MAX_POOLS)]
 
 
 class Topology(_Strict):
@@ -412,10 +417,32 @@ def _submodel(cls: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
     return cls
 
 
-def _from_validation_error(err: ValidationError) -> list[Problem]:
+def _clean_loc(raw: tuple, data: Any) -> Loc:
+    """Pydantic's error location as the user's keys: its names for validators and literals
+    ('function-before[...]', "literal['HND','NHD']") dropped, a user's key that merely looks like one kept."""
+    out: list[str | int] = []
+    node = data
+    for part in raw:
+        if isinstance(node, dict) and part in node:
+            out.append(part)
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            out.append(part)
+            node = node[part]
+        elif isinstance(node, dict) and isinstance(part, int):
+            out.append(part)  # a role written as one mapping is pool 0 (_as_pools); the mapping is that pool
+        elif isinstance(part, str) and part.startswith(("function-", "literal[")):
+            continue
+        else:
+            out.append(part)
+            node = None
+    return tuple(out)
+
+
+def _from_validation_error(err: ValidationError, data: Any = None) -> list[Problem]:
     problems = []
     for e in err.errors(include_url=False):
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        loc = _clean_loc(tuple(e["loc"]), data)
         kind = e["type"]
         if kind == "extra_forbidden":
             key = str(loc[-1])
@@ -430,7 +457,7 @@ def _from_validation_error(err: ValidationError) -> list[Problem]:
             msg = e["msg"].removeprefix("Value error, ")
             got = e.get("input")
             if kind not in ("value_error",) and not isinstance(got, (dict, list)):
-                msg += f" (got {got!r})"
+                msg += f" (got {yamlsrc.short(got)})"
             problems.append(Problem(loc, msg))
     return problems
 
@@ -445,30 +472,88 @@ class ModelInfo:
     attention_heads: int | None = None
     max_position: int | None = None
     vocab_size: int | None = None
+    # For the KV cache capacity rule (all None unless a local config.json gave them):
+    layers: int | None = None  # num_hidden_layers
+    head_dim: int | None = None  # head_dim, else hidden_size / num_attention_heads
+    max_len: int | None = None  # what vLLM serves without --max-model-len: the smallest of its length keys
+    config: str | None = None  # the config.json these came from
+    capacity_unknown: str | None = None  # why the config's attention is not plain (sliding window, MLA, ...)
+
+
+_MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KiB
+# vLLM's own max-length keys (model_arch_config_convertor): it serves the smallest one present.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def _count(v: Any) -> int | None:
+    """A positive int from config.json, else None (a string, a float, a bool, 0 or an absurd value)."""
+    return v if type(v) is int and 0 < v <= 2**40 else None
+
+
+def _read_config(cfg_file: Path) -> dict[str, Any] | None:
+    """config.json as a mapping; None when it is not a readable, small JSON object."""
+    try:
+        if not cfg_file.is_file():
+            return None
+        cfg = json.loads(yamlsrc.read_file(cfg_file, max_bytes=_MAX_CONFIG_BYTES))
+    except (OSError, ValueError, RecursionError, yamlsrc.YamlSourceError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    # Multimodal checkpoints keep the language model's numbers in text_config.
+    text = cfg.get("text_config")
+    if "num_hidden_layers" not in cfg and isinstance(text, dict):
+        cfg = {**cfg, **text}
+    return cfg
+
+
+def _irregular_attention(cfg: dict[str, Any]) -> str | None:
+    """Why layers x 2 x KV heads x head_dim does not describe this model's KV cache, if it does not."""
+    if cfg.get("kv_lora_rank") is not None:
+        return "the model uses MLA (compressed KV)"
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and any(x != "full_attention" for x in layer_types):
+        return "the model mixes attention kinds (layer_types)"
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) is not False:
+        return "the model uses sliding-window attention"
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict):
+        inner = quant.get("quantization")
+        if any("kv_cache" in str(k) for k in [*quant, *(inner if isinstance(inner, dict) else ())]):
+            return "the checkpoint's quantization_config chooses the KV cache dtype"
+    return None
 
 
 def read_model_info(topo_model: ModelSpec, base_dir: Path) -> ModelInfo:
     """What the rules need from the model: its config.json when local, else the topology's or a known value."""
-    path = resolve_path(topo_model.path, base_dir)
-    cfg_file = path / "config.json"
-    if cfg_file.is_file():
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except (OSError, ValueError):
-            cfg = {}
-        heads = cfg.get("num_attention_heads")
+    cfg_file = resolve_path(topo_model.path, base_dir) / "config.json"
+    cfg = _read_config(cfg_file)
+    if cfg is not None:
+        heads = _count(cfg.get("num_attention_heads"))
+        hidden = _count(cfg.get("hidden_size"))
         return ModelInfo(
-            kv_heads=topo_model.kv_heads or cfg.get("num_key_value_heads") or heads,
+            kv_heads=topo_model.kv_heads or _count(cfg.get("num_key_value_heads")) or heads,
             attention_heads=heads,
-            max_position=cfg.get("max_position_embeddings"),
-            vocab_size=cfg.get("vocab_size"),
+            max_position=_count(cfg.get("max_position_embeddings")),
+            vocab_size=_count(cfg.get("vocab_size")),
+            max_len=min((n for k in _MAX_LEN_KEYS if (n := _count(cfg.get(k)))), default=None),
+            layers=_count(cfg.get("num_hidden_layers")),
+            head_dim=_count(cfg.get("head_dim")) or (hidden // heads if hidden and heads and hidden % heads == 0
+                                                     else None),
+            config=str(cfg_file),
+            capacity_unknown=_irregular_attention(cfg),
         )
     return ModelInfo(kv_heads=topo_model.kv_heads or KNOWN_MODEL_KV_HEADS.get(topo_model.path))
 
 
 def resolve_path(value: str, base_dir: Path) -> Path:
     """Relative model paths are relative to the topology file, like docker-compose's."""
-    p = Path(value).expanduser()
+    p = Path(value)
+    try:
+        p = p.expanduser()
+    except RuntimeError:  # ~nosuchuser: vLLM would not find it either; left as written
+        pass
     return p if p.is_absolute() else Path(os.path.normpath(base_dir / p))
 
 
@@ -586,7 +671,8 @@ def _pool_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -
                            f"{CPU_BLOCK_MULTIPLE} (got {g.block_size})",
                            f"use {up}"))
     if info.kv_heads and info.kv_heads % g.tp:
-        divisors = [n for n in range(1, info.kv_heads + 1) if info.kv_heads % n == 0]
+        # TP is at most 64: the hint lists the divisors a pool can use (a huge head count stays cheap).
+        divisors = [n for n in range(1, min(info.kv_heads, 64) + 1) if info.kv_heads % n == 0]
         out.append(Problem((*loc, "tp"),
                            f"TP {g.tp} does not divide the model's {info.kv_heads} KV heads",
                            f"use one of {divisors}"))
@@ -610,7 +696,114 @@ def _pool_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -
                            f"'{buf}' does not exist on the {role}'s {g.platform} platform",
                            f"use 'cpu' or '{g.platform}', or leave it out to use each platform's",
                            related=((*loc, "platform"),)))
-    return out
+    # What no process can be started with (exec refuses a NUL byte; an environment name cannot hold '=').
+    for k, v in g.env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            out.append(Problem((*loc, "env", k), f"{k!r}: {v!r} cannot be an environment variable",
+                               "a name is non-empty without '=', and neither holds a NUL character"))
+    for i, a in enumerate(g.extra_args):
+        if "\0" in a:
+            out.append(Problem((*loc, "extra_args", i), f"{a!r} holds a NUL character, which no argument can"))
+    if g.model and "\0" in g.model:
+        out.append(Problem((*loc, "model"), "holds a NUL character, which no path can"))
+    return out + _capacity_problems(t, role, g, info)
+
+
+# Flags in a pool's extra_args that change what its KV cache holds: the capacity rule does not guess.
+_CAPACITY_FLAGS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization",
+                   "--num-gpu-blocks-override", "--max-model-len", "--kv-cache-dtype", "--dtype", "--block-size",
+                   "--hf-overrides")
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n} bytes"
+
+
+def kv_bytes_per_token(t: Topology, g: InstanceGroup, info: ModelInfo) -> int | None:
+    """KV cache bytes one token takes on one TP rank of a pool, as vLLM sizes it (FullAttentionSpec: K and V of
+    every layer, the rank's share of the KV heads, the cache dtype); None when the model's config.json is not
+    local or its attention is not that plain."""
+    if not (info.layers and info.kv_heads and info.head_dim) or info.capacity_unknown:
+        return None
+    dtype_bytes = 1 if t.kv_cache_dtype(g).startswith("fp8") else 4 if t.model.dtype == "float32" else 2
+    # vLLM's 'auto' dtype is 16-bit even for a float32 checkpoint (downcast); each rank holds kv_heads / TP
+    # heads, at least one (ModelConfig.get_num_kv_heads).
+    return info.layers * 2 * max(1, info.kv_heads // g.tp) * info.head_dim * dtype_bytes
+
+
+def _capacity_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -> list[Problem]:
+    """Whether a pool's KV cache holds what vLLM (and pdctl's connector) need to start, where it can be known.
+
+    vLLM gives each worker (each TP rank) --kv-cache-memory-bytes and makes memory // (block_size x bytes per
+    token) blocks of it (kv_cache_utils.get_kv_cache_config_from_groups); one is its null block, and it refuses
+    to start when the rest cannot hold one max_model_len sequence (check_enough_kv_cache_memory). A decode pool
+    with a staging area (prefill block > decode block) then gives up `staging` blocks, which pdctl's connector
+    refuses unless there are more than 4 x staging."""
+    loc = pool_loc(t, role, g)
+    assert g.block_size is not None
+    memory, mem_loc = g.kv_cache_memory, (*loc, "kv_cache_memory")
+
+    def unchecked(reason: str, where: Loc | None = None) -> list[Problem]:
+        return [Problem(where or mem_loc, f"KV cache capacity not checked: {reason}",
+                        "kv_cache_memory and a local config.json let validation check that one max_model_len "
+                        "sequence (and any staging area) fits", severity="warning")]
+
+    space = g.env.get("VLLM_CPU_KVCACHE_SPACE", "") if g.platform == "cpu" else ""
+    if space.strip():  # vLLM's legacy CPU setting overrides --kv-cache-memory-bytes (whole GiB)
+        if not re.fullmatch(r"\s*[0-9]{1,6}\s*", space):
+            return unchecked(f"env VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB")
+        memory, mem_loc = int(space) * 2**30, (*loc, "env", "VLLM_CPU_KVCACHE_SPACE")
+    flag = next((a.split("=", 1)[0] for a in g.extra_args if a.split("=", 1)[0] in _CAPACITY_FLAGS), None)
+    if flag:
+        return unchecked(f"extra_args sets {flag}")
+    if memory is None:
+        if g.gpu_memory_utilization is None:
+            return unchecked("vLLM sizes the cache at start (gpu_memory_utilization 0.9 by default)")
+        return unchecked(f"vLLM sizes the cache at start (gpu_memory_utilization {g.gpu_memory_utilization})",
+                         (*loc, "gpu_memory_utilization"))
+    if info.config is None:
+        return unchecked(f"the model '{t.model.path}' has no local config.json (layers, KV heads, head_dim)")
+    if info.capacity_unknown:
+        return unchecked(f"{info.capacity_unknown} ({info.config})")
+    per_token = kv_bytes_per_token(t, g, info)
+    max_len = t.model.max_model_len or info.max_len
+    if per_token is None or not max_len:
+        return unchecked(f"{info.config} lacks num_hidden_layers, num_key_value_heads, head_dim or a max length")
+    block_bytes = g.block_size * per_token
+    blocks = memory // block_bytes
+    seq = -(-max_len // g.block_size)  # blocks one max_model_len sequence takes
+    staging = t.staging_blocks(g) if role == "decode" and t.connector.kind == "pdctl" else 0
+    rank = " per TP rank" if g.tp > 1 else ""
+    what = "kv_cache_memory" if mem_loc[-1] == "kv_cache_memory" else "VLLM_CPU_KVCACHE_SPACE"
+    head = (f"{what} {_human(memory)}{rank} holds {blocks} blocks of {g.block_size} tokens "
+            f"({_human(per_token)} per token{rank})")
+    length = (f"one sequence of max_model_len {max_len}" if t.model.max_model_len else
+              f"one sequence of the model's length {max_len} (no model.max_model_len)")
+    need_blocks = max(seq + 1, 4 * staging + 1, staging + seq + 1) if staging else seq + 1
+    need = need_blocks * block_bytes
+    fix = f"kv_cache_memory: '{-(-need // 2**20)}MiB' or more ({need_blocks} blocks)"
+    related: tuple[Loc, ...] = (("model", "max_model_len"),)
+    # The longest max_model_len that would fit, when a shorter one is a fix at all.
+    shorter = (blocks - 1 - staging) * g.block_size if blocks > 4 * staging else 0
+    or_shorter = f", or model.max_model_len: {shorter} or less" if shorter >= 16 else ""
+    if blocks - 1 < seq:
+        return [Problem(mem_loc, f"{head}; {length} needs {seq} blocks besides vLLM's null block, so vLLM "
+                        "refuses to start", fix + or_shorter, related)]
+    if not staging:
+        return []
+    prefill = max((p for p, d in t.pairs() if d is g), key=lambda p: p.block_size or 0)
+    pair = f"prefill block {prefill.block_size} -> decode block {g.block_size}"
+    related += ((*pool_loc(t, "prefill", prefill), "block_size"), (*loc, "block_size"))
+    if blocks <= 4 * staging:
+        return [Problem(mem_loc, f"{head}; the staging area for {pair} needs more than 4 x {staging} = "
+                        f"{4 * staging} blocks (pdctl's connector refuses to start with fewer)", fix, related)]
+    if blocks - staging - 1 < seq:
+        return [Problem(mem_loc, f"{head}; after the {staging} staging blocks for {pair} and vLLM's null block, "
+                        f"{blocks - staging - 1} are left and {length} needs {seq}", fix + or_shorter, related)]
+    return []
 
 
 def _pool_set_problems(t: Topology) -> list[Problem]:
@@ -649,6 +842,8 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
     for role in ROLES:
         for g in t.pools(role):
             out += _pool_problems(t, role, g, info)
+    if "\0" in t.model.path:
+        out.append(Problem(("model", "path"), "holds a NUL character, which no path can"))
     if t.model.max_model_len and info.max_position and t.model.max_model_len > info.max_position:
         out.append(Problem(("model", "max_model_len"),
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
@@ -749,15 +944,27 @@ class Override:
 
     @classmethod
     def parse_set(cls, text: str) -> Override:
+        """`--set dotted.path=value`; a TopologyError naming the flag when it is not one."""
+        flag = f"--set {text}"
         key, sep, raw = text.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--set {text!r}: expected dotted.path=value, e.g. --set decode.block_size=64")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        path = tuple(int(k) if k.isdigit() else k for k in key.strip().split("."))
-        return cls(path, value, f"--set {text}")
+            raise TopologyError(Source(flag), [Problem(
+                (), f"--set {text!r}: expected dotted.path=value, e.g. --set decode.block_size=64")])
+        value = _flag_value(raw, flag) if raw.strip() else ""
+        # A list index is ASCII digits only ('²'.isdigit() is true, and int() refuses it), and not absurdly long.
+        path = tuple(int(k) if re.fullmatch(r"[0-9]{1,9}", k) else k for k in key.strip().split("."))
+        return cls(path, value, flag)
+
+
+def _flag_value(raw: str, flag: str) -> Any:
+    """A flag's value as YAML (64 -> int, [0,1] -> list); text that is not YAML stays text. A value that breaks
+    the loader's limits (a deep or alias-expanding document) is a TopologyError naming the flag."""
+    try:
+        return yamlsrc.parse_value(raw)
+    except yamlsrc.YamlLimitError as e:
+        raise TopologyError(Source(flag), [Problem((), e.message)]) from None
+    except yamlsrc.YamlSourceError:
+        return raw
 
 
 def _pool_override(data: dict, o: Override) -> Override:
@@ -775,13 +982,13 @@ def _pool_override(data: dict, o: Override) -> Override:
     field_ = ".".join(map(str, o.path[1:]))
     raise TopologyError(Source(o.flag), [Problem(
         o.path, f"the topology has {len(pools)} {role} pools ({', '.join(map(str, names))}); say which",
-        f"--set {role}.{names[0]}.{field_}=..." if o.path[1] in InstanceGroup.model_fields else
-        f"{role} pools: {', '.join(map(str, names))}")])
+        f"--set {role}.{names[0]}.{field_}=..." if names and o.path[1] in InstanceGroup.model_fields else
+        f"{role} pools: {', '.join(map(str, names))}" if names else f"add a {role} pool first")])
 
 
 def apply_overrides(data: dict, overrides: list[Override]) -> tuple[dict, list[Override]]:
     """The data with the overrides applied, and the overrides with pool names resolved to list indices."""
-    data = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    data = copy.deepcopy(data)  # plain YAML data, bounded by yamlsrc (dates and bytes too, which JSON refuses)
     overrides = [_pool_override(data, o) for o in overrides]
     for o in overrides:
         node: Any = data
@@ -826,7 +1033,7 @@ def validate_data(data: Any, source: Source, base_dir: Path) -> Loaded:
     try:
         topo = Topology.model_validate(data)
     except ValidationError as e:
-        raise TopologyError(source, [user_loc(p, single) for p in _from_validation_error(e)]) from None
+        raise TopologyError(source, [user_loc(p, single) for p in _from_validation_error(e, data)]) from None
     info = read_model_info(topo.model, base_dir)
     problems = [user_loc(p, single) for p in compatibility_problems(topo, info)]
     errors = [p for p in problems if p.severity == "error"]
@@ -839,11 +1046,7 @@ def load_topology(path: str | Path, overrides: list[Override] = ()) -> Loaded:
     path = Path(path)
     source = Source(str(path))
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise TopologyError(source, [Problem((), f"cannot read the topology: {e.strerror or e}")]) from None
-    try:
-        source.located = yamlsrc.load(text)
+        source.located = yamlsrc.load(yamlsrc.read_file(path, "the topology"))
     except yamlsrc.YamlSourceError as e:
         source.filename = f"{path}:{e.line}" if e.line else str(path)
         raise TopologyError(source, [Problem((), e.message)]) from None
@@ -853,7 +1056,11 @@ def load_topology(path: str | Path, overrides: list[Override] = ()) -> Loaded:
             data = {}
         data, resolved = apply_overrides(data, list(overrides))
         source.overridden = {o.path: o.flag for o in resolved}
-    return validate_data(data, source, path.resolve().parent)
+    try:
+        base_dir = path.resolve().parent
+    except (OSError, RuntimeError):  # it was just read, so this is a race; relative to where it was named
+        base_dir = path.absolute().parent
+    return validate_data(data, source, base_dir)
 
 
 # The typed override flags every topology-taking command accepts: option name -> (flag, path).
@@ -877,9 +1084,5 @@ def overrides_from_flags(flags: dict[str, str | None], sets: list[str] = ()) -> 
         if raw is None:
             continue
         flag, path = OVERRIDE_FLAGS[key]
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
-        out.append(Override(path, value, f"{flag} {raw}"))
+        out.append(Override(path, _flag_value(raw, f"{flag} {raw}"), f"{flag} {raw}"))
     return out + [Override.parse_set(s) for s in sets]

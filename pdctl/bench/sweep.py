@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdctl.topology import OVERRIDE_FLAGS, Override, overrides_from_flags
@@ -35,7 +34,13 @@ class Matrix(BaseModel):
 
 
 def load_matrix(path: Path) -> Matrix:
-    return Matrix.model_validate(yaml.safe_load(path.read_text()) or {})
+    from pdctl import yamlsrc
+
+    try:
+        data = yamlsrc.load_file(path, "the matrix")
+    except yamlsrc.YamlSourceError as e:
+        raise ValueError(f"line {e.line}: {e.message}" if e.line else e.message) from None
+    return Matrix.model_validate(data or {})
 
 
 def run_sweep(matrix: Matrix, out_dir: Path, run_case: Callable[[Case, Path], dict],

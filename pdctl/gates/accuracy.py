@@ -9,8 +9,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from pdctl.gates.gsm8k import local_task_yaml
 
 
@@ -104,10 +102,12 @@ def validate_expected(table: dict, where: str = "expected.yaml") -> dict:
 
 
 def load_expected(path: Path) -> dict:
+    from pdctl import yamlsrc
+
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not YAML ({e})") from None
+        data = yamlsrc.load_file(path, "the expected-accuracy file")
+    except yamlsrc.YamlSourceError as e:
+        raise ValueError(f"{path}{f':{e.line}' if e.line else ''}: {e.message}") from None
     return validate_expected(data or {}, str(path))
 
 
