@@ -261,3 +261,24 @@ def test_guard_logs_how_the_server_ended(tmp_path: Path):
     child = _child_of(p.pid)
     os.kill(child, signal.SIGKILL)
     assert p.wait(15) == 137 and "killed by signal 9 (SIGKILL)" in p.stderr.read()
+
+
+def test_launch_failed_shows_the_root_cause_first_not_the_traceback(tmp_path: Path, capsys):
+    from pdctl import cli
+    from pdctl.launch.run import LaunchFailed
+
+    log = tmp_path / "decode-0.log"
+    noise = [f"(EngineCore_DP0 pid=7) INFO line {i}" for i in range(30)]
+    log.write_text("\n".join([*noise, "(EngineCore_DP0 pid=7) Traceback (most recent call last):",
+                              '(EngineCore_DP0 pid=7)   File "x.py", line 3, in f',
+                              "(EngineCore_DP0 pid=7) ValueError: pdctl connector: 96 KV blocks cannot spare 32 "
+                              "staging blocks; give the decode more KV cache memory",
+                              *[f'  File "v{i}.py", line {i}' for i in range(20)],
+                              "RuntimeError: Engine core initialization failed. See root cause above."]) + "\n")
+    cli._launch_failed(LaunchFailed("decode-0", "exited with code 1 before it was ready", str(log)))
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[0] == "launch failed: decode-0: exited with code 1 before it was ready"
+    assert lines[1].strip() == ("cause: ValueError: pdctl connector: 96 KV blocks cannot spare 32 staging blocks; "
+                                "give the decode more KV cache memory")
+    assert f"log: {log}" in err and "File" not in err and len(lines) <= 4
