@@ -492,7 +492,9 @@ def _fmt(v, spec: str = "", none: str = "-") -> str:
 
 @app.command()
 def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt = False) -> None:
-    """One row per instance: role, pid, ports, block size, TP, health, uptime, requests and KV usage.
+    """One row per instance: role, pid, ports, block size, TP, health, uptime, restarts, requests and KV usage;
+    then the supervisor, and for each instance that ended once, how (signal or exit code) and its log's
+    root-cause line.
 
     Examples:
 

@@ -104,6 +104,20 @@ def check() -> dict:
         problems += [f"NixlAgentMetadata.{f}: missing" for f in METADATA_FIELDS if f not in fields]
     except ImportError as e:
         problems.append(f"NixlAgentMetadata: {e}")
+    try:
+        # The plan passes kv_load_failure_policy to every decode; the connector reads it to say what its
+        # failed loads become, and relies on _handle_failed_transfer to report them as failed loads.
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        field = KVTransferConfig.__dataclass_fields__.get("kv_load_failure_policy")
+        if field is None or "recompute" not in str(field.type) or "fail" not in str(field.type):
+            problems.append("KVTransferConfig.kv_load_failure_policy: missing or without recompute|fail")
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker as _W
+
+        if "failed_req_ids" not in inspect.signature(_W._handle_failed_transfer).parameters:
+            problems.append("NixlBaseConnectorWorker._handle_failed_transfer: no parameter failed_req_ids")
+    except (ImportError, AttributeError) as e:
+        problems.append(f"kv_load_failure_policy: {e}")
     return {"vllm": getattr(vllm, "__version__", "?"), "vllm_path": vllm.__file__, "problems": problems,
             "ok": not problems}
 

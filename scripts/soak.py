@@ -120,6 +120,15 @@ def main() -> int:
         for t in threads:
             t.join()
         wall = time.monotonic() - t0
+        # The restart is part of the drill: wait until the killed instance serves again (load or not).
+        serving_at = None
+        deadline = time.monotonic() + 600
+        while killed and time.monotonic() < deadline:
+            rec = json.loads((state / "state.json").read_text())["processes"][a.kill]
+            if rec.get("restarts", 0) >= 1 and rec.get("phase") == "running":
+                serving_at = time.monotonic()
+                break
+            time.sleep(1)
         status = json.loads(pdctl("status", "--state-dir", state, "--json").stdout)
     finally:
         pdctl("down", "--state-dir", state)
@@ -137,6 +146,8 @@ def main() -> int:
            "e2e_p50_ms": round(1e3 * pct([x["e2e"] for x in ok], 0.5), 1),
            "e2e_p99_ms": round(1e3 * pct([x["e2e"] for x in ok], 0.99), 1),
            "e2e_max_ms": round(1e3 * max((x["e2e"] for x in ok), default=0), 1),
+           "kill_to_serving_s": round(serving_at - killed["at"], 1) if serving_at else None,
+           "load_done_after_kill_s": round(t0 + wall - killed["at"], 1) if killed else None,
            "restarts": restarts, "error_kinds": dict(sorted(
                {e["error"]: sum(1 for x in errors if x["error"] == e["error"]) for e in errors}.items()))}
     print("\n| " + " | ".join(k for k in row if k not in ("restarts", "error_kinds")) + " |")
@@ -149,7 +160,7 @@ def main() -> int:
                                           indent=2))
     print(f"wrote {a.results}")
     unexplained = len(errors) - len(allowed)
-    return 1 if unexplained or restarts.get(a.kill, 0) < 1 else 0
+    return 1 if unexplained or restarts.get(a.kill, 0) < 1 or serving_at is None else 0
 
 
 def kill(state: Path, name: str) -> int:
