@@ -414,9 +414,12 @@ def up(
     sup = supervisor.Supervisor(launched, backend, attached=True,
                                 say=lambda msg: err.print(msg, markup=False, highlight=False))
     supervisor.record_self(Path(p.state_dir), "foreground")
+    from pdctl.launch import state as state_mod
+
     try:
         while not stop.wait(0.5):
-            sup.tick()
+            with state_mod.locked(Path(p.state_dir)):
+                sup.tick()
             if sup.settled():
                 err.print("[red]every instance is down and none will be restarted[/red]; stopping",
                           highlight=False)
@@ -466,19 +469,20 @@ def down(name: NameArg = None, state_dir: StateDirOpt = None,
         return
     # The supervisor first: nothing may be restarted behind down's back. A foreground `pdctl up` stops its
     # whole topology when told to.
+    from pdctl.launch import state as state_mod
+
     mode = run_mod.stop_supervisor(d)
     if mode:
         out.print(f"stopped the {mode} supervisor", highlight=False)
-        from pdctl.launch import state as state_mod
-
-        st = state_mod.load(d)
+    with state_mod.locked(d):  # a supervisor started late waits, then finds no state and exits
+        st = state_mod.load(d)  # again: the supervisor wrote it last, or a foreground up removed it
         if st is None and mode == "foreground":
             out.print("its `pdctl up` stopped every process", highlight=False)
             return
-    if st is None:
-        out.print(f"nothing to stop: no state in {d}", highlight=False)
-        return
-    report = run_mod.down(st, backend_of(st), grace)
+        if st is None:
+            out.print(f"nothing to stop: no state in {d}", highlight=False)
+            return
+        report = run_mod.down(st, backend_of(st), grace)
     for n in report.stopped:
         out.print(f"stopped {n}" + (" (SIGKILL after the grace period)" if n in report.killed else ""))
     for n in report.already_gone:
@@ -505,7 +509,7 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
     import dataclasses
 
     from pdctl.launch import run as run_mod
-    from pdctl.launch import state as supervisor_mod
+    from pdctl.launch import supervisor
     from pdctl.launch.backend import backend_of
 
     d, st = _state_or_exit(name, state_dir)
@@ -514,7 +518,7 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
     rows = run_mod.status(st, backend_of(st))
     if json_:
         print(json.dumps({"name": st.plan.name, "state_dir": str(d), "engine": st.backend,
-                          "supervisor": supervisor_mod.load_supervisor(d),
+                          "supervisor": supervisor.alive(d),
                           "ready": all(r.healthy for r in rows),
                           "instances": [dataclasses.asdict(r) for r in rows]}, indent=2))
         return
@@ -532,7 +536,7 @@ def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt =
                       _fmt(r.requests_running, ".0f"), _fmt(r.requests_waiting, ".0f"),
                       _fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else ""))
     out.print(table)
-    sup = supervisor_mod.load_supervisor(d)
+    sup = supervisor.alive(d)
     out.print(f"supervisor: {sup['mode']} pid {sup['pid']}" if sup else
               "supervisor: none (nothing restarts failed instances)", highlight=False)
     for r in rows:

@@ -113,7 +113,10 @@ def main(argv: list[str]) -> int:
         time.sleep(0.2)
     code = child.returncode
     if code is not None:
-        print(exit_line(code), file=sys.stderr, flush=True)
+        try:
+            print(exit_line(code), file=sys.stderr, flush=True)
+        except OSError:  # a full disk must not keep the group from being stopped
+            pass
     # The server is gone or must go: nothing it started may stay behind.
     me, pgid = os.getpid(), os.getpgrp()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -41,17 +41,20 @@ def this_run(lines: list[str]) -> list[str]:
     return lines[starts[-1]:] if starts else lines
 
 
+WINDOW = 200  # lines before the end where the failure is told; older errors were survived
+
+
 def root_cause(lines: list[str]) -> str | None:
-    """pdctl's own error line if there is one, else the first exception line of the last traceback, else the
-    first exception-looking line; None when the log says nothing of the kind."""
-    body = [_strip(ln) for ln in lines if not ln.startswith(EXIT_MARK) and not ln.startswith("--- pdctl")]
+    """In the last WINDOW lines: pdctl's own error line if there is one, else the first exception line of the
+    first traceback there (vLLM prints the root of a failed start first: the engine core's, then the API
+    server's "see root cause above"); None when those lines say nothing of the kind."""
+    body = [_strip(ln) for ln in lines[-WINDOW:] if not ln.startswith(EXIT_MARK) and not ln.startswith("--- pdctl")]
     for ln in body:
         if _PDCTL_ERROR.search(ln) and (_EXCEPTION.match(ln) or ln.lower().startswith("pdctl")):
             return ln
     for ln in body:
         if _PDCTL_ERROR.search(ln):
             return ln[ln.lower().index("pdctl"):]
-    # The first exception after the last "Traceback" header: the root of a chained traceback comes first.
     starts = [i for i, ln in enumerate(body) if ln.startswith("Traceback (most recent call last)")]
     for ln in body[starts[0] if starts else 0:]:
         if _EXCEPTION.match(ln):

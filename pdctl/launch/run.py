@@ -53,6 +53,12 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
     existing = state_mod.load(Path(plan.state_dir))
     if existing and any(backend.liveness(existing, n).alive for n in existing.processes):
         return [f"'{plan.name}' is already up (state {plan.state_dir}); `pdctl down {plan.name}` first"]
+    from pdctl.launch import supervisor
+
+    sup = supervisor.alive(Path(plan.state_dir))
+    if sup:  # it would restart its instances into the new launch's ports and overwrite its state
+        return [f"'{plan.name}' still has a {sup['mode']} supervisor (pid {sup['pid']}, state {plan.state_dir}); "
+                f"`pdctl down {plan.name}` first"]
     t = loaded.topology
     for role in ("prefill", "decode"):
         for g in t.pools(role):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -83,6 +84,22 @@ def clear_logs(state_dir: Path) -> None:
 
 
 SUPERVISOR_FILE = "supervisor.json"
+LOCK_FILE = "lock"
+
+
+@contextlib.contextmanager
+def locked(state_dir: Path):
+    """Exclusive hold of a topology's state: `down` for its whole run, the supervisor for each pass, so the
+    supervisor never restarts an instance `down` is stopping, nor writes a state `down` removed."""
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / LOCK_FILE, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def save_supervisor(state_dir: Path, pid: int, start_ticks: int, mode: str) -> None:

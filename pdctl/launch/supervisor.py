@@ -38,6 +38,10 @@ from pdctl.plan import ProcessSpec
 START_TIMEOUT_S = 600.0
 
 
+class StateGone(Exception):
+    """`pdctl down` removed the topology's state: nothing is left to supervise."""
+
+
 @dataclass
 class Policy:
     health_failures: int = 3
@@ -72,6 +76,7 @@ class _Watch:
     next_probe: float = 0.0
     fails: int = 0
     fail_since: float | None = None
+    warned: bool = False  # said once that a `restart: never` instance fails its health checks
     restart_at: float = 0.0
     restarts: deque = field(default_factory=deque)  # clock() of restarts within the window
 
@@ -97,45 +102,69 @@ class Supervisor:
     # -- one pass over every instance -----------------------------------------------------------------------
 
     def tick(self) -> None:
+        """One pass over every instance. An error with one instance is said and skipped: the others stay
+        supervised."""
         now = self.clock()
         for spec in self.state.plan.processes:
-            w = self.watches[spec.name]
-            if w.phase in ("failed", "exited"):
-                continue
-            if w.phase == "backoff":
-                if now >= w.restart_at:
-                    self._restart(spec, w, now)
-                continue
-            live = self.backend.liveness(self.state, spec.name)
-            if not live.alive:
-                self._ended(spec, w, now, live.exit_code, None)
-                continue
-            if now < w.next_probe:
-                continue
-            w.next_probe = now + self.policy.health_interval_s
-            ok = self.healthy(spec.readiness_url)
-            if w.phase == "starting":
-                if ok:
-                    self._set(spec, w, "running")
-                    self.say(f"{spec.name} is serving again (restart {self.state.processes[spec.name].restarts})")
-                elif now - w.started > self.policy.start_timeout_s:
-                    self._stop(spec)
-                    self._ended(spec, w, now, None, f"not ready {self.policy.start_timeout_s:.0f} s after restart")
-                continue
-            if ok:
-                w.fails, w.fail_since = 0, None
-                continue
-            w.fails += 1
-            w.fail_since = now if w.fail_since is None else w.fail_since
-            if w.fails >= self.policy.health_failures and now - w.fail_since >= self.policy.health_window_s:
-                reason = f"failed {w.fails} health checks over {now - w.fail_since:.0f} s"
-                self.say(f"{spec.name}: {reason}; stopping it")
-                self._stop(spec)
-                self._ended(spec, w, now, None, reason)
+            try:
+                self._check(spec, now)
+            except StateGone:
+                raise
+            except Exception as e:  # noqa: BLE001 (a supervisor that dies leaves everything unsupervised)
+                self.say(f"{spec.name}: supervisor error: {type(e).__name__}: {e}")
 
-    def run(self, stop: threading.Event, interval_s: float = 0.5) -> None:
+    def _check(self, spec: ProcessSpec, now: float) -> None:
+        w = self.watches[spec.name]
+        if w.phase in ("failed", "exited"):
+            return
+        if w.phase == "backoff":
+            if now >= w.restart_at:
+                self._restart(spec, w, now)
+            return
+        live = self.backend.liveness(self.state, spec.name)
+        if not live.alive:
+            self._ended(spec, w, now, live.exit_code, None)
+            return
+        if now < w.next_probe:
+            return
+        w.next_probe = now + self.policy.health_interval_s
+        ok = self.healthy(spec.readiness_url)
+        if w.phase == "starting":
+            if ok:
+                self._set(spec, w, "running")
+                self.say(f"{spec.name} is serving again (restart {self.state.processes[spec.name].restarts})")
+            elif now - w.started > self.policy.start_timeout_s:
+                self._stop(spec)
+                self._ended(spec, w, now, None, f"not ready {self.policy.start_timeout_s:.0f} s after restart")
+            return
+        if ok:
+            w.fails, w.fail_since = 0, None
+            return
+        w.fails += 1
+        w.fail_since = now if w.fail_since is None else w.fail_since
+        if w.fails >= self.policy.health_failures and now - w.fail_since >= self.policy.health_window_s:
+            reason = f"failed {w.fails} health checks over {now - w.fail_since:.0f} s"
+            if restart_policy(self.state.plan.topology, spec) == "never":
+                if not w.warned:
+                    self.say(f"{spec.name}: {reason}; restart: never, left as it is")
+                    w.warned = True
+                return
+            self.say(f"{spec.name}: {reason}; stopping it")
+            self._stop(spec)
+            self._ended(spec, w, now, None, reason)
+
+    def run(self, stop: threading.Event, interval_s: float = 0.5, until_settled: bool = False) -> None:
+        """Pass after pass, each holding the state's lock, until `stop`, the state is gone (`down`), or (with
+        `until_settled`) nothing is left to supervise."""
+        state_dir = Path(self.state.plan.state_dir)
         while not stop.wait(interval_s):
-            self.tick()
+            with state_mod.locked(state_dir):
+                if not state_mod.state_path(state_dir).is_file():
+                    raise StateGone(str(state_dir))
+                self.tick()
+            if until_settled and self.settled():
+                self.say("nothing left to supervise: every instance gave up or exited cleanly")
+                return
 
     def settled(self) -> bool:
         """Nothing left to supervise: every instance gave up or exited cleanly."""
@@ -192,12 +221,15 @@ class Supervisor:
         try:
             self.backend.start(self.state.plan, spec, self.state, attached=self.attached)
         except (OSError, NotImplementedError) as e:
+            w.restarts.append(now)  # a start that fails counts: it must not loop at the first backoff forever
             self.say(f"{spec.name}: restart failed: {e}")
             return self._ended(spec, w, now, None, f"restart failed: {e}")
         rec = self.state.processes[spec.name]
         if old is not None:
             rec.restarts, rec.last_exit, rec.last_error = old.restarts, old.last_exit, old.last_error
         rec.restarts += 1
+        rec.phase = "starting"
+        self.save(self.state)  # at once: `down` must find the new process whatever happens next
         w.restarts.append(now)
         w.started, w.next_probe, w.fails, w.fail_since = now, now, 0, None
         self.say(f"{spec.name} restarted (pid {rec.pid}, restart {rec.restarts})")
@@ -235,6 +267,16 @@ def record_self(state_dir: Path, mode: str) -> None:
     state_mod.save_supervisor(state_dir, os.getpid(), start_ticks(os.getpid()) or 0, mode)
 
 
+def alive(state_dir: Path) -> dict | None:
+    """The recorded supervisor, if that process still runs."""
+    from pdctl.launch.local import start_ticks
+
+    rec = state_mod.load_supervisor(state_dir)
+    if rec is None or start_ticks(rec["pid"]) != rec.get("start_ticks"):
+        return None
+    return rec
+
+
 def stop(state_dir: Path, timeout_s: float = 60.0) -> str | None:
     """Stop the topology's supervisor, if one runs; its mode ('detached' | 'foreground') when one was stopped.
 
@@ -268,21 +310,24 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pdctl.launch.supervisor STATE_DIR", file=sys.stderr)
         return 2
     d = Path(argv[0])
-    state = state_mod.load(d)
-    if state is None:
-        print(f"no launched topology in {d}", file=sys.stderr)
-        return 1
     stop_event = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda *_: stop_event.set())
-    record_self(d, "detached")
+    record_self(d, "detached")  # before reading the state: a `down` from now on stops this process first
+    state = state_mod.load(d)
+    if state is None:
+        print(f"no launched topology in {d}", file=sys.stderr)
+        state_mod.remove_supervisor(d, os.getpid())
+        return 1
 
     def say(msg: str) -> None:
         print(f"{time.strftime('%F %T')} {msg}", flush=True)
 
     say(f"supervising {state.plan.name} ({len(state.plan.processes)} processes, pid {os.getpid()})")
     try:
-        Supervisor(state, backend_of(state), attached=False, say=say).run(stop_event)
+        Supervisor(state, backend_of(state), attached=False, say=say).run(stop_event, until_settled=True)
+    except StateGone:
+        say("the topology was taken down")
     finally:
         state_mod.remove_supervisor(d, os.getpid())
     say("stopped")

@@ -29,7 +29,8 @@ class Breaker:
     open_s: float = 10.0
     failures: int = 0
     opened_at: float | None = None
-    trial: bool = False  # the half-open trial request is out
+    trial: bool = False  # the half-open trial request is out ...
+    trial_at: float = 0.0  # ... since then; a trial with no verdict after open_s is given up (a lease)
     trips: int = 0  # times it opened (metrics)
 
     def state(self, now: float) -> str:
@@ -39,11 +40,15 @@ class Breaker:
 
     def allows(self, now: float) -> bool:
         st = self.state(now)
-        return st == "closed" or (st == "half_open" and not self.trial)
+        return st == "closed" or (st == "half_open" and (not self.trial or now - self.trial_at > self.open_s))
 
     def picked(self, now: float) -> None:
         if self.state(now) == "half_open":
-            self.trial = True
+            self.trial, self.trial_at = True, now
+
+    def release(self) -> None:
+        """The request ended with no verdict on the instance (the client went away): another may try."""
+        self.trial = False
 
     def success(self) -> None:
         self.failures, self.opened_at, self.trial = 0, None, False
@@ -69,6 +74,7 @@ class Instance:
     weight: float = 1.0  # per-pool weight for unequal hardware (>0)
     inflight: int = 0  # requests outstanding on it (the proxy increments/decrements)
     healthy: bool = True  # last health probe (or request) reached it
+    refused: bool = False  # the last probe or request found nothing listening (not merely slow)
     breaker: Breaker = field(default_factory=Breaker)
 
     def usable(self, now: float) -> bool:
@@ -211,6 +217,10 @@ class Router:
         skip = set(map(id, exclude))
         members = [i for i in g.members if id(i) not in skip]
         cands = [i for i in members if i.usable(now)]
+        if not cands and usable_only:
+            # A missed probe on a busy host is no crash: still try what answers connections and whose breaker
+            # allows it; only refused or tripped instances count as down.
+            cands = [i for i in members if not i.refused and i.breaker.allows(now)]
         if not cands:
             if usable_only or not members:
                 return None

@@ -142,7 +142,11 @@ class Proxy:
             async with asyncio.timeout(2):
                 async with await self.upstream(inst).request("GET", "/health") as r:
                     await r.read()
+                    inst.refused = False
                     return r.status == 200
+        except ConnectFailed:
+            inst.refused = True
+            return False
         except (TimeoutError, UpstreamError):
             return False
 
@@ -185,6 +189,12 @@ class Proxy:
         h = {k: req.headers[k] for k in PASS_HEADERS if k in req.headers}
         if request_id:
             h["X-Request-Id"] = request_id
+        for k, v in h.items():  # HTTP/1.1 header values are latin-1; refuse what cannot be passed on
+            try:
+                v.encode("latin-1")
+            except UnicodeEncodeError:
+                raise web.HTTPBadRequest(text=json.dumps(error_body(f"header {k}: not latin-1 text", "invalid_request",
+                                                                    400)), content_type="application/json") from None
         return h
 
     async def _pd(self, req: web.Request, route: str) -> web.StreamResponse:
@@ -214,6 +224,7 @@ class Proxy:
         self.metrics.upstream_error(inst.url)
         if isinstance(e, ConnectFailed):
             inst.healthy = False  # nothing listens there: route around it until a probe finds it back
+            inst.refused = True
         if inst.breaker.failure(self.router.clock()):
             log.warning("%s %s: %d consecutive failures, circuit open for %g s", inst.name, inst.url,
                         inst.breaker.failures, inst.breaker.open_s)
@@ -293,26 +304,31 @@ class Proxy:
             try:
                 async with await self.upstream(p).request("POST", route, wire, headers) as r:
                     raw = await r.read()
-                if 400 <= r.status < 500:
-                    # Client errors (e.g. prompt too long) go back as they are; the decode never sees them.
-                    p.breaker.success()
-                    return web.Response(status=r.status, body=raw, content_type="application/json")
-                if r.status >= 500:
-                    self._failed(p)
-                    errors.append(f"{p.name}: HTTP {r.status}: {raw[:200].decode(errors='replace')}")
-                    continue
-                pre = json.loads(raw)
-                assert isinstance(pre, dict)
             except UpstreamError as e:
                 self._failed(p, e)
                 errors.append(f"{p.name}: {e}")
                 continue
-            except (ValueError, AssertionError):
+            except BaseException:  # cancelled (the client went away): no verdict on the instance
+                p.breaker.release()
+                raise
+            finally:
+                p.inflight -= 1
+            if 400 <= r.status < 500:
+                # Client errors (e.g. prompt too long) go back as they are; the decode never sees them.
+                p.breaker.success()
+                return web.Response(status=r.status, body=raw, content_type="application/json")
+            if r.status >= 500:
+                self._failed(p)
+                errors.append(f"{p.name}: HTTP {r.status}: {raw[:200].decode(errors='replace')}")
+                continue
+            try:
+                pre = json.loads(raw)
+            except ValueError:
+                pre = None
+            if not isinstance(pre, dict):
                 self._failed(p)
                 errors.append(f"{p.name}: answered no JSON object")
                 continue
-            finally:
-                p.inflight -= 1
             p.breaker.success()
             kvp = pre.get("kv_transfer_params")
             if usable_kv_params(kvp):
@@ -341,6 +357,14 @@ class Proxy:
                       t0: float, route_headers: dict[str, str], retry_ok: bool) -> web.StreamResponse | None:
         """The decode's answer passed through; None when nothing listened and another decode may be tried."""
         try:
+            return await self._decode_answer(req, d, route, body, headers, t0, route_headers, retry_ok)
+        except BaseException:  # cancelled (the client went away): no verdict on the instance
+            d.breaker.release()
+            raise
+
+    async def _decode_answer(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
+                             t0: float, route_headers: dict[str, str], retry_ok: bool) -> web.StreamResponse | None:
+        try:
             upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
         except UpstreamError as e:
             self._failed(d, e)
@@ -360,22 +384,32 @@ class Proxy:
                     self._failed(d, e)
                     return web.json_response(error_body(f"decode {d.name} ({d.url}) failed: {e!s}"), status=502)
                 self.metrics.first_decode_byte(time.perf_counter() - t0)
+                if upstream.status >= 500 and body.get("kv_transfer_params"):
+                    # Most likely its KV read failed (a prefill gone): not the decode's fault, so no breaker.
+                    self.metrics.upstream_error(d.url)
+                    return web.json_response(_decode_failed(d, upstream.status, raw), status=upstream.status)
                 if upstream.status >= 500:
                     self._failed(d)
-                    if body.get("kv_transfer_params"):
-                        return web.json_response(_decode_failed(d, upstream.status, raw), status=upstream.status)
                 else:
                     d.breaker.success()
                 return web.Response(status=upstream.status, body=raw, content_type=ctype.split(";")[0])
+            # vLLM sends a stream's headers at once: the first-byte timeout applies to the first event.
+            chunks = upstream.chunks(first_timeout=self.cfg.first_byte_timeout_s)
+            try:
+                head = await anext(chunks, b"")
+            except UpstreamError as e:
+                self._failed(d, e)
+                timeout = isinstance(e, FirstByteTimeout)
+                return web.json_response(error_body(f"decode {d.name} ({d.url}) {'timed out' if timeout else 'failed'}"
+                                                    f": {e!s}", "upstream_timeout" if timeout else "proxy_error",
+                                                    504 if timeout else 502), status=504 if timeout else 502)
+            self.metrics.first_decode_byte(time.perf_counter() - t0)
             out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
                                                           "X-Request-Id": headers["X-Request-Id"], **route_headers})
             await out.prepare(req)
-            first = True
             try:
-                async for chunk in upstream.chunks():
-                    if first:
-                        self.metrics.first_decode_byte(time.perf_counter() - t0)
-                        first = False
+                await out.write(head)
+                async for chunk in chunks:
                     await out.write(chunk)
                 d.breaker.success()
             except UpstreamError as e:

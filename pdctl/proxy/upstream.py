@@ -129,7 +129,7 @@ class _Conn(asyncio.Protocol):
     def _fail_timeout(self, waiter: asyncio.Future, timeout: float, first_byte: bool) -> None:
         if not waiter.done():
             self.error = (FirstByteTimeout(f"no answer within the first-byte timeout ({timeout:g} s)")
-                          if first_byte and not self.got_bytes else
+                          if first_byte else
                           ReadTimeout(f"nothing more within the read timeout between bytes ({timeout:g} s)"))
             waiter.set_exception(self.error)
             self.close()
@@ -163,16 +163,19 @@ class Response:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def chunks(self):
+    async def chunks(self, first_timeout: float | None = None):
+        """The body as it arrives; `first_timeout` bounds the wait for its first bytes (then the read timeout)."""
         conn = self._conn
+        first = first_timeout is not None
         while True:
             if conn.chunks:
+                first = False
                 yield conn.take()
             elif conn.complete:
                 self._finish()
                 return
             else:
-                await conn.wait(self._up.read_timeout_s)
+                await conn.wait(first_timeout if first else self._up.read_timeout_s, first_byte=first)
 
     def _finish(self) -> None:
         if not self._done:
@@ -255,7 +258,7 @@ class Upstream:
             try:
                 while not conn.headers_done:
                     await conn.wait(self.first_byte_timeout_s if not conn.got_bytes else self.read_timeout_s,
-                                    first_byte=True)
+                                    first_byte=not conn.got_bytes)
             except UpstreamError:
                 conn.close()
                 if reused and not conn.got_bytes and not isinstance(conn.error, ReadTimeout):

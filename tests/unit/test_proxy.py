@@ -520,3 +520,57 @@ def test_upstream_read_timeout_and_refused_connection():
             await Upstream(f"http://127.0.0.1:{free_port()}", 1.0, 1.0).request("GET", "/health")
 
     asyncio.run(main())
+
+
+def test_non_latin1_header_is_a_400_and_trips_nothing(pd):
+    import http.client
+
+    host, port = pd.url.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=10)
+    body = json.dumps(BODY).encode()
+    c.putrequest("POST", "/v1/completions")
+    c.putheader("Content-Type", "application/json")
+    c.putheader("Content-Length", str(len(body)))
+    c.putheader("X-Request-Id", "caf\u00e9-\u65e5".encode())  # UTF-8 bytes: not latin-1 text
+    c.endheaders(body)
+    r = c.getresponse()
+    assert r.status == 400 and "latin-1" in r.read().decode()
+    assert not pd.prefill.requests and pd.proxy.router.instances[0].breaker.failures == 0
+
+
+def test_stream_whose_first_event_never_comes_is_a_504(pd):
+    pd.decode.mode = "slow"  # headers only after 30 s: as vLLM, which sends a stream's headers at once, then waits
+    _, url = pd.make(first_byte_timeout_s=1.0, read_timeout_s=60.0)
+    t0 = time.monotonic()
+    status, text, _ = post(url + "/v1/completions", {**BODY, "stream": True}, timeout=20)
+    assert status == 504 and time.monotonic() - t0 < 5 and json.loads(text)["error"]["type"] == "upstream_timeout"
+
+
+def test_a_cancelled_half_open_trial_does_not_keep_the_instance_out(pd):
+    import socket as sk
+
+    pd.prefill.mode = "error500"
+    proxy, url = pd.make(breaker_failures=1, breaker_open_s=0.3, health_interval_s=60)
+    post(url + "/v1/completions", BODY)  # one failure: open
+    time.sleep(0.4)
+    pd.prefill.mode = "slow"
+    port = int(url.rsplit(":", 1)[1])
+    s = sk.create_connection(("127.0.0.1", port))
+    body = json.dumps(BODY).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert _wait_for(lambda: len(pd.prefill.requests) == 2)  # the half-open trial is at the prefill
+    s.close()  # the client goes away mid-trial
+    pd.prefill.mode = "ok"
+    assert _wait_for(lambda: not proxy.router.instances[0].breaker.trial)
+    status, _, h = post(url + "/v1/completions", BODY)
+    assert status == 200 and h["x-pdctl-prefill"] == "prefill-0"
+
+
+def _wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False

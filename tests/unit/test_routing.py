@@ -394,10 +394,16 @@ def test_pick_skips_open_breakers_and_excluded_and_may_return_none():
     assert all(r.pick_prefill() is pre[1] for _ in range(5))
     assert r.pick_prefill(exclude=[pre[1]], usable_only=True) is None
     assert r.pick_prefill(exclude=[pre[1]]) is pre[0]  # nowhere else to go: tried anyway
-    pre[1].healthy = False
+    pre[1].healthy = False  # a missed probe only: still tried when nothing healthy is left
+    assert r.pick_prefill(usable_only=True) is pre[1]
+    pre[1].refused = True  # nothing listens there: down
     assert r.pick_prefill(usable_only=True) is None
     clock[0] += 11  # half-open: the trial goes to pre[0]
     assert r.pick_prefill(usable_only=True) is pre[0] and r.pick_prefill(usable_only=True) is None
+    clock[0] += 11  # a trial with no verdict (its client went away) is given up after open_s
+    assert r.pick_prefill(usable_only=True) is pre[0]
+    pre[0].breaker.release()
+    assert r.pick_prefill(usable_only=True) is pre[0]
 
 
 def test_decode_only_fallback_picks_any_paired_decode_or_the_pinned_pool():

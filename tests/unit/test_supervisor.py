@@ -282,3 +282,47 @@ def test_launch_failed_shows_the_root_cause_first_not_the_traceback(tmp_path: Pa
     assert lines[1].strip() == ("cause: ValueError: pdctl connector: 96 KV blocks cannot spare 32 staging blocks; "
                                 "give the decode more KV cache memory")
     assert f"log: {log}" in err and "File" not in err and len(lines) <= 4
+
+
+def test_a_restart_that_cannot_start_counts_toward_the_limit():
+    sup, be, st, clock, _, said = make(max_restarts=2)
+
+    def broken(*_a, **_k):
+        raise OSError("No space left on device")
+
+    be.start = broken
+    be.alive["prefill-0"] = False
+    for _ in range(10):
+        sup.tick()
+        clock[0] = max(clock[0], sup.watches["prefill-0"].restart_at)
+    assert st.processes["prefill-0"].phase == "failed" and "gave up after 2 restarts" in said[-1]
+
+
+def test_restart_never_leaves_an_unhealthy_instance_running():
+    sup, be, st, clock, health, said = make("never")
+    health["ok"] = False
+    for t in range(0, 100, 5):
+        clock[0] = t
+        sup.tick()
+    assert not be.stopped and st.processes["prefill-0"].phase == "running"
+    assert sum("restart: never, left as it is" in m for m in said) == 1
+
+
+def test_an_error_with_one_instance_does_not_stop_the_supervisor():
+    sup, be, st, clock, _, said = make()
+
+    def boom(*_a):
+        raise ProcessLookupError("gone")
+
+    be.liveness = boom
+    sup.tick()
+    assert "supervisor error: ProcessLookupError" in said[-1]
+
+
+def test_run_ends_when_down_removed_the_state(tmp_path: Path):
+    import threading
+
+    sup, be, st, clock, _, _ = make()
+    st.plan = Plan("t", str(tmp_path), st.plan.processes, st.plan.topology)
+    with pytest.raises(supervisor.StateGone):
+        sup.run(threading.Event(), interval_s=0.01)  # no state.json in tmp_path: taken down
