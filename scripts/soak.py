@@ -164,16 +164,11 @@ def main() -> int:
 
 
 def kill(state: Path, name: str) -> int:
+    """SIGKILL an instance's server (its guard's child), as a crash would; returns its pid."""
+    from pdctl.launch.local import live_processes
+
     rec = json.loads((state / "state.json").read_text())["processes"][name]
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == rec["pid"]:
-                kids.append(int(d.name))
+    kids = [pid for pid, ppid, _ in live_processes() if ppid == rec["pid"]]
     pid = kids[0] if kids else rec["pid"]
     os.kill(pid, signal.SIGKILL)
     return pid

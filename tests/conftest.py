@@ -1,4 +1,5 @@
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,28 @@ def run_cli(capsys, monkeypatch):
         return code, captured.out, captured.err
 
     return run
+
+
+def wait_for(cond, timeout: float, interval: float = 0.1) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` seconds passed (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def processes_with_arg(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (e.g. a state dir): what a teardown left behind."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if text in cmd and stat[stat.rindex(")") + 2] not in "ZX":
+                out.append(int(d.name))
+    return out

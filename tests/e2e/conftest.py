@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from pdctl.launch.local import group_members
 from tests.conftest import CONFIGS, REPO, TINY
+from tests.conftest import wait_for as _wait_for
 
 PDCTL = [sys.executable, "-m", "pdctl"]
 
@@ -91,12 +91,7 @@ class Up:
 
 
 def wait_for(cond, timeout: float, interval: float = 0.5) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(interval)
-    return False
+    return _wait_for(cond, timeout, interval)
 
 
 class Reference:

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, processes_with_arg
 from tests.e2e.conftest import (
     PDCTL,
     Reference,
@@ -153,23 +153,7 @@ def test_crash_at_start_stops_everything(tmp_path):
     assert str(tmp_path / "logs" / "prefill-0.log") in r.stderr
     assert not (tmp_path / "state.json").exists()
     # Everything it started is gone: find the processes by the log files they held.
-    assert not _processes_with_arg(str(tmp_path))
-
-
-def _processes_with_arg(text: str) -> list[int]:
-    from pathlib import Path
-
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if text in cmd and stat[stat.rindex(")") + 2] not in "ZX":
-                out.append(int(d.name))
-    return out
+    assert not processes_with_arg(str(tmp_path))
 
 
 def test_port_taken_is_refused_before_anything_starts(tmp_path):

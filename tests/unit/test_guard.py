@@ -3,18 +3,9 @@ only the direct child; vLLM's EngineCore was seen to outlive its API server)."""
 
 import subprocess
 import sys
-import time
 
 from pdctl.launch.local import group_members, guarded
-
-
-def _wait(cond, timeout):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
+from tests.conftest import wait_for
 
 
 def test_parent_death_stops_the_whole_group():
@@ -26,10 +17,10 @@ def test_parent_death_stops_the_whole_group():
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         guard = int(parent.stdout.readline())
-        assert _wait(lambda: len(group_members(guard)) >= 4, 20), group_members(guard)  # guard, sh, 2 sleeps
+        assert wait_for(lambda: len(group_members(guard)) >= 4, 20), group_members(guard)  # guard, sh, 2 sleeps
         parent.kill()
         parent.wait(5)
-        assert _wait(lambda: not group_members(guard), 15), group_members(guard)
+        assert wait_for(lambda: not group_members(guard), 15), group_members(guard)
     finally:
         parent.kill()
 
@@ -41,10 +32,10 @@ def test_exit_code_of_the_command_is_the_guards():
 def test_sigterm_to_the_guard_stops_the_group():
     p = subprocess.Popen(guarded(["sh", "-c", "sleep 300 & sleep 300 & wait"]), start_new_session=True)
     try:
-        assert _wait(lambda: len(group_members(p.pid)) >= 4, 20)
+        assert wait_for(lambda: len(group_members(p.pid)) >= 4, 20)
         p.terminate()
         assert p.wait(15) != 0
-        assert _wait(lambda: not group_members(p.pid), 15), group_members(p.pid)
+        assert wait_for(lambda: not group_members(p.pid), 15), group_members(p.pid)
     finally:
         p.kill()
 
@@ -56,9 +47,9 @@ def test_detached_guard_stops_the_group_when_the_watched_owner_dies():
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         guard = int(launcher.stdout.readline())  # the launcher printed the detached guard's pid and exits
         assert launcher.wait(10) == 0
-        assert _wait(lambda: len(group_members(guard)) >= 4, 20), group_members(guard)
+        assert wait_for(lambda: len(group_members(guard)) >= 4, 20), group_members(guard)
         owner.kill()
         owner.wait(5)
-        assert _wait(lambda: not group_members(guard), 15), group_members(guard)
+        assert wait_for(lambda: not group_members(guard), 15), group_members(guard)
     finally:
         owner.kill()

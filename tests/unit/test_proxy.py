@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from pdctl.proxy.server import Proxy, ProxyConfig
+from tests.conftest import wait_for
 
 KVP = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1", "remote_block_ids": [1, 2],
        "remote_host": "127.0.0.1", "remote_port": 5600}
@@ -559,18 +560,10 @@ def test_a_cancelled_half_open_trial_does_not_keep_the_instance_out(pd):
     body = json.dumps(BODY).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    assert _wait_for(lambda: len(pd.prefill.requests) == 2)  # the half-open trial is at the prefill
+    assert wait_for(lambda: len(pd.prefill.requests) == 2, 5)  # the half-open trial is at the prefill
     s.close()  # the client goes away mid-trial
     pd.prefill.mode = "ok"
-    assert _wait_for(lambda: not proxy.router.instances[0].breaker.trial)
+    assert wait_for(lambda: not proxy.router.instances[0].breaker.trial, 5)
     status, _, h = post(url + "/v1/completions", BODY)
     assert status == 200 and h["x-pdctl-prefill"] == "prefill-0"
 
-
-def _wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False

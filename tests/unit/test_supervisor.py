@@ -20,6 +20,7 @@ from pdctl.launch.guard import EXIT_MARK
 from pdctl.launch.logs import exit_of, root_cause
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec
+from tests.conftest import wait_for
 
 
 class FakeBackend(Backend):
@@ -177,13 +178,6 @@ def test_root_cause_prefers_pdctl_lines_then_the_first_exception():
 # -- real processes -------------------------------------------------------------------------------------------
 
 
-def _wait(cond, timeout):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(tmp_path: Path, run_cli):
@@ -209,9 +203,9 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
     pid = supervisor.start_detached(st)
     try:
         first = st.processes["prefill-0"]
-        assert _wait(lambda: _http_ok(port), 15)
+        assert wait_for(lambda: _http_ok(port), 15)
         os.kill(_child_of(first.pid), signal.SIGKILL)  # the server, under its guard
-        assert _wait(lambda: (r := state_mod.load(tmp_path).processes["prefill-0"]).restarts == 1
+        assert wait_for(lambda: (r := state_mod.load(tmp_path).processes["prefill-0"]).restarts == 1
                      and r.phase == "running", 30), (tmp_path / "logs" / "supervisor.log").read_text()
         rec = state_mod.load(tmp_path).processes["prefill-0"]
         assert rec.pid != first.pid and rec.last_exit == "killed by signal 9 (SIGKILL)"
@@ -220,7 +214,7 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
         assert code == 0 and row["restarts"] == 1 and row["healthy"] and json.loads(out)["supervisor"]["pid"] == pid
         code, out, _ = run_cli("down", "--state-dir", str(tmp_path))
         assert code == 0 and "stopped the detached supervisor" in out and "stopped prefill-0" in out
-        assert _wait(lambda: not group_alive(rec.pgid), 10)
+        assert wait_for(lambda: not group_alive(rec.pgid), 10)
         assert supervisor_gone(pid)
     finally:
         for p in (pid,):
@@ -234,7 +228,7 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
 def supervisor_gone(pid: int) -> bool:
     from pdctl.launch.local import start_ticks
 
-    return _wait(lambda: start_ticks(pid) is None, 10)
+    return wait_for(lambda: start_ticks(pid) is None, 10)
 
 
 def _http_ok(port: int) -> bool:
@@ -247,7 +241,7 @@ def _child_of(pid: int) -> int:
     from pdctl.launch.local import live_processes
 
     kids = []
-    assert _wait(lambda: kids.extend(p for p, ppid, _ in live_processes() if ppid == pid) or kids, 10)
+    assert wait_for(lambda: kids.extend(p for p, ppid, _ in live_processes() if ppid == pid) or kids, 10)
     return kids[0]
 
 
