@@ -17,7 +17,7 @@ from pdctl.launch.backend import Backend, StopReport
 from pdctl.launch.logs import root_cause, tail
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec
-from pdctl.proxy.routing import ROUTE_HEADER
+from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 LOG_TAIL_LINES = 40
@@ -159,6 +159,10 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
     proxy = next((p for p in plan.processes if p.role == "proxy"), None)
     if proxy is None:
         return
+    # The proxy's routing must know every instance is up (its probe runs every 2 s): /ready probes them now.
+    deadline = time.monotonic() + 60
+    while probe.http_get(proxy.http_url + "/ready", timeout=5.0)[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
     model = plan.topology.get("model", {})
     blocks = [p.block_size or 16 for p in plan.processes if p.block_size]
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
@@ -166,16 +170,28 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
         # Each pair its own prompt: a decode's prefix cache must not answer another pair's warm-up.
         body = {"model": model.get("served_name") or model.get("path"), "max_tokens": 2, "temperature": 0,
                 "prompt": [5 + (i * (k + 1) + k) % 50 for i in range(n)]}
-        decode = next(p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool))
-        headers = {"Content-Type": "application/json"}
+        decodes = [p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool)]
+        decode = decodes[0]
+        headers = {"Content-Type": "application/json", REJECT_HEADER: "reject"}  # a warm-up proves P/D, or fails
         if pool_p is not None:
             headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
         for attempt in range(1, attempts + 1):
             req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
                                          {**headers, "X-Request-Id": f"pdctl-warm-up-{pool_p}-{pool_d}-{attempt}"})
+            offsets = {d.log_path: _size(d.log_path) for d in decodes}
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s) as r:
                     r.read()
+                # An answer is not proof: under kv_load_failure_policy: recompute a decode that refused the pair,
+                # or whose read failed, computes the prompt itself and answers 200. Its log says which.
+                refused, failed = _transfer_trouble(offsets)
+                if refused or (failed and attempt == attempts):
+                    pair = f" (pool pair {pool_p} -> {pool_d})" if len(pool_pairs(plan)) > 1 else ""
+                    raise LaunchFailed(decode.name, f"warm-up P/D request failed{pair}: {refused or failed}",
+                                       decode.log_path)
+                if failed:
+                    time.sleep(2)
+                    continue
                 break
             except (urllib.error.URLError, OSError) as e:
                 # A fleet's first read from a newly handshaken prefill was seen to stall for ~30 s, once for
@@ -189,6 +205,31 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
                 pair = f" (pool pair {pool_p} -> {pool_d})" if len(pool_pairs(plan)) > 1 else ""
                 raise LaunchFailed(decode.name, f"warm-up P/D request failed{pair}: {cause or detail}",
                                    decode.log_path) from None
+
+
+def _size(path: str) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
+def _transfer_trouble(offsets: dict[str, int]) -> tuple[str | None, str | None]:
+    """(pdctl's refusal of the pair, a failed NIXL transfer) written to the decodes' logs since the offsets."""
+    refused = failed = None
+    for path, start in offsets.items():
+        try:
+            with open(path, errors="replace") as f:
+                f.seek(start)
+                new = f.read()
+        except OSError:
+            continue
+        for line in new.splitlines():
+            if "pdctl connector: unsupported" in line and refused is None:
+                refused = line[line.index("pdctl connector: unsupported"):]
+            elif "NIXL transfer failure" in line and failed is None:
+                failed = line[line.index("NIXL transfer failure"):][:300]
+    return refused, failed
 
 
 def _handshake_timed_out(log_path: str) -> bool:

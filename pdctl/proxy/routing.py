@@ -17,6 +17,7 @@ from itertools import count
 
 POLICIES = ("least_outstanding", "round_robin", "prefix_affinity")
 ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
+REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall back to decode-only (warm-up)
 
 
 @dataclass(eq=False)

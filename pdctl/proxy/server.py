@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pdctl.proxy.metrics import Metrics
-from pdctl.proxy.routing import ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
+from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
 from pdctl.topology import DEFAULT_POOL, instance_name
 
@@ -245,6 +245,7 @@ class Proxy:
             return web.json_response(error_body(f"{ROUTE_HEADER}: {e}", "invalid_request", 400), status=400)
         key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
+        rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
         pre = await self._prefill(route, body, headers, key, pin, rt)
         if isinstance(pre, web.Response):
             return pre
@@ -344,7 +345,7 @@ class Proxy:
 
     def _no_prefill(self, reason: str, why: str, rt: _Route, kind: str, code: int) -> None | web.Response:
         """on_prefill_down: reject -> the error answer; fallback -> None (the decode computes the prompt)."""
-        if self.cfg.on_prefill_down == "reject":
+        if rt.reject:
             self.metrics.rejected[reason] += 1
             return web.json_response(error_body(f"{why}; refusing to let a decode compute the prompt "
                                                 "(proxy.on_prefill_down: reject)", kind, code), status=code)
@@ -441,6 +442,7 @@ class _Route:
     prefill: Instance | None = None
     decode: Instance | None = None
     fallback: str | None = None
+    reject: bool = False  # no decode-only fallback for this request (on_prefill_down, or its header)
 
     def headers(self) -> dict[str, str]:
         h = {}

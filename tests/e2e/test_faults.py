@@ -2,7 +2,8 @@
 supervised by `pdctl up -d`'s supervisor). In order (each restart takes ~1 min on 2 cores, so the drills that
 need no restart afterwards come last): (c) a decode SIGKILLed mid-stream, (a) a prefill SIGKILLed under 8
 streaming clients, (d) a prefill killed after it answered but before the decode read its KV (recompute), (b)
-every prefill down (decode-only fallback; a reject proxy answers 503 at once)."""
+every prefill down (decode-only fallback; a reject proxy answers 503 at once), then a decode that stops answering
+its health checks (SIGSTOP) is restarted."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.e2e.faults import (
     fresh_prompt,
     kill_server,
     record,
+    server_pid,
     stream_text,
     wait_restarted,
 )
@@ -37,7 +39,7 @@ def fleet(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     args = ["--prefill-count", "2", "--decode-count", "2", "--set", "prefill.devices=[0,1]",
             "--set", "decode.devices=[1,0]", "--set", "supervision.backoff_s=1", "--set",
-            "supervision.health_interval_s=2", *PORTS,
+            "supervision.health_interval_s=2", "--set", "supervision.health_window_s=10", *PORTS,
             "--set", f'connector.extra_config={{"pdctl": {{"test_read_delay_s": {DELAY_S}, '
                      '"test_read_delay_match": "delay-read"}}']
     with Up("cpu-demo.yaml", d, *args, timeout=600) as up:
@@ -171,6 +173,21 @@ def test_4_every_prefill_down_falls_back_to_decode_only_or_rejects(fleet):
 
         os.killpg(reject.pid, signal.SIGKILL)
         reject.wait(10)
+
+
+def test_5_a_server_that_stops_answering_its_health_checks_is_restarted(fleet):
+    """SIGSTOP: the process lives, its /health does not answer. After 3 failed probes over >= 10 s (the fixture's
+    supervision.health_window_s) the supervisor stops and restarts it."""
+    import os
+
+    before = record(fleet.state_dir, "decode-1")["restarts"]
+    stopped_at = time.monotonic()
+    os.kill(server_pid(fleet.state_dir, "decode-1"), signal.SIGSTOP)
+    assert wait_restarted(fleet.state_dir, "decode-1", before + 1), _log(fleet, "supervisor")[-2000:]
+    rec = record(fleet.state_dir, "decode-1")
+    print(f"\ndrill (health): decode-1 stopped (SIGSTOP); restarted and serving {time.monotonic() - stopped_at:.0f} s "
+          f"later; last exit: {rec['last_exit']}")
+    assert rec["last_exit"].startswith("failed ") and "health checks over" in rec["last_exit"]
 
 
 def _answers(url: str) -> bool:

@@ -567,3 +567,11 @@ def test_a_cancelled_half_open_trial_does_not_keep_the_instance_out(pd):
     status, _, h = post(url + "/v1/completions", BODY)
     assert status == 200 and h["x-pdctl-prefill"] == "prefill-0"
 
+
+
+def test_a_request_may_forbid_the_fallback_with_its_header(pd):
+    proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1))
+    url = pd.loop.serve(proxy.app())
+    status, text, _ = post(url + "/v1/completions", BODY, {"x-pdctl-on-prefill-down": "reject"})
+    assert status == 503 and json.loads(text)["error"]["type"] == "prefill_unavailable" and not pd.decode.requests
+    assert post(url + "/v1/completions", BODY)[0] == 200  # others still fall back
