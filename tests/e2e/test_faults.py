@@ -71,7 +71,9 @@ def test_1_decode_killed_mid_stream_ends_only_its_streams_with_an_error_event(fl
     print(f"\ndrill (c): {len(on_killed)} streams on the killed decode ended with an error event "
           f"{', '.join(f'{e:.2f}' for e in ends)} s after the kill; {len(others)} on the other decode completed")
     assert on_killed and others, [a.headers for a in answers]
-    assert all(a.error and "error event" in a.error and "failed mid-stream" in a.text for a in on_killed)
+    # Under way: an SSE error event then [DONE]; not yet at its first event: a JSON error. Never a hang.
+    assert all(a.error and (("error event" in a.error and "failed mid-stream" in a.text) or a.status in (502, 503))
+               for a in on_killed), [(a.status, a.error) for a in on_killed]
     assert max(ends) < 5.0
     assert all(a.ok and len(stream_text(a)) > 0 for a in others), [a.error for a in others]
     assert wait_restarted(fleet.state_dir, "decode-0", before + 1), _log(fleet, "supervisor")[-2000:]
