@@ -411,25 +411,12 @@ def up(
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: (got.append(signum), stop.set()))
     out.print("attached: supervising (restarts instances that fail); Ctrl-C stops everything", highlight=False)
-    sup = supervisor.Supervisor(launched, backend, attached=True,
-                                say=lambda msg: err.print(msg, markup=False, highlight=False))
-    supervisor.record_self(Path(p.state_dir), "foreground")
-    from pdctl.launch import state as state_mod
-
-    try:
-        while not stop.wait(0.5):
-            with state_mod.locked(Path(p.state_dir)):
-                sup.tick()
-            if sup.settled():
-                err.print("[red]every instance is down and none will be restarted[/red]; stopping",
-                          highlight=False)
-                got.append(-1)
-                break
-    finally:
-        run_mod.down(launched, backend)
-        (Path(p.state_dir) / "supervisor.json").unlink(missing_ok=True)
+    settled = supervisor.supervise_attached(launched, backend, stop,
+                                            say=lambda msg: err.print(msg, markup=False, highlight=False))
+    if settled:
+        err.print("[red]every instance is down and none will be restarted[/red]", highlight=False)
     err.print("stopped every process", highlight=False)
-    raise typer.Exit(1 if -1 in got else (130 if signal.SIGINT in got else 0))
+    raise typer.Exit(1 if settled else (130 if signal.SIGINT in got else 0))
 
 
 NameArg = Annotated[str | None, typer.Argument(help="topology name (default: the only one that is up)")]

@@ -261,6 +261,26 @@ def start_detached(state: LaunchState) -> int:
     raise RuntimeError(f"the supervisor did not start within 20 s; log: {log_path}")
 
 
+def supervise_attached(state: LaunchState, backend: Backend, stop: threading.Event,
+                       say: Callable[[str], None]) -> bool:
+    """The foreground `pdctl up`: supervise until `stop` is set, then take everything down. True when it ended
+    because nothing was left to supervise (every instance gave up or exited cleanly)."""
+    d = Path(state.plan.state_dir)
+    sup = Supervisor(state, backend, attached=True, say=say)
+    record_self(d, "foreground")
+    try:
+        while not stop.wait(0.5):
+            with state_mod.locked(d):
+                sup.tick()
+            if sup.settled():
+                return True
+        return False
+    finally:
+        backend.stop(state)
+        state_mod.remove(d)
+        (d / state_mod.SUPERVISOR_FILE).unlink(missing_ok=True)
+
+
 def record_self(state_dir: Path, mode: str) -> None:
     from pdctl.launch.local import start_ticks
 

@@ -320,3 +320,21 @@ def test_run_ends_when_down_removed_the_state(tmp_path: Path):
     st.plan = Plan("t", str(tmp_path), st.plan.processes, st.plan.topology)
     with pytest.raises(supervisor.StateGone):
         sup.run(threading.Event(), interval_s=0.01)  # no state.json in tmp_path: taken down
+
+
+def test_attached_supervision_takes_everything_down_when_told_or_when_settled(tmp_path: Path):
+    import threading
+
+    for restart, settles in (("on-failure", False), ("never", True)):
+        sup, be, st, _, _, said = make(restart)
+        st.plan = Plan("t", str(tmp_path), st.plan.processes, st.plan.topology)
+        state_mod.save(st)
+        stopped: list = []
+        be.stop = lambda state, grace_s=15.0: stopped.append(True)
+        stop = threading.Event()
+        if settles:
+            be.alive["prefill-0"] = False  # restart: never -> failed -> nothing left to supervise
+        else:
+            threading.Timer(0.8, stop.set).start()
+        assert supervisor.supervise_attached(st, be, stop, say=said.append) is settles
+        assert stopped and not (tmp_path / "state.json").exists() and not (tmp_path / "supervisor.json").exists()
