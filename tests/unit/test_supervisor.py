@@ -330,7 +330,7 @@ def test_attached_supervision_takes_everything_down_when_told_or_when_settled(tm
         st.plan = Plan("t", str(tmp_path), st.plan.processes, st.plan.topology)
         state_mod.save(st)
         stopped: list = []
-        be.stop = lambda state, grace_s=15.0: stopped.append(True)
+        be.stop = lambda state, grace_s=15.0, stopped=stopped: stopped.append(True)
         stop = threading.Event()
         if settles:
             be.alive["prefill-0"] = False  # restart: never -> failed -> nothing left to supervise
