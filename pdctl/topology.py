@@ -17,7 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pdctl import yamlsrc
 
@@ -208,13 +208,24 @@ class ConnectorSpec(_Strict):
     progress_thread: bool = True
     progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
     worker_spin_s: float | None = Field(
-        None, ge=0, description="how long vLLM's executor queues spin after a message (pdctl only; "
-        "default 0 on CPU, where the spin starves compute and NIXL, vLLM's 1 s elsewhere)")
+        None, ge=0, description="how long vLLM's executor-queue readers spin after a message, on every server "
+        "pdctl starts, whatever the connector kind (pdctl's vLLM plugin, through PDCTL_QUEUE_SPIN_S); default 0 "
+        "on CPU, where the spin starves compute and NIXL, vLLM's own 1 s elsewhere (plugin off)")
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
         "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
         "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
     extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReferenceSpec(_Strict):
+    """The aggregated server the gates compare P/D against (`pdctl check`, `pdctl bench`): the first decode
+    pool's hardware and settings, no connector."""
+
+    calm_queues: bool = Field(
+        True, description="run the reference with vLLM's executor queues calmed like every P/D server pdctl "
+        "starts (pdctl's vLLM plugin, connector.worker_spin_s; on CPU by default): a fair comparison. false "
+        "runs it as plain vLLM, whose queue readers spin 1 s after every message (how vLLM runs unmanaged)")
 
 
 class SupervisionSpec(_Strict):
@@ -243,7 +254,7 @@ class EngineSpec(_Strict):
     namespace: str | None = Field(None, description="Ray namespace (default: the topology's name)")
     placement: dict[Literal["prefill", "decode", "proxy"], Placement] = Field(default_factory=dict)
     placement_timeout_s: float = Field(120.0, gt=0, description="how long an instance may wait for a node")
-    time_limit: str = Field("UNLIMITED", description="Slurm job time limit")
+    time_limit: str = Field("UNLIMITED", min_length=1, description="Slurm job time limit")
 
 
 def _as_pools(v: Any) -> Any:
@@ -268,6 +279,14 @@ class Topology(_Strict):
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
+    reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
+    # Where it was loaded from (file, base dir, model facts, warnings): set by validate_data, never serialized.
+    _origin: Any = PrivateAttr(default=None)
+
+    @property
+    def origin(self) -> Loaded | None:
+        """How this topology was loaded (None for one built in code or read back from a plan)."""
+        return self._origin
 
     @model_validator(mode="after")
     def _assign_ports(self) -> Topology:
@@ -1024,6 +1043,7 @@ class Loaded:
     base_dir: Path
     model_info: ModelInfo
     warnings: list[Problem] = field(default_factory=list)
+    gate: tuple[list[str], list[str]] | None = None  # loaded for a gate: (settings applied, user's kept)
 
 
 def validate_data(data: Any, source: Source, base_dir: Path) -> Loaded:
@@ -1039,7 +1059,9 @@ def validate_data(data: Any, source: Source, base_dir: Path) -> Loaded:
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise TopologyError(source, errors)
-    return Loaded(topo, source, base_dir, info, [p for p in problems if p.severity == "warning"])
+    loaded = Loaded(topo, source, base_dir, info, [p for p in problems if p.severity == "warning"])
+    topo._origin = loaded
+    return loaded
 
 
 def load_topology(path: str | Path, overrides: list[Override] = ()) -> Loaded:

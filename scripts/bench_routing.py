@@ -30,7 +30,7 @@ from pdctl.gates import parity  # noqa: E402
 from pdctl.launch import probe  # noqa: E402
 from pdctl.launch import run as run_mod  # noqa: E402
 from pdctl.launch.local import LocalBackend  # noqa: E402
-from pdctl.plan import Plan, build_plan, proxy_argv, reference_spec  # noqa: E402
+from pdctl.plan import build_plan, proxy_argv, reference_spec  # noqa: E402
 from pdctl.topology import Override, load_topology  # noqa: E402
 
 POLICIES = ("least_outstanding", "prefix_affinity")
@@ -84,7 +84,7 @@ def main() -> None:
     lo_proxy = replace(pa_proxy, name="proxy-lo", argv=proxy_argv(lo, plan.by_role("prefill") + plan.by_role(
         "decode"), sys.executable), ports={"http": lo.proxy.port}, log_path=str(state / "logs" / "proxy-lo.log"),
         readiness_url=pa_proxy.readiness_url.replace(str(t.proxy.port), str(lo.proxy.port)))
-    plan = Plan(plan.name, plan.state_dir, [*plan.processes, lo_proxy, ref], plan.topology)
+    plan = plan.with_processes([*plan.processes, lo_proxy, ref])
     urls = {POLICIES[0]: lo_proxy.http_url, POLICIES[1]: pa_proxy.http_url}
     decodes = [s.http_url for s in plan.by_role("decode")]
     prefills = [s.http_url for s in plan.by_role("prefill")]

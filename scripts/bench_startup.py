@@ -38,8 +38,7 @@ def main() -> int:
     loaded = load_topology(a.topology)
     full = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/tmp/pdctl-bench-startup"),
                       python=sys.executable)
-    alone = {role: Plan(full.name, full.state_dir, [full.get(f"{role}-0")], full.topology)
-             for role in ("prefill", "decode")}
+    alone = {role: full.with_processes([full.get(f"{role}-0")]) for role in ("prefill", "decode")}
     rows: dict[str, list[float]] = {"prefill alone": [], "decode alone": [], "pdctl up (P+D+proxy+warm-up)": []}
     for _ in range(a.repeat):
         rows["prefill alone"].append(time_to_ready(alone["prefill"]))

@@ -1,6 +1,11 @@
 #!/usr/bin/env python
-"""Does pdctl's connector fit the vLLM on the Python path? Imports it, then checks that every vLLM method it
-overrides or calls still exists on vLLM's classes with the parameters pdctl passes.
+"""Does pdctl fit the vLLM and NIXL on the Python path? Driven by pdctl.connector.seam.INTERNALS, the one list of
+every vLLM/NIXL internal pdctl relies on: hooks it overrides and methods it calls (with the parameters it
+passes), classes, instance attributes (class attributes, or `self.<name> = ...` in the class or its bases),
+dataclass fields, module globals it swaps, nixl's agent config fields, and the calls in vLLM's source its
+patches depend on. It also imports pdctl's connector, checks that pdctl's own methods and attributes do not
+shadow vLLM's by accident (an override must be listed as a hook), and reports entries not yet checked against
+this vLLM version (`checked` in the seam).
 
 Against another vLLM without installing it (e.g. 0.33 for CUDA on a CPU machine: its Python sources suffice):
 
@@ -11,115 +16,128 @@ Against another vLLM without installing it (e.g. 0.33 for CUDA on a CPU machine:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
+import re
 import sys
+from pathlib import Path
 
-# (class path, method, parameters pdctl relies on)
-REQUIRED = [
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker.NixlPullConnectorWorker", "add_remote_agent",
-     ["nixl_agent_meta", "remote_tp_rank", "remote_tp_size"]),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker.NixlPullConnectorWorker", "register_kv_caches",
-     ["kv_caches"]),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker.NixlPullConnectorWorker", "_read_blocks_for_req",
-     ["req_id", "meta"]),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker.NixlPullConnectorWorker",
-     "_map_block_ids_for_block_size_ratio", ["local_block_ids", "remote_block_ids", "block_size_ratio"]),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker.NixlPullConnectorWorker",
-     "post_process_device_kv_on_receive", ["block_size_ratio", "block_ids_list"]),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker.NixlPullConnectorWorker", "get_transfer_results",
-     []),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler.NixlPullConnectorScheduler", "__init__",
-     ["vllm_config", "engine_id", "kv_cache_config"]),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector.NixlBaseConnector", "__init__",
-     ["vllm_config", "role", "kv_cache_config"]),
-    ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa", ["dtype", "block_size", "head_size"]),
-    # Its readers' spin after a message is what pdctl's worker_spin_s sets.
-    ("vllm.distributed.device_communicators.shm_broadcast.SpinCondition", "__init__", ["is_reader", "busy_loop_s"]),
-    # ...and its wait, which pdctl replaces on each reader (a bounded poll, see _bounded_wait).
-    ("vllm.distributed.device_communicators.shm_broadcast.SpinCondition", "wait", ["timeout_ms"]),
-]
-# Attributes pdctl's bounded wait reads off a reader, by the source that sets them.
-SPIN_SOURCE = [("__init__", "self.poller"), ("__init__", "self.local_notify_socket"),
-               ("record_read", "self.last_read"), ("wait", "self.busy_loop_s")]
-REQUIRED_ATTRS = [
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "NixlWrapper"),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata", "NixlHandshakePayload"),
-    ("vllm.distributed.utils", "sched_yield"),
-]
-METADATA_FIELDS = ["attn_backend_name", "block_size", "block_lens", "block_strides", "num_blocks",
-                   "kv_cache_layout", "region_num_blocks"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdctl.connector import seam  # noqa: E402  (pure: imports nothing from vLLM)
+
+# pdctl's subclasses and the vLLM classes they extend (names pdctl adds must not shadow the base's).
+SUBCLASSES = [("pdctl.connector.nixl:PdctlNixlWorker", seam.PULL_WORKER),
+              ("pdctl.connector.nixl:PdctlNixlScheduler", seam.PULL_SCHEDULER),
+              ("pdctl.connector.nixl:NixlConnector", seam.PULL_CONNECTOR)]
+_OWN = {"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+        "__static_attributes__", "__firstlineno__", "_abc_impl", "__abstractmethods__", "__parameters__"}
 
 
 def _resolve(path: str):
-    import importlib
+    """'module' or 'module:Attr.chain' -> the object."""
+    module, _, qual = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in filter(None, qual.split(".")):
+        obj = getattr(obj, part)
+    return obj
 
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
+
+def _assigns(cls: type, name: str) -> bool:
+    """Whether `self.<name> = ...` (optionally annotated) appears in the source of cls or a base (not object)."""
+    pattern = re.compile(rf"self\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)")
+    for k in cls.__mro__:
+        if k is object:
             continue
-        for p in parts[i:]:
-            obj = getattr(obj, p)
-        return obj
-    raise ImportError(path)
+        try:
+            if pattern.search(inspect.getsource(k)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
 
 
-def check() -> dict:
+def _check_one(e: seam.Internal) -> str | None:
+    """None when the entry holds, else what is wrong."""
+    where = f"{e.owner}.{e.name}" if e.kind not in ("class", "source") else (
+        f"{e.owner}:{e.name}" if e.kind == "class" else f"{e.owner} (source)")
+    try:
+        if e.kind == "class":
+            obj = getattr(_resolve(e.owner), e.name)
+            return None if isinstance(obj, type) else f"{where}: not a class"
+        owner = _resolve(e.owner)
+        if e.kind in ("hook", "method", "function"):
+            fn = getattr(owner, e.name)
+            if e.kind != "function" and not any(e.name in vars(k) for k in owner.__mro__ if k is not object):
+                return f"{where}: missing (only object's)"
+            have = list(inspect.signature(fn).parameters)
+            missing = [p for p in e.params if p not in have]
+            return f"{where}: no parameter(s) {missing} (has {have})" if missing else None
+        if e.kind == "attr":
+            ok = hasattr(owner, e.name) or _assigns(owner, e.name)
+            return None if ok else f"{where}: missing (no class attribute, no self.{e.name} = ... in its source)"
+        if e.kind == "field":
+            return None if e.name in seam.field_names(owner) else f"{where}: missing field"
+        if e.kind == "module_global":
+            return None if hasattr(owner, e.name) else f"{where}: missing"
+        if e.kind == "nixl_config_field":
+            config = owner()
+            setattr(config, e.name, getattr(config, e.name))  # present and settable
+            return None
+        if e.kind == "source":
+            return None if e.name in inspect.getsource(owner) else f"{where}: no longer contains {e.name!r}"
+        return f"{where}: unknown kind {e.kind!r}"
+    except Exception as exc:  # ImportError, AttributeError, TypeError (read-only field), ...
+        return f"{where}: missing ({type(exc).__name__}: {exc})"
+
+
+def _shadowing(internals: tuple[seam.Internal, ...]) -> list[str]:
+    """pdctl's own methods/attributes that silently override vLLM's (an intended override is a seam hook, an
+    intended write a seam attr)."""
+    problems = []
+    for ours_path, base_path in SUBCLASSES:
+        ours, base = _resolve(ours_path), _resolve(base_path)
+        declared = {e.name for e in internals if e.kind in ("hook", "attr", "method")
+                    and (e.owner == base_path or issubclass(base, _resolve(e.owner)))}
+        for name in set(vars(ours)) - _OWN:
+            if hasattr(base, name) and name not in declared:
+                problems.append(f"{ours_path}.{name}: overrides vLLM's {base.__name__}.{name} but is not a seam hook")
+        for name in set(re.findall(r"self\.(\w+)\s*(?::[^=\n]*)?=(?!=)", inspect.getsource(ours))):
+            if name not in declared and (hasattr(base, name) or _assigns(base, name)):
+                problems.append(f"{ours_path}: self.{name} is also vLLM's {base.__name__}.{name} (not in the seam)")
+    return problems
+
+
+def check(internals: tuple[seam.Internal, ...] | None = None) -> dict:
     import vllm
 
+    internals = seam.INTERNALS if internals is None else internals
+    version = getattr(vllm, "__version__", "?")
     problems: list[str] = []
     try:
         import pdctl.connector.nixl  # noqa: F401
     except Exception as e:  # the first thing a user would hit
         problems.append(f"import pdctl.connector.nixl: {type(e).__name__}: {e}")
-    for owner, name, params in REQUIRED:
-        try:
-            fn = getattr(_resolve(owner), name) if not owner.endswith("cpu_attn") else _resolve(f"{owner}.{name}")
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{owner}.{name}: missing ({e})")
-            continue
-        have = list(inspect.signature(fn).parameters)
-        missing = [p for p in params if p not in have]
-        if missing:
-            problems.append(f"{owner}.{name}: no parameter(s) {missing} (has {have})")
-    for owner, name in REQUIRED_ATTRS:
-        try:
-            getattr(_resolve(owner), name)
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{owner}.{name}: missing ({e})")
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-        for method, attr in SPIN_SOURCE:
-            if attr not in inspect.getsource(getattr(SpinCondition, method)):
-                problems.append(f"SpinCondition.{method}: no longer uses {attr}")
-    except (ImportError, AttributeError) as e:
-        problems.append(f"SpinCondition: {e}")
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
-
-        fields = set(NixlAgentMetadata.__dataclass_fields__)
-        problems += [f"NixlAgentMetadata.{f}: missing" for f in METADATA_FIELDS if f not in fields]
-    except ImportError as e:
-        problems.append(f"NixlAgentMetadata: {e}")
+    for e in internals:
+        p = _check_one(e)
+        if p:
+            problems.append(p)
+    if not problems:
+        problems += _shadowing(internals)
     try:
         # The plan passes kv_load_failure_policy to every decode; the connector reads it to say what its
-        # failed loads become, and relies on _handle_failed_transfer to report them as failed loads.
+        # failed loads become, and reports them through _handle_failed_transfer (a seam method).
         from vllm.config.kv_transfer import KVTransferConfig
 
         field = KVTransferConfig.__dataclass_fields__.get("kv_load_failure_policy")
         if field is None or "recompute" not in str(field.type) or "fail" not in str(field.type):
             problems.append("KVTransferConfig.kv_load_failure_policy: missing or without recompute|fail")
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker as _W
-
-        if "failed_req_ids" not in inspect.signature(_W._handle_failed_transfer).parameters:
-            problems.append("NixlBaseConnectorWorker._handle_failed_transfer: no parameter failed_req_ids")
     except (ImportError, AttributeError) as e:
         problems.append(f"kv_load_failure_policy: {e}")
-    return {"vllm": getattr(vllm, "__version__", "?"), "vllm_path": vllm.__file__, "problems": problems,
-            "ok": not problems}
+    unchecked = sorted({f"{e.owner}.{e.name}" for e in internals if version not in e.checked})
+    return {"vllm": version, "vllm_path": vllm.__file__, "internals": len(internals), "problems": problems,
+            "ok": not problems, "not_yet_checked_for_this_version": unchecked}
 
 
 if __name__ == "__main__":

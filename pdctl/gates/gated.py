@@ -8,7 +8,7 @@ topologies up with `reject` and `fail` instead, unless the command line sets tho
 
 from __future__ import annotations
 
-from pdctl.topology import Override
+from pdctl.topology import Override, Topology
 
 GATE_SETTINGS: tuple[tuple[tuple[str, str], str], ...] = (
     (("proxy", "on_prefill_down"), "reject"),
@@ -57,14 +57,12 @@ def gated_lines(applied: list[str], kept: list[str]) -> tuple[str | None, str | 
     return note, warning
 
 
-def running_warning(topology: dict) -> str | None:
+def running_warning(topology: Topology) -> str | None:
     """What a running system's plan says that a gate cannot change: fallback or recompute let a request be
     answered without its KV travelling (the transfer proof and the proxy's fallback counter still fail on it)."""
-    proxy = topology.get("proxy") or {}
-    connector = topology.get("connector") or {}
-    # Plans written before these fields existed: their defaults (strict: true was reject).
-    on_down = proxy.get("on_prefill_down") or ("reject" if proxy.get("strict") else "fallback")
-    policy = connector.get("kv_load_failure_policy") or "recompute"
+    # A plan written before these fields existed reads back with the model's defaults (strict: true is reject).
+    on_down = topology.proxy.on_prefill_down
+    policy = topology.connector.kv_load_failure_policy
     loose = [f"proxy.on_prefill_down={on_down}"] if on_down != "reject" else []
     loose += [f"connector.kv_load_failure_policy={policy}"] if policy != "fail" else []
     if not loose:

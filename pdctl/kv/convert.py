@@ -163,14 +163,3 @@ def transfer_plan(src: Side, dst: Side, num_tokens: int, elem_size: int, head_of
         out.append(Range(s0 // e_src, (s0 % e_src) * elem_size, d0 // e_dst, (d0 % e_dst) * elem_size,
                          (e - s) * elem_size))
     return out
-
-
-def execute_plan(plan: list[Range], raw_src: torch.Tensor, dst_shape: tuple[int, int]) -> torch.Tensor:
-    """Execute a transfer plan into zeroed decode blocks of dst_shape=(blocks, elements): for tests/benchmarks."""
-    src = raw_src.contiguous().view(torch.uint8).reshape(raw_src.shape[0], -1)
-    esz = src.shape[1] // raw_src.shape[1]
-    dst = torch.zeros(dst_shape[0], dst_shape[1] * esz, dtype=torch.uint8)
-    for r in plan:
-        dst[r.dst_block, r.dst_offset : r.dst_offset + r.length] = src[r.src_block,
-                                                                       r.src_offset : r.src_offset + r.length]
-    return dst.view(raw_src.dtype).reshape(dst_shape)

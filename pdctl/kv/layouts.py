@@ -154,16 +154,3 @@ def layout(name: str) -> Layout:
         raise ValueError(f"unknown KV layout '{name}' (known: {', '.join(LAYOUTS)}; CPU ISAs: "
                          f"{', '.join(ISA_LAYOUT)}; neon is not modelled)")
     return LAYOUTS[name]
-
-
-def cpu_attn_isa(dtype: torch.dtype, block_size: int, head_size: int, has_amx: bool, is_arm: bool = False) -> str:
-    """vLLM 0.32's `_get_attn_isa` for CPU_ATTN (cpu_attn.py), without reading the host."""
-    if head_size % 32 != 0 and head_size % 16 == 0:
-        return "vec16"
-    if has_amx and dtype == torch.bfloat16 and block_size % 32 == 0:
-        return "amx"
-    if is_arm:
-        return "neon"
-    if block_size % 32 == 0:
-        return "vec"
-    return "vec16"

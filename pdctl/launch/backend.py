@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec
 
@@ -35,6 +36,9 @@ class StopReport:
 
 
 class Backend(ABC):
+    """Runs a whole plan. Every backend implements all of this; restarting single instances is the
+    RestartableBackend's extra (the supervisor restarts only there)."""
+
     name: str = "abstract"
     # Whether pdctl's supervisor can restart one instance (local: yes). Ray and Slurm start a plan as a whole;
     # there a dead instance is reported by `status` and stays down until `pdctl down && pdctl up`.
@@ -44,15 +48,10 @@ class Backend(ABC):
     def preflight(self, plan: Plan) -> list[str]:
         """Problems that would make a launch fail, found before anything starts (ports taken, ...)."""
 
-    def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
-        """Start every process; the plan as placed (cluster backends fill in node addresses)."""
-        for spec in plan.processes:
-            self.start(plan, spec, state, attached=attached)
-        return plan
-
     @abstractmethod
-    def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
-        """Start one process and record it in `state`."""
+    def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
+        """Start every process, recording each in `state`; the plan as placed (cluster backends fill in node
+        addresses)."""
 
     @abstractmethod
     def liveness(self, state: LaunchState, name: str) -> Liveness:
@@ -62,32 +61,25 @@ class Backend(ABC):
     def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
         """Stop every recorded process and everything it started; idempotent."""
 
-    def stop_one(self, state: LaunchState, name: str, grace_s: float = 10.0) -> StopReport:
-        """Stop one process and everything it started (what a restart needs first)."""
-        raise NotImplementedError(f"the {self.name} engine does not stop single instances")
-
     def log_tail(self, state: LaunchState, name: str, n: int) -> list[str]:
         """The last n lines of a process's log (a cluster backend may fetch them from the node)."""
-        from pdctl.launch.logs import tail
-
         return tail(state.plan.get(name).log_path, n)
 
 
-def backend_for(engine: dict | None) -> Backend:
-    """The backend for a topology's `engine` section (as in the plan's resolved topology)."""
-    kind = (engine or {}).get("kind", "local")
-    if kind == "ray":
-        from pdctl.launch.ray_engine import RayBackend
+class RestartableBackend(Backend):
+    """A backend that starts and stops single instances: what the supervisor's restarts need."""
 
-        return RayBackend(engine or {})
-    if kind == "slurm":
-        from pdctl.launch.slurm_engine import SlurmBackend
+    restartable = True
 
-        return SlurmBackend(engine or {})
-    from pdctl.launch.local import LocalBackend
+    @abstractmethod
+    def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
+        """Start one process and record it in `state`."""
 
-    return LocalBackend()
+    @abstractmethod
+    def stop_one(self, state: LaunchState, name: str, grace_s: float = 10.0) -> StopReport:
+        """Stop one process and everything it started (what a restart needs first)."""
 
-
-def backend_of(state: LaunchState) -> Backend:
-    return backend_for({**state.plan.topology.get("engine", {}), "kind": state.backend})
+    def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
+        for spec in plan.processes:
+            self.start(plan, spec, state, attached=attached)
+        return plan

@@ -7,6 +7,7 @@ from abc import abstractmethod
 from pdctl.launch.backend import Backend, Liveness, StopReport
 from pdctl.launch.local import LocalBackend
 from pdctl.launch.state import LaunchState
+from pdctl.topology import EngineSpec
 
 
 def is_this_host(ip: str) -> bool:
@@ -24,7 +25,7 @@ def is_this_host(ip: str) -> bool:
 class ClusterBackend(Backend):
     prefix = "cluster:"  # a record's `where` for processes the cluster runs
 
-    def __init__(self, engine: dict) -> None:
+    def __init__(self, engine: EngineSpec) -> None:
         self.engine = engine
         self.local = LocalBackend()
 

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from pdctl.launch.logs import EXIT_MARK
+
 _PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0
 
@@ -52,7 +54,6 @@ def _start_ticks(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-EXIT_MARK = "--- pdctl guard: server "
 
 
 def exit_line(code: int) -> str:

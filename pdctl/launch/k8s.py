@@ -80,7 +80,7 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
     out["00-topology-configmap.yaml"] = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {**meta, "name": dns_name(name, "topology"), "labels": _labels(t, "topology")},
-        "data": {"topology.json": json.dumps(plan.topology, indent=2)},
+        "data": {"topology.json": json.dumps(plan.topology.model_dump(mode="json"), indent=2)},
     }
     upstreams: list[str] = []
     for i, role in enumerate(ROLES, start=1):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pdctl.launch import probe
-from pdctl.launch.backend import Backend, Liveness, StopReport
+from pdctl.launch.backend import Liveness, RestartableBackend, StopReport
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec
 
@@ -67,9 +67,8 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, _, group in live_processes() if group == pgid]
 
 
-class LocalBackend(Backend):
+class LocalBackend(RestartableBackend):
     name = "local"
-    restartable = True
 
     def __init__(self) -> None:
         self._children: dict[str, subprocess.Popen] = {}  # only for processes this pdctl started

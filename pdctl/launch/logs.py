@@ -11,8 +11,6 @@ import re
 from collections import deque
 from pathlib import Path
 
-from pdctl.launch.guard import EXIT_MARK
-
 # vLLM prefixes a child process's lines with "(EngineCore_DP0 pid=123) " and its logger with
 # "ERROR 12-02 10:00:00 [file.py:12] "; the exception line is what follows.
 _PREFIX = re.compile(r"^(\([\w.\-]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?")
@@ -33,6 +31,7 @@ def _strip(line: str) -> str:
 
 
 START_MARK = "--- pdctl: starting "
+EXIT_MARK = "--- pdctl guard: server "  # the guard's one line on how the server ended
 
 
 def this_run(lines: list[str]) -> list[str]:

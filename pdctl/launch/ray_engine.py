@@ -20,10 +20,12 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from pdctl.launch.backend import Liveness, StopReport
 from pdctl.launch.cluster import ClusterBackend, is_this_host
+from pdctl.launch.errors import PlacementFailed
 from pdctl.launch.local import group_alive, guarded, start_ticks
-from pdctl.launch.run import LaunchFailed
+from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState, ProcessRecord
-from pdctl.plan import Plan, ProcessSpec, placement_of, with_hosts
+from pdctl.plan import Plan, ProcessSpec
+from pdctl.topology import EngineSpec
 
 CALL_TIMEOUT_S = 5.0  # an actor on a lost node never answers: liveness must not hang on it
 
@@ -62,8 +64,6 @@ class InstanceActor:
         return (self.pgid is not None and group_alive(self.pgid)), None
 
     def tail(self, n: int) -> list[str]:
-        from pdctl.launch.run import tail
-
         return tail(self.log_path, n) if self.log_path else []
 
     def stop(self, grace_s: float) -> str:
@@ -83,7 +83,7 @@ class RayBackend(ClusterBackend):
     name = "ray"
     prefix = "ray:"
 
-    def __init__(self, engine: dict) -> None:
+    def __init__(self, engine: EngineSpec) -> None:
         super().__init__(engine)
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
@@ -92,30 +92,30 @@ class RayBackend(ClusterBackend):
     def _connect(self, namespace: str) -> None:
         if ray.is_initialized():
             return
-        address = self.engine.get("address") or os.environ.get("RAY_ADDRESS")
+        address = self.engine.address or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, namespace=namespace, logging_level="ERROR", log_to_driver=False,
                  configure_logging=True)
 
     @staticmethod
     def _namespace(plan: Plan) -> str:
-        return (plan.topology.get("engine") or {}).get("namespace") or plan.name
+        return plan.topology.engine.namespace or plan.name
 
     def _on_ray(self, spec: ProcessSpec) -> bool:
         if spec.role != "proxy":
             return True
-        pl = (self.engine.get("placement") or {}).get("proxy") or {}
-        return bool(pl.get("resources") or pl.get("labels") or (pl.get("node") not in (None, "local")))
+        pl = self.engine.placement.get("proxy")
+        return pl is not None and bool(pl.resources or pl.labels or pl.node not in (None, "local"))
 
     def _options(self, plan: Plan, spec: ProcessSpec) -> dict:
-        pl = placement_of(plan, spec)
+        pl = plan.placement_of(spec)
         opts: dict = {"name": spec.name, "lifetime": "detached", "num_cpus": 0}
-        if pl.get("resources"):
+        if pl.resources:
             # A sliver of the resource: it marks the node kind, it does not count instances.
-            opts["resources"] = {k: min(float(v), 0.01) for k, v in pl["resources"].items()}
-        if pl.get("labels"):
-            opts["label_selector"] = dict(pl["labels"])
-        if pl.get("node") and pl["node"] != "local":
-            opts["resources"] = {**opts.get("resources", {}), f"node:{pl['node']}": 0.001}
+            opts["resources"] = {k: min(float(v), 0.01) for k, v in pl.resources.items()}
+        if pl.labels:
+            opts["label_selector"] = dict(pl.labels)
+        if pl.node and pl.node != "local":
+            opts["resources"] = {**opts.get("resources", {}), f"node:{pl.node}": 0.001}
         return opts
 
     # -- Backend
@@ -124,7 +124,7 @@ class RayBackend(ClusterBackend):
         try:
             self._connect(self._namespace(plan))
         except Exception as e:  # ray raises ConnectionError, RuntimeError, ValueError here
-            return [f"cannot reach the Ray cluster at {self.engine.get('address') or '$RAY_ADDRESS'}: "
+            return [f"cannot reach the Ray cluster at {self.engine.address or '$RAY_ADDRESS'}: "
                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"]
         problems = []
         for spec in plan.processes:
@@ -134,20 +134,20 @@ class RayBackend(ClusterBackend):
                                 f"'{self._namespace(plan)}'; `pdctl down {plan.name}` first")
             except ValueError:
                 pass
-        local = Plan(plan.name, plan.state_dir, [s for s in plan.processes if not self._on_ray(s)], plan.topology)
+        local = plan.with_processes([s for s in plan.processes if not self._on_ray(s)])
         return problems + self.local.preflight(local)
 
     def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
         ns = self._namespace(plan)
         self._connect(ns)
-        state.engine = {"namespace": ns, "address": self.engine.get("address") or os.environ.get("RAY_ADDRESS")}
+        state.engine = {"namespace": ns, "address": self.engine.address or os.environ.get("RAY_ADDRESS")}
         placed = [s for s in plan.processes if self._on_ray(s)]
         for spec in placed:
             opts = self._options(plan, spec)
             self._actors[spec.name] = InstanceActor.options(namespace=ns, **opts).remote(spec.name)
             # Recorded at once: a failed placement below must still find and kill the actors.
             state.processes[spec.name] = ProcessRecord(spec.name, 0, 0, 0, time.time(), where="ray:pending")
-        timeout = float(self.engine.get("placement_timeout_s") or 120.0)
+        timeout = self.engine.placement_timeout_s
         refs = {n: a.node_ip.remote() for n, a in self._actors.items()}
         hosts: dict[str, str] = {}
         deadline = time.monotonic() + timeout
@@ -155,9 +155,9 @@ class RayBackend(ClusterBackend):
             try:
                 hosts[name] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except GetTimeoutError:
-                raise PlacementFailed(name, placement_of(plan, plan.get(name)),
+                raise PlacementFailed(name, plan.placement_of(plan.get(name)).model_dump(),
                                       timeout, _cluster_nodes()) from None
-        plan = with_hosts(plan, hosts)
+        plan = plan.with_hosts(hosts)
         state.plan = plan
         for spec in plan.processes:
             if spec.name in self._actors:
@@ -168,9 +168,6 @@ class RayBackend(ClusterBackend):
             else:
                 self.local.start(plan, spec, state, attached=attached)
         return plan
-
-    def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
-        raise NotImplementedError("the Ray backend places and starts a whole plan at once (launch)")
 
     def _actor(self, state: LaunchState, name: str):
         if name not in self._actors:
@@ -237,13 +234,6 @@ class RayBackend(ClusterBackend):
             report.add(self.local.stop(LaunchState(state.plan, "local", state.detached,
                                                    {n: on_ray[n] for n in here}), grace_s))
         return self.stop_here(state, grace_s, report)
-
-
-class PlacementFailed(LaunchFailed):
-    def __init__(self, name: str, placement: dict, timeout_s: float, nodes: list[str]):
-        wanted = ", ".join(f"{k}={v}" for k, v in placement.items() if v) or "any node"
-        super().__init__(name, f"no node satisfied placement ({wanted}) within {timeout_s:.0f} s; the cluster's "
-                         f"nodes:\n  " + "\n  ".join(nodes or ["(none alive)"]), None)
 
 
 def _cluster_nodes() -> list[str]:

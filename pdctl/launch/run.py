@@ -11,16 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdctl.launch import probe
+from pdctl.launch import probe, supervisor
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
-from pdctl.launch.logs import root_cause, tail
+from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  # noqa: F401 (re-exported)
+from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec
 from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
-
-LOG_TAIL_LINES = 40
 
 
 @dataclass
@@ -30,31 +29,11 @@ class Progress:
     elapsed_s: float
 
 
-class LaunchFailed(Exception):
-    def __init__(self, name: str, reason: str, log_path: str | None):
-        self.name, self.reason, self.log_path = name, reason, log_path
-        self.log_tail = tail(log_path, LOG_TAIL_LINES) if log_path else []
-        super().__init__(f"{name}: {reason}")
-
-    @property
-    def cause(self) -> str | None:
-        """The line of the log that says why (pdctl's own error, else the first exception), if any."""
-        return root_cause(tail(self.log_path, 400) if self.log_path else self.log_tail)
-
-
-class PreflightFailed(Exception):
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("; ".join(problems))
-
-
 def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
     problems: list[str] = []
     existing = state_mod.load(Path(plan.state_dir))
     if existing and any(backend.liveness(existing, n).alive for n in existing.processes):
         return [f"'{plan.name}' is already up (state {plan.state_dir}); `pdctl down {plan.name}` first"]
-    from pdctl.launch import supervisor
-
     sup = supervisor.alive(Path(plan.state_dir))
     if sup:  # it would restart its instances into the new launch's ports and overwrite its state
         return [f"'{plan.name}' still has a {sup['mode']} supervisor (pid {sup['pid']}, state {plan.state_dir}); "
@@ -141,10 +120,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
 
 def pool_pairs(plan: Plan) -> list[tuple[str, str]]:
     """The (prefill pool, decode pool) pairs the proxy may route, from the plan's topology."""
-    t = plan.topology
-    excluded = {tuple(x) for x in (t.get("proxy") or {}).get("exclude_pairs", [])}
-    return [(p["name"], d["name"]) for p in t.get("prefill", []) for d in t.get("decode", [])
-            if (p["name"], d["name"]) not in excluded]
+    return [(p.name, d.name) for p, d in plan.topology.pairs()]
 
 
 def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
@@ -163,12 +139,12 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + 60
     while probe.http_get(proxy.http_url + "/ready", timeout=5.0)[0] != 200 and time.monotonic() < deadline:
         time.sleep(0.5)
-    model = plan.topology.get("model", {})
-    blocks = [p.block_size or 16 for p in plan.processes if p.block_size]
+    model = plan.topology.model.name
+    blocks = [p.block_size for p in plan.processes if p.block_size]
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
     for k, (pool_p, pool_d) in enumerate(pool_pairs(plan) or [(None, None)]):
         # Each pair its own prompt: a decode's prefix cache must not answer another pair's warm-up.
-        body = {"model": model.get("served_name") or model.get("path"), "max_tokens": 2, "temperature": 0,
+        body = {"model": model, "max_tokens": 2, "temperature": 0,
                 "prompt": [5 + (i * (k + 1) + k) % 50 for i in range(n)]}
         decodes = [p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool)]
         decode = decodes[0]
@@ -260,8 +236,6 @@ def down(state: LaunchState, backend: Backend, grace_s: float = 15.0) -> StopRep
 
 def stop_supervisor(state_dir: Path) -> str | None:
     """Stop the topology's supervisor first, so nothing is restarted while it is taken down."""
-    from pdctl.launch import supervisor
-
     return supervisor.stop(state_dir)
 
 

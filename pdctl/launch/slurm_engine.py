@@ -16,33 +16,34 @@ import time
 
 from pdctl.launch.backend import Liveness, StopReport
 from pdctl.launch.cluster import ClusterBackend, is_this_host
-from pdctl.launch.run import LaunchFailed
+from pdctl.launch.errors import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
-from pdctl.plan import Plan, ProcessSpec, placement_of, with_hosts
+from pdctl.plan import Plan
+from pdctl.topology import EngineSpec
 
 NODE_ADDR = "{node_addr}"  # replaced on the node by pdctl.launch.slurm_step
 JOB_PREFIX = "pdctl-"
 
 
-def render_batch(plan: Plan, engine: dict, python: str = sys.executable) -> str:
-    """The sbatch script for a plan's servers (pure)."""
+def render_batch(plan: Plan, engine: EngineSpec, python: str = sys.executable) -> str:
+    """The sbatch script for a plan's servers (pure); `engine` is normally `plan.topology.engine`."""
     servers = [s for s in plan.processes if s.role in ("prefill", "decode")]
-    placed = with_hosts(plan, {s.name: NODE_ADDR for s in servers})
-    partitions = {placement_of(plan, s).get("partition") for s in servers} - {None}
+    placed = plan.with_hosts({s.name: NODE_ADDR for s in servers})
+    partitions = {plan.placement_of(s).partition for s in servers} - {None}
     nodes: list[str] = []
     for s in servers:
-        for n in placement_of(plan, s).get("nodelist") or []:
+        for n in plan.placement_of(s).nodelist or []:
             if n not in nodes:
                 nodes.append(n)
-    every_role_listed = all(placement_of(plan, s).get("nodelist") for s in servers)
-    gres = {placement_of(plan, s).get("gres") for s in servers} - {None}
+    every_role_listed = all(plan.placement_of(s).nodelist for s in servers)
+    gres = {plan.placement_of(s).gres for s in servers} - {None}
     lines = ["#!/bin/bash",
              f"# pdctl: the {plan.name} topology's servers, one job step per instance (rendered by pdctl).",
              f"#SBATCH --job-name={JOB_PREFIX}{plan.name}",
              f"#SBATCH --ntasks={len(servers)}",
              f"#SBATCH --nodes={len(nodes) if every_role_listed else len(servers)}",
              f"#SBATCH --output={plan.state_dir}/logs/slurm-%j.out",
-             f"#SBATCH --time={engine.get('time_limit') or 'UNLIMITED'}",
+             f"#SBATCH --time={engine.time_limit}",
              "#SBATCH --no-kill"]  # a lost node ends its own steps, not the whole topology
     if partitions:
         lines.append(f"#SBATCH --partition={sorted(partitions)[0]}")
@@ -54,13 +55,13 @@ def render_batch(plan: Plan, engine: dict, python: str = sys.executable) -> str:
     for s in placed.processes:
         if s.role not in ("prefill", "decode"):
             continue
-        pl = placement_of(plan, s)
+        pl = plan.placement_of(s)
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--job-name={s.name}", f"--output={s.log_path}",
                 "--open-mode=append", "--export=ALL"]
-        if pl.get("nodelist"):
-            srun.append(f"--nodelist={pl['nodelist'][s.index % len(pl['nodelist'])]}")
-        if pl.get("gres"):
-            srun.append(f"--gres={pl['gres']}")
+        if pl.nodelist:
+            srun.append(f"--nodelist={pl.nodelist[s.index % len(pl.nodelist)]}")
+        if pl.gres:
+            srun.append(f"--gres={pl.gres}")
         env = [f"{k}={v}" for k, v in s.env.items()] + [f"PDCTL_STEP_PIDFILE={step_pidfile(plan, s.name)}"]
         cmd = [*srun, "env", *env, python, "-m", "pdctl.launch.slurm_step", "--", *s.argv]
         lines.append(shlex.join(cmd) + " &")
@@ -122,7 +123,7 @@ class SlurmBackend(ClusterBackend):
     name = "slurm"
     prefix = "slurm:"
 
-    def __init__(self, engine: dict) -> None:
+    def __init__(self, engine: EngineSpec) -> None:
         super().__init__(engine)  # the proxy runs where pdctl runs
         self._steps: tuple[float, dict[str, str]] | None = None
 
@@ -136,7 +137,7 @@ class SlurmBackend(ClusterBackend):
         r = _run(["sinfo", "--noheader", "--format", "%P"])
         if r.returncode != 0:
             problems.append(f"cannot reach slurmctld: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-        proxy = Plan(plan.name, plan.state_dir, plan.by_role("proxy"), plan.topology)
+        proxy = plan.with_processes(plan.by_role("proxy"))
         return problems + self.local.preflight(proxy)
 
     def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
@@ -153,7 +154,7 @@ class SlurmBackend(ClusterBackend):
         servers = [s for s in plan.processes if s.role != "proxy"]
         for s in servers:  # recorded at once: a failed placement must still scancel the job
             state.processes[s.name] = ProcessRecord(s.name, 0, 0, 0, time.time(), where=f"slurm:{job_id}")
-        timeout = float(self.engine.get("placement_timeout_s") or 120.0)
+        timeout = self.engine.placement_timeout_s
         deadline = time.monotonic() + timeout
         found: dict[str, str] = {}
         while True:
@@ -171,16 +172,13 @@ class SlurmBackend(ClusterBackend):
                                    + "\n  ".join(cluster_nodes() or ["(none)"]), None)
             time.sleep(0.5)
         addrs = {node: node_addr(node) for node in set(found.values())}
-        plan = with_hosts(plan, {s.name: addrs[found[s.name]] for s in servers})
+        plan = plan.with_hosts({s.name: addrs[found[s.name]] for s in servers})
         state.plan = plan
         for s in servers:
             state.processes[s.name] = ProcessRecord(s.name, 0, 0, 0, time.time(), where=f"slurm:{found[s.name]}")
         for s in plan.by_role("proxy"):
             self.local.start(plan, s, state, attached=attached)
         return plan
-
-    def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
-        raise NotImplementedError("the Slurm backend submits a whole plan as one job (launch)")
 
     def _running_steps(self, job_id: str) -> tuple[dict[str, str], dict[str, str]]:
         # One squeue and one sinfo per second at most: readiness polls every instance four times a second.

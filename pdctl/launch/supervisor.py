@@ -30,10 +30,13 @@ from pathlib import Path
 
 from pdctl.launch import probe as probe_mod
 from pdctl.launch import state as state_mod
-from pdctl.launch.backend import Backend
+from pdctl.launch.backend import Backend, RestartableBackend
+from pdctl.launch.backends import backend_of
+from pdctl.launch.local import start_ticks
 from pdctl.launch.logs import exit_of, root_cause, this_run
 from pdctl.launch.state import LaunchState
 from pdctl.plan import ProcessSpec
+from pdctl.topology import ROLES, Topology
 
 START_TIMEOUT_S = 600.0
 
@@ -42,30 +45,31 @@ class StateGone(Exception):
     """`pdctl down` removed the topology's state: nothing is left to supervise."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Policy:
-    health_failures: int = 3
-    health_window_s: float = 30.0
-    health_interval_s: float = 5.0
-    backoff_s: float = 2.0
-    backoff_max_s: float = 60.0
-    max_restarts: int = 5
-    window_s: float = 600.0
+    """The topology's `supervision:` section (no defaults here: the topology model's are the only ones) and how
+    long a restarted instance may take to answer /health."""
+
+    health_failures: int
+    health_window_s: float
+    health_interval_s: float
+    backoff_s: float
+    backoff_max_s: float
+    max_restarts: int
+    window_s: float
     start_timeout_s: float = START_TIMEOUT_S
 
     @classmethod
-    def of(cls, topology: dict) -> Policy:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in (topology.get("supervision") or {}).items() if k in known})
+    def of(cls, topology: Topology) -> Policy:
+        return cls(**topology.supervision.model_dump())
 
 
-def restart_policy(topology: dict, spec: ProcessSpec) -> str:
-    """The pool's `restart:` (the proxy is always restarted on failure)."""
-    pools = topology.get(spec.role)
-    if isinstance(pools, list):
-        for p in pools:
-            if p.get("name") == spec.pool:
-                return p.get("restart", "on-failure")
+def restart_policy(topology: Topology, spec: ProcessSpec) -> str:
+    """The pool's `restart:` (the proxy, and anything outside a pool, is always restarted on failure)."""
+    if spec.role in ROLES:
+        for g in topology.pools(spec.role):
+            if g.name == spec.pool:
+                return g.restart
     return "on-failure"
 
 
@@ -180,14 +184,13 @@ class Supervisor:
         self.save(self.state)
 
     def _stop(self, spec: ProcessSpec) -> None:
-        try:
+        # A backend that starts a plan as a whole stops it as a whole too: its instance is left as it is.
+        if isinstance(self.backend, RestartableBackend):
             self.backend.stop_one(self.state, spec.name)
-        except NotImplementedError:
-            pass
 
     def _ended(self, spec: ProcessSpec, w: _Watch, now: float, code: int | None, reason: str | None) -> None:
         """The instance is gone: record how and why, then restart it later, or leave it down."""
-        if self.backend.restartable:
+        if isinstance(self.backend, RestartableBackend):
             self._stop(spec)  # whatever the server left behind (an orphaned EngineCore holds its ports)
         lines = this_run(self.backend.log_tail(self.state, spec.name, 2000))
         how = exit_of(lines) or (f"exited with code {code}" if code is not None else "gone")
@@ -198,7 +201,7 @@ class Supervisor:
         clean = reason is None and (code == 0 or how == "exited with code 0")
         policy = restart_policy(self.state.plan.topology, spec)
         cause = f": {rec.last_error}" if rec and rec.last_error else ""
-        if not self.backend.restartable:
+        if not isinstance(self.backend, RestartableBackend):
             self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; the {self.backend.name} engine does "
                      "not restart single instances (pdctl down && pdctl up)")
             return self._set(spec, w, "failed")
@@ -217,10 +220,11 @@ class Supervisor:
         self._set(spec, w, "backoff")
 
     def _restart(self, spec: ProcessSpec, w: _Watch, now: float) -> None:
+        assert isinstance(self.backend, RestartableBackend)  # _ended leaves the others' instances down
         old = self.state.processes.get(spec.name)
         try:
             self.backend.start(self.state.plan, spec, self.state, attached=self.attached)
-        except (OSError, NotImplementedError) as e:
+        except OSError as e:
             w.restarts.append(now)  # a start that fails counts: it must not loop at the first backoff forever
             self.say(f"{spec.name}: restart failed: {e}")
             return self._ended(spec, w, now, None, f"restart failed: {e}")
@@ -282,15 +286,11 @@ def supervise_attached(state: LaunchState, backend: Backend, stop: threading.Eve
 
 
 def record_self(state_dir: Path, mode: str) -> None:
-    from pdctl.launch.local import start_ticks
-
     state_mod.save_supervisor(state_dir, os.getpid(), start_ticks(os.getpid()) or 0, mode)
 
 
 def alive(state_dir: Path) -> dict | None:
     """The recorded supervisor, if that process still runs."""
-    from pdctl.launch.local import start_ticks
-
     rec = state_mod.load_supervisor(state_dir)
     if rec is None or start_ticks(rec["pid"]) != rec.get("start_ticks"):
         return None
@@ -301,8 +301,6 @@ def stop(state_dir: Path, timeout_s: float = 60.0) -> str | None:
     """Stop the topology's supervisor, if one runs; its mode ('detached' | 'foreground') when one was stopped.
 
     A foreground `pdctl up` stops its whole topology when told to; wait for that, so `down` finds what is left."""
-    from pdctl.launch.local import start_ticks
-
     rec = state_mod.load_supervisor(state_dir)
     if rec is None:
         return None
@@ -324,8 +322,6 @@ def stop(state_dir: Path, timeout_s: float = 60.0) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    from pdctl.launch.backend import backend_of
-
     if len(argv) != 1:
         print("usage: python -m pdctl.launch.supervisor STATE_DIR", file=sys.stderr)
         return 2

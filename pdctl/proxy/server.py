@@ -160,10 +160,10 @@ class Proxy:
         # Ready when some allowed pair has a healthy instance on both sides.
         pairs = {f"{p}/{d}": p in up[0] and d in up[1] for p, d in self.router.pairs}
         ready = any(pairs.values())
-        return web.json_response({"ready": ready, "instances": {f"{i.role} {i.url}": ok for i, ok in
-                                                                zip(insts, oks, strict=True)},
-                                  "names": {i.name: ok for i, ok in zip(insts, oks, strict=True)},
-                                  "pairs": pairs}, status=200 if ready else 503)
+        instances = [{"name": i.name, "role": i.role, "pool": i.pool, "url": i.url, "healthy": ok}
+                     for i, ok in zip(insts, oks, strict=True)]
+        return web.json_response({"ready": ready, "instances": instances, "pairs": pairs},
+                                 status=200 if ready else 503)
 
     async def models(self, req: web.Request) -> web.Response:
         decodes = [i for i in self.router.instances if i.role == "decode"]

@@ -130,6 +130,9 @@ def test_status_and_logs_name_the_pools(fleet_up):
     assert "==> prefill-p32-0" in r.stdout and "==> prefill-p128-0" in r.stdout
     ready = json.loads(get_text(fleet_up.urls["proxy"] + "/ready"))
     assert ready["ready"] and set(ready["pairs"]) == {f"{p}/{d}" for p, d in PAIRS} and all(ready["pairs"].values())
+    assert {(i["role"], i["pool"], i["url"]) for i in ready["instances"]} == {
+        (s.role, s.pool, s.http_url) for s in fleet_up.plan.processes if s.role in ("prefill", "decode")}
+    assert all(i["healthy"] for i in ready["instances"])
     metrics = get_text(fleet_up.urls["proxy"] + "/metrics")
     assert 'pdctl_proxy_pair_requests_total{prefill_pool="p128",decode_pool="d32",status="200"}' in metrics
     assert live(fleet_up.pgids)

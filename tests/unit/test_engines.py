@@ -1,18 +1,34 @@
 """Engine selection and Ray placement options, without a cluster (the e2e tests run real ones)."""
 
+import inspect
 from dataclasses import replace
 from pathlib import Path
 
-from pdctl.launch.backend import backend_for
+import pytest
+
+from pdctl.launch.backend import Backend, RestartableBackend
+from pdctl.launch.backends import backend_for
+from pdctl.launch.local import LocalBackend
+from pdctl.launch.ray_engine import RayBackend
+from pdctl.launch.slurm_engine import SlurmBackend
 from pdctl.plan import build_plan
-from pdctl.topology import load_topology, overrides_from_flags
+from pdctl.topology import EngineSpec, Placement, load_topology, overrides_from_flags
 from tests.conftest import CONFIGS
 
 
 def test_backend_for_each_engine_kind():
-    assert backend_for(None).name == "local" and backend_for({"kind": "local"}).name == "local"
-    assert backend_for({"kind": "ray", "address": "127.0.0.2:6390"}).name == "ray"
-    assert backend_for({"kind": "slurm"}).name == "slurm"
+    assert backend_for(None).name == "local" and backend_for(EngineSpec(kind="local")).name == "local"
+    assert backend_for(EngineSpec(kind="ray", address="127.0.0.2:6390")).name == "ray"
+    assert backend_for(EngineSpec(kind="slurm")).name == "slurm"
+
+
+@pytest.mark.parametrize("cls", [LocalBackend, RayBackend, SlurmBackend])
+def test_every_backend_implements_the_whole_interface(cls):
+    """No abstract method left, and none answered with NotImplementedError: Ray and Slurm launch a plan as a
+    whole and are not restartable (the supervisor never asks them to start or stop one instance)."""
+    assert not cls.__abstractmethods__ and issubclass(cls, Backend)
+    assert issubclass(cls, RestartableBackend) == cls.restartable == (cls is LocalBackend)
+    assert "NotImplementedError" not in inspect.getsource(inspect.getmodule(cls))
 
 
 def test_engine_flags_override_the_topology():
@@ -25,10 +41,10 @@ def test_engine_flags_override_the_topology():
 def test_ray_actor_options_follow_the_placement():
     loaded = load_topology(CONFIGS / "cpu-ray.yaml", [])
     plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
-    engine = {**plan.topology["engine"], "placement": {
-        **plan.topology["engine"]["placement"],
-        "decode": {"labels": {"accelerator": "gaudi3"}, "node": "10.0.0.7", "resources": {}}}}
-    plan = replace(plan, topology={**plan.topology, "engine": engine})
+    e = plan.topology.engine
+    engine = e.model_copy(update={"placement": {
+        **e.placement, "decode": Placement(labels={"accelerator": "gaudi3"}, node="10.0.0.7")}})
+    plan = replace(plan, topology=plan.topology.model_copy(update={"engine": engine}))
     b = backend_for(engine)
     pre = b._options(plan, plan.get("prefill-0"))
     assert pre["name"] == "prefill-0" and pre["lifetime"] == "detached" and pre["num_cpus"] == 0
@@ -37,7 +53,7 @@ def test_ray_actor_options_follow_the_placement():
     assert dec["label_selector"] == {"accelerator": "gaudi3"} and dec["resources"] == {"node:10.0.0.7": 0.001}
     # The proxy stays where pdctl runs unless placed.
     assert b._on_ray(plan.get("decode-0")) and not b._on_ray(plan.get("proxy"))
-    placed = backend_for({**engine, "placement": {"proxy": {"resources": {"cpu_node": 1}}}})
+    placed = backend_for(engine.model_copy(update={"placement": {"proxy": Placement(resources={"cpu_node": 1})}}))
     assert placed._on_ray(plan.get("proxy"))
 
 
@@ -46,6 +62,6 @@ def test_a_pools_own_placement_wins_over_its_roles():
                                   '"placement": {"resources": {"gaudi_node": 1}}}'])
     loaded = load_topology(CONFIGS / "cpu-ray.yaml", o)
     plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
-    b = backend_for(plan.topology["engine"])
+    b = backend_for(plan.topology.engine)
     assert b._options(plan, plan.get("decode-d64-0"))["resources"] == {"gaudi_node": 0.01}
     assert b._options(plan, plan.get("prefill-0"))["resources"] == {"prefill_node": 0.01}

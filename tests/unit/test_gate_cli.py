@@ -5,12 +5,11 @@ are replaced by ones that fail the test, and the only network is loopback."""
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from pdctl import cli
+from pdctl import cli, render
 from pdctl.gates import gsm8k
 from pdctl.gates.gated import gated, gated_lines, running_warning
 from pdctl.topology import Override, load_topology
@@ -48,14 +47,14 @@ def no_launch(monkeypatch):
     """Every way to start something fails the test with Launched (and records what it was asked)."""
     seen: dict = {}
 
-    def plan_with_reference(loaded, state_dir, reference_port):
-        seen.update(topology=loaded.topology, reference_port=reference_port)
+    def plan(t, state_dir=None, reference_port=None, **_):
+        seen.update(topology=t, reference_port=reference_port)
         raise Launched
 
     def up(*a, **kw):
         raise Launched
 
-    monkeypatch.setattr(cli, "_plan_with_reference", plan_with_reference)
+    monkeypatch.setattr("pdctl.api.plan", plan)
     monkeypatch.setattr("pdctl.launch.run.up", up)
     monkeypatch.setattr("pdctl.gates.accuracy.run_lm_eval", up)
     return seen
@@ -245,7 +244,7 @@ def test_the_accuracy_summary_names_the_gate(capsys):
                "verdicts": [{"metric": "exact_match,strict-match", "measured": 0.0, "stderr": 0.0, "expected": 0.0,
                              "rtol": 0.0, "status": "PASS", "message": "", "gate": "relative"}],
                "baseline": {"diverged": [{"doc_id": 7, "first_diff_char": 3, "length": 40}]}}
-    cli._render_accuracy(summary, "configs/expected.yaml")
+    render.accuracy(cli.out, cli.err, summary, "configs/expected.yaml")
     out = capsys.readouterr().out
     assert "relative gate: agreement 19/20 with the aggregated reference" in out
     assert "doc 7: texts differ from character 3 of 40" in out  # (the table's cells wrap at 80 columns)
@@ -295,31 +294,35 @@ def test_a_users_own_setting_wins_with_a_warning(offline, no_launch, run_cli):
 
 
 def test_running_systems_are_warned_about_what_a_gate_cannot_change():
-    assert running_warning({"proxy": {"on_prefill_down": "reject"}, "connector": {"kv_load_failure_policy": "fail"}}
-                           ) is None
-    w = running_warning({"proxy": {"on_prefill_down": "fallback"}, "connector": {"kv_load_failure_policy": "fail"}})
+    from pdctl.topology import Topology
+
+    def plan_topology(**parts):  # as a plan's JSON reads back
+        return Topology.model_validate({"name": "t", "model": {"path": "m"}, "prefill": {}, "decode": {}, **parts})
+
+    assert running_warning(plan_topology(proxy={"on_prefill_down": "reject"},
+                                         connector={"kv_load_failure_policy": "fail"})) is None
+    w = running_warning(plan_topology(proxy={"on_prefill_down": "fallback"},
+                                      connector={"kv_load_failure_policy": "fail"}))
     assert w.startswith("warning: the running system has proxy.on_prefill_down=fallback, which a gate cannot change")
-    old = running_warning({"proxy": {"strict": True}, "connector": {}})  # a plan from before the fields existed
+    old = running_warning(plan_topology(proxy={"strict": True}))  # a plan from before the fields existed
     assert old.startswith("warning: the running system has connector.kv_load_failure_policy=recompute, which")
 
 
 def test_check_on_a_running_topology_warns_from_its_plan(monkeypatch, run_cli, tmp_path):
-    class Proc:
-        http_url = "http://127.0.0.1:9"
+    from pdctl.launch import state as state_mod
+    from pdctl.plan import Plan, ProcessSpec
+    from pdctl.topology import Topology
 
-    class St:
-        class plan:  # noqa: N801 - a stand-in for LaunchState.plan
-            topology = {"model": {"path": "m", "served_name": "tiny"}, "proxy": {"on_prefill_down": "fallback"},
-                        "connector": {"kv_load_failure_policy": "recompute"}}
-
-            @staticmethod
-            def get(name):
-                return Proc
+    topo = Topology.model_validate({"name": "t", "model": {"path": "m", "served_name": "tiny"}, "prefill": {},
+                                    "decode": {}, "proxy": {"on_prefill_down": "fallback"},
+                                    "connector": {"kv_load_failure_policy": "recompute"}})
+    proxy = ProcessSpec("proxy", "proxy", 0, ["true"], {}, "127.0.0.1", {"http": 9}, str(tmp_path / "proxy.log"),
+                        "http://127.0.0.1:9/health")
+    state_mod.save(state_mod.LaunchState(Plan("t", str(tmp_path), [proxy], topo)))  # a plan that is "up"
 
     def check_fleet(*a, **kw):
         raise Launched
 
-    monkeypatch.setattr(cli, "_state_or_exit", lambda name, d: (Path(d), St))
     monkeypatch.setattr("pdctl.gates.fleet.check_fleet", check_fleet)
     r = _invoke("check", "--state-dir", tmp_path, "--reference", "http://127.0.0.1:9")
     assert r.exit_code == LAUNCHED  # the gate ran after the warning

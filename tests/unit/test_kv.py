@@ -7,18 +7,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.kv.convert import (
+    Range,
     Side,
     convert,
-    execute_plan,
     merge_in_place,
     split_in_place,
     to_sequence,
     transfer_plan,
     zero_tokens_from,
 )
-from pdctl.kv.layouts import LAYOUTS, BlockShape, cpu_attn_isa, layout
+from pdctl.kv.layouts import LAYOUTS, BlockShape, layout
 
 LAYOUT_NAMES = sorted(LAYOUTS)
+
+
+def execute_plan(plan: list[Range], raw_src: torch.Tensor, dst_shape: tuple[int, int]) -> torch.Tensor:
+    """Copy a transfer plan's byte ranges into zeroed decode blocks of dst_shape=(blocks, elements)."""
+    src = raw_src.contiguous().view(torch.uint8).reshape(raw_src.shape[0], -1)
+    esz = src.shape[1] // raw_src.shape[1]
+    dst = torch.zeros(dst_shape[0], dst_shape[1] * esz, dtype=torch.uint8)
+    for r in plan:
+        dst[r.dst_block, r.dst_offset : r.dst_offset + r.length] = src[r.src_block,
+                                                                       r.src_offset : r.src_offset + r.length]
+    return dst.view(raw_src.dtype).reshape(dst_shape)
 
 
 def _shape(name: str, heads: int, n: int, d: int) -> BlockShape:
@@ -134,13 +145,6 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="cpu_amx needs block size"):
         convert(torch.zeros(1, 2 * 16 * 2 * 64), Side(layout("cpu_amx"), BlockShape(2, 16, 64)),
                 Side(layout("cpu_vec"), BlockShape(2, 32, 64)), 10)
-
-
-def test_cpu_attn_isa_rules():
-    assert cpu_attn_isa(torch.bfloat16, 32, 64, has_amx=False) == "vec"
-    assert cpu_attn_isa(torch.bfloat16, 32, 64, has_amx=True) == "amx"
-    assert cpu_attn_isa(torch.bfloat16, 32, 80, has_amx=True) == "vec16"
-    assert cpu_attn_isa(torch.float32, 16, 64, has_amx=False) == "vec16"
 
 
 @pytest.mark.parametrize("ratio", [2, 4])

@@ -50,6 +50,7 @@ def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from pdctl.plan import Plan, ProcessSpec
+    from pdctl.topology import Topology
 
     seen: list[tuple[str, str]] = []
 
@@ -72,8 +73,9 @@ def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path
     spec = lambda name, role, pool: ProcessSpec(name, role, 0, [], {}, "127.0.0.1",  # noqa: E731
                                                 {"http": port if role == "proxy" else 1}, str(tmp_path / name),
                                                 "", block_size=32, pool=pool)
-    topo = {"model": {"path": "m"}, "proxy": {"exclude_pairs": [["p2", "d"]]},
-            "prefill": [{"name": "p1"}, {"name": "p2"}], "decode": [{"name": "d"}, {"name": "e"}]}
+    topo = Topology.model_validate({"name": "t", "model": {"path": "m"}, "proxy": {"exclude_pairs": [["p2", "d"]]},
+                                    "prefill": [{"name": "p1"}, {"name": "p2"}],
+                                    "decode": [{"name": "d"}, {"name": "e"}]})
     plan = Plan("t", str(tmp_path), [spec("prefill-p1-0", "prefill", "p1"), spec("prefill-p2-0", "prefill", "p2"),
                                      spec("decode-d-0", "decode", "d"), spec("decode-e-0", "decode", "e"),
                                      spec("proxy", "proxy", None)], topo)

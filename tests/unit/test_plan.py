@@ -33,6 +33,43 @@ def test_plan_json_golden(run_cli, config):
         assert got == json.load(f), f"plan changed; rerun with UPDATE_GOLDEN=1 if intended ({path})"
 
 
+@pytest.mark.parametrize("config", ["cpu-demo", "qwen3-0.6b-cuda-d64-tp2", "cuda-to-gaudi"])
+def test_the_typed_plan_writes_the_golden_json_and_reads_it_back(config):
+    """The plan holds the typed topology; its JSON (state.json, `plan --json`) is the topology's JSON dump, and
+    reading it back gives the same plan (the model is re-validated, the file-reading rules are not re-run)."""
+    from pdctl.plan import Plan
+
+    loaded = load_topology(CONFIGS / f"{config}.yaml")
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/tmp/pdctl-golden"),
+                   python=sys.executable)
+    assert p.topology is loaded.topology
+    with open(os.path.join(GOLDEN, f"{config}.plan.json")) as f:
+        golden = json.load(f)
+    assert _normalized(p.to_json()) == golden
+    back = Plan.from_dict(json.loads(p.to_json()))
+    assert back.to_dict() == p.to_dict() and back.topology.model_dump() == p.topology.model_dump()
+    assert back.topology.origin is None  # read back, not loaded from a file
+
+
+@pytest.mark.parametrize("config", sorted(c.stem for c in CONFIGS.glob("*.yaml")
+                                          if c.stem not in ("cpu-matrix", "upstream-matrix", "expected")))
+def test_every_example_plan_reads_back_from_its_json(config):
+    from pdctl.plan import Plan
+
+    loaded = load_topology(CONFIGS / f"{config}.yaml")
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+    back = Plan.from_dict(json.loads(p.to_json()))
+    assert back.to_json() == p.to_json() and back.topology.model_dump() == p.topology.model_dump()
+
+
+def test_plans_change_through_methods_not_rebuilds():
+    p = _plan()
+    ref = p.get("decode-0")
+    q = p.with_processes([ref])
+    assert [s.name for s in q.processes] == ["decode-0"] and q.topology is p.topology
+    assert (q.name, q.state_dir) == (p.name, p.state_dir) and len(p.processes) == 3
+
+
 def _plan(config="cpu-demo", overrides=()):
     loaded = load_topology(CONFIGS / f"{config}.yaml", overrides)
     return build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", python="py")
@@ -93,11 +130,9 @@ def test_plan_human_output(run_cli):
 
 
 def test_with_hosts_moves_instances_and_the_proxys_upstreams():
-    from pdctl.plan import with_hosts
-
     loaded = load_topology(CONFIGS / "cpu-demo.yaml")
     p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
-    q = with_hosts(p, {"prefill-0": "127.0.0.2", "decode-0": "127.0.0.3"})
+    q = p.with_hosts({"prefill-0": "127.0.0.2", "decode-0": "127.0.0.3"})
     pre, dec, px = q.get("prefill-0"), q.get("decode-0"), q.get("proxy")
     assert pre.argv[pre.argv.index("--host") + 1] == "127.0.0.2" and pre.host == "127.0.0.2"
     assert pre.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.2"
@@ -117,7 +152,7 @@ def test_slurm_batch_script_places_each_instance_and_defers_its_address_to_the_n
 
     loaded = load_topology(CONFIGS / "cpu-slurm.yaml", [])
     p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
-    script = render_batch(p, p.topology["engine"], python="python")
+    script = render_batch(p, p.topology.engine, python="python")
     lines = script.splitlines()
     assert "#SBATCH --nodelist=node1,node2" in lines and "#SBATCH --partition=debug" in lines
     assert "#SBATCH --ntasks=2" in lines and "#SBATCH --no-kill" in lines
@@ -142,23 +177,57 @@ def test_slurm_places_each_pool_where_its_own_placement_says():
     d64 = {"name": "d64", "block_size": 64, "devices": [1]}  # the role's placement: node2
     loaded = load_topology(CONFIGS / "cpu-slurm.yaml", [Override(("decode",), [d64, d32], "--set decode=[...]")])
     p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
-    steps = [shlex.split(line.removesuffix(" &")) for line in render_batch(p, p.topology["engine"]).splitlines()
+    steps = [shlex.split(line.removesuffix(" &")) for line in render_batch(p, p.topology.engine).splitlines()
              if line.startswith("srun ")]
     by_name = {next(a for a in s if a.startswith("--job-name=")).split("=")[1]: s for s in steps}
     assert set(by_name) == {"prefill-0", "decode-d64-0", "decode-d32-0"}
     assert "--nodelist=node2" in by_name["decode-d64-0"] and "--nodelist=node1" in by_name["decode-d32-0"]
 
 
-def test_worker_spin_reaches_the_connector_only_when_set():
+def test_every_cpu_server_gets_calm_executor_queues_and_the_connector_never_sees_it():
+    """pdctl's vLLM plugin (PDCTL_QUEUE_SPIN_S) calms vLLM's executor queues; it is not the connector's job."""
+    from pdctl.plan import QUEUE_SPIN_ENV
     from pdctl.topology import Override
+    from pdctl.vllm_plugin import ENV
+
+    assert QUEUE_SPIN_ENV == ENV
 
     def extra(p):
         d = p.get("decode-0")
         return json.loads(d.argv[d.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["pdctl"]
 
-    assert "worker_spin_s" not in extra(_plan())  # the connector's own default (0 on CPU) applies
+    p = _plan()
+    assert {s.name: s.env.get(ENV) for s in p.processes} == {"prefill-0": "0", "decode-0": "0", "proxy": None}
+    assert "worker_spin_s" not in extra(p)
     set_ = _plan(overrides=[Override(("connector", "worker_spin_s"), 0.25, "--set connector.worker_spin_s=0.25")])
-    assert extra(set_)["worker_spin_s"] == 0.25
+    assert set_.get("decode-0").env[ENV] == "0.25" and "worker_spin_s" not in extra(set_)
+    stock = _plan(overrides=[Override(("connector", "kind"), "nixl", "--set connector.kind=nixl")])
+    assert stock.get("prefill-0").env[ENV] == "0"  # not KV-transfer logic: the stock connector's servers too
+
+
+def test_queue_calming_off_cpu_only_when_asked():
+    from pdctl.plan import queue_spin_s
+    from pdctl.topology import Override
+
+    loaded = load_topology(CONFIGS / "qwen3-0.6b-cuda-d64-tp2.yaml")
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", python="py")
+    assert all("PDCTL_QUEUE_SPIN_S" not in s.env for s in p.processes)  # vLLM's own 1 s spin off CPU
+    loaded = load_topology(CONFIGS / "qwen3-0.6b-cuda-d64-tp2.yaml",
+                           [Override(("connector", "worker_spin_s"), 0.5, "--set connector.worker_spin_s=0.5")])
+    assert queue_spin_s(loaded.topology, loaded.topology.decode[0]) == 0.5
+
+
+def test_reference_is_calmed_by_default_and_plain_vllm_when_asked():
+    from pdctl.plan import reference_spec
+    from pdctl.topology import Override
+
+    def ref(*overrides):
+        loaded = load_topology(CONFIGS / "cpu-demo.yaml", list(overrides))
+        return reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", port=8300)
+
+    assert ref().env["PDCTL_QUEUE_SPIN_S"] == "0"
+    plain = ref(Override(("reference", "calm_queues"), False, "--set reference.calm_queues=false"))
+    assert "PDCTL_QUEUE_SPIN_S" not in plain.env and not any(k.startswith("VLLM_NIXL_") for k in plain.env)
 
 
 # -- fleets: several pools per role ------------------------------------------------------------------------------

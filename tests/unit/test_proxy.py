@@ -364,7 +364,12 @@ def test_ready_needs_a_prefill_and_a_decode(pd):
     assert get(pd.url + "/ready")[0] == 200 and get(pd.url + "/health")[0] == 200
     pd.decode.healthy = False
     status, text = get(pd.url + "/ready")
-    assert status == 503 and json.loads(text)["ready"] is False
+    got = json.loads(text)
+    assert status == 503 and got["ready"] is False and got["pairs"] == {"default/default": False}
+    # Each instance as structured JSON, not a "role url" key.
+    assert got["instances"] == [
+        {"name": "prefill-0", "role": "prefill", "pool": "default", "url": pd.p_url, "healthy": True},
+        {"name": "decode-0", "role": "decode", "pool": "default", "url": pd.d_url, "healthy": False}]
 
 
 def test_models_route(pd):

@@ -9,23 +9,25 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pdctl.launch import state as state_mod
 from pdctl.launch import supervisor
-from pdctl.launch.backend import Backend, Liveness, StopReport
-from pdctl.launch.guard import EXIT_MARK
-from pdctl.launch.logs import exit_of, root_cause
+from pdctl.launch.backend import Backend, Liveness, RestartableBackend, StopReport
+from pdctl.launch.logs import EXIT_MARK, exit_of, root_cause
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec
+from pdctl.topology import Topology
 from tests.conftest import wait_for
 
 
-class FakeBackend(Backend):
+class FakeWholePlanBackend(Backend):
+    """Starts a plan as a whole, like Ray and Slurm: no single-instance start or stop."""
+
     name = "fake"
-    restartable = True
 
     def __init__(self):
         self.alive: dict[str, bool] = {}
@@ -36,7 +38,12 @@ class FakeBackend(Backend):
     def preflight(self, plan):
         return []
 
-    def start(self, plan, spec, state, *, attached):
+    def launch(self, plan, state, *, attached):
+        for s in plan.processes:
+            self._start(s, state)
+        return plan
+
+    def _start(self, spec, state):
         self.alive[spec.name] = True
         self.started.append(spec.name)
         state.processes[spec.name] = ProcessRecord(spec.name, 1000 + len(self.started), 1000, 1, time.time())
@@ -47,13 +54,18 @@ class FakeBackend(Backend):
     def stop(self, state, grace_s=15.0):
         return StopReport([], [], [])
 
+    def log_tail(self, state, name, n):
+        return self.logs.get(name, [])
+
+
+class FakeBackend(FakeWholePlanBackend, RestartableBackend):
+    def start(self, plan, spec, state, *, attached):
+        self._start(spec, state)
+
     def stop_one(self, state, name, grace_s=10.0):
         self.stopped.append(name)
         self.alive[name] = False
         return StopReport([name], [], [])
-
-    def log_tail(self, state, name, n):
-        return self.logs.get(name, [])
 
 
 def spec(name: str, pool: str = "default", role: str = "prefill") -> ProcessSpec:
@@ -61,15 +73,17 @@ def spec(name: str, pool: str = "default", role: str = "prefill") -> ProcessSpec
                        f"http://127.0.0.1:1/{name}/health", pool=pool)
 
 
-def make(restart: str = "on-failure", **supervision):
-    topo = {"prefill": [{"name": "default", "restart": restart}], "decode": [{"name": "default"}],
-            "supervision": {"backoff_s": 2.0, "backoff_max_s": 60.0, "max_restarts": 3, "window_s": 600.0,
-                            "health_failures": 3, "health_window_s": 30.0, "health_interval_s": 5.0,
-                            **supervision}}
+def topology(restart: str = "on-failure", **supervision) -> Topology:
+    return Topology.model_validate({"name": "t", "model": {"path": "m"}, "prefill": [{"name": "default",
+                                    "restart": restart}], "decode": [{"name": "default"}], "supervision": supervision})
+
+
+def make(restart: str = "on-failure", backend: type[FakeWholePlanBackend] = FakeBackend, **supervision):
+    topo = topology(restart, **{"max_restarts": 3, **supervision})
     plan = Plan("t", "/tmp/t", [spec("prefill-0")], topo)
     st = LaunchState(plan)
-    be = FakeBackend()
-    be.start(plan, plan.processes[0], st, attached=False)
+    be = backend()
+    be.launch(plan, st, attached=False)
     be.started.clear()
     clock = [0.0]
     health = {"ok": True}
@@ -152,8 +166,8 @@ def test_one_good_probe_resets_the_health_count():
 
 
 def test_not_restartable_backend_reports_and_leaves_down():
-    sup, be, st, _, _, said = make()
-    be.restartable = False
+    sup, be, st, _, _, said = make(backend=FakeWholePlanBackend)
+    assert not be.restartable
     be.alive["prefill-0"] = False
     sup.tick()
     assert st.processes["prefill-0"].phase == "failed" and "does not restart" in said[-1] and not be.started
@@ -193,8 +207,7 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
               "s.end_headers()), 'log_message': lambda *a: None})).serve_forever()", str(port)]
     sp = ProcessSpec("prefill-0", "prefill", 0, server, {}, "127.0.0.1", {"http": port},
                      str(tmp_path / "logs" / "prefill-0.log"), f"http://127.0.0.1:{port}/health", pool="default")
-    topo = {"prefill": [{"name": "default", "restart": "on-failure"}], "decode": [],
-            "supervision": {"backoff_s": 0.5, "health_interval_s": 0.5}}
+    topo = topology("on-failure", backoff_s=0.5, health_interval_s=0.5)
     plan = Plan("sup-test", str(tmp_path), [sp], topo)
     backend = LocalBackend()
     st = LaunchState(plan)
@@ -258,8 +271,8 @@ def test_guard_logs_how_the_server_ended(tmp_path: Path):
 
 
 def test_launch_failed_shows_the_root_cause_first_not_the_traceback(tmp_path: Path, capsys):
-    from pdctl import cli
-    from pdctl.launch.run import LaunchFailed
+    from pdctl import cli, render
+    from pdctl.launch.errors import LaunchFailed
 
     log = tmp_path / "decode-0.log"
     noise = [f"(EngineCore_DP0 pid=7) INFO line {i}" for i in range(30)]
@@ -269,7 +282,7 @@ def test_launch_failed_shows_the_root_cause_first_not_the_traceback(tmp_path: Pa
                               "staging blocks; give the decode more KV cache memory",
                               *[f'  File "v{i}.py", line {i}' for i in range(20)],
                               "RuntimeError: Engine core initialization failed. See root cause above."]) + "\n")
-    cli._launch_failed(LaunchFailed("decode-0", "exited with code 1 before it was ready", str(log)))
+    render.launch_failed(cli.err, LaunchFailed("decode-0", "exited with code 1 before it was ready", str(log)))
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert lines[0] == "launch failed: decode-0: exited with code 1 before it was ready"
@@ -317,7 +330,7 @@ def test_run_ends_when_down_removed_the_state(tmp_path: Path):
     import threading
 
     sup, be, st, clock, _, _ = make()
-    st.plan = Plan("t", str(tmp_path), st.plan.processes, st.plan.topology)
+    st.plan = replace(st.plan, state_dir=str(tmp_path))
     with pytest.raises(supervisor.StateGone):
         sup.run(threading.Event(), interval_s=0.01)  # no state.json in tmp_path: taken down
 
@@ -327,7 +340,7 @@ def test_attached_supervision_takes_everything_down_when_told_or_when_settled(tm
 
     for restart, settles in (("on-failure", False), ("never", True)):
         sup, be, st, _, _, said = make(restart)
-        st.plan = Plan("t", str(tmp_path), st.plan.processes, st.plan.topology)
+        st.plan = replace(st.plan, state_dir=str(tmp_path))
         state_mod.save(st)
         stopped: list = []
         be.stop = lambda state, grace_s=15.0, stopped=stopped: stopped.append(True)

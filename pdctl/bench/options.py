@@ -1,0 +1,28 @@
+"""What `pdctl bench` and `pdctl sweep` run: one object, built by keyword."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class BenchOptions:
+    """What `bench` and `sweep` run: the gates, the workload, the waits. Built by keyword."""
+
+    skip_check: bool = False
+    skip_eval: bool = False
+    skip_perf: bool = False
+    data_dir: Path | None = None  # GSM8K (the accuracy gate; the parity gate's 5-shot prompts too)
+    limit: int | None = 20  # gsm8k rows
+    num_fewshot: int = 5
+    expected: Path = Path("configs/expected.yaml")
+    requests: int = 32  # load benchmark: requests per side
+    prompt_len: int = 256
+    max_tokens: int = 32
+    concurrency: int = 4
+    request_rate: float | None = None  # open loop (Poisson arrivals) instead of `concurrency`
+    eval_concurrency: int = 1  # per-sample agreement with the reference is exact only when batches match
+    reference_port: int = 8300
+    timeout_s: float = 300.0
+    state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)

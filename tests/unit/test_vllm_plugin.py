@@ -1,0 +1,139 @@
+"""pdctl's vLLM general plugin: inert unless PDCTL_QUEUE_SPIN_S is set; then SpinCondition.wait is replaced at
+class level, readers wait in bounded polls, writers keep vLLM's wait."""
+
+import os
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from pdctl import vllm_plugin
+from pdctl.connector import seam
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def spin_class():
+    """vLLM's SpinCondition, restored after the test whatever the plugin did."""
+    cls = seam.spin_condition_class()
+    original = cls.wait
+    seam.unpatch_spin_wait()
+    assert cls.wait is original
+    yield cls
+    seam.unpatch_spin_wait()
+    cls.wait = original
+
+
+def _spin_pair(tmp_path):
+    import zmq
+
+    cls = seam.spin_condition_class()
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/n"
+    writer = cls(is_reader=False, context=ctx, notify_address=addr)
+    reader = cls(is_reader=True, context=ctx, notify_address=addr)
+    return ctx, writer, reader
+
+
+def _close(ctx, *conds):
+    for c in conds:
+        for sock in (c.local_notify_socket, c.read_cancel_socket, c.write_cancel_socket):
+            if sock is not None:
+                sock.close(0)
+    ctx.term()
+
+
+@pytest.mark.parametrize("value", [None, "", "  ", "fast", "-1", "nan", "inf"])
+def test_inert_unless_the_variable_holds_seconds(monkeypatch, spin_class, value):
+    original = spin_class.wait
+    if value is None:
+        monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_plugin.ENV, value)
+    vllm_plugin.register()
+    assert spin_class.wait is original
+
+
+def test_set_patches_the_class_readers_bound_writers_keep_vllms(monkeypatch, spin_class, tmp_path):
+    original = spin_class.wait
+    ctx, writer, reader = _spin_pair(tmp_path)  # built before the plugin loads, as vLLM's may be
+    try:
+        monkeypatch.setenv(vllm_plugin.ENV, "0")
+        vllm_plugin.register()
+        patched = spin_class.wait
+        assert patched is not original and "wait" not in vars(reader)  # class level: no per-object patch
+        vllm_plugin.register()  # vLLM may load plugins more than once: one patch
+        assert spin_class.wait is patched
+        time.sleep(0.05)  # let the SUB connect
+        # A lost notify: the reader is back within ~1/8 of its idle time, where vLLM's wait sleeps the timeout.
+        reader.last_read = time.monotonic() - 0.010
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=300)
+        bounded = time.monotonic() - t0
+        reader.last_read, reader.busy_loop_s = time.monotonic() - 0.010, 0  # vLLM's wait, its spin over
+        t0 = time.monotonic()
+        original(reader, timeout_ms=300)
+        stock = time.monotonic() - t0
+        assert bounded < 0.05 and stock >= 0.29, (bounded, stock)
+        with pytest.raises(AssertionError, match="Only readers can wait"):  # vLLM's own wait, unchanged
+            writer.wait(timeout_ms=10)
+        assert seam.unpatch_spin_wait() and spin_class.wait is original
+    finally:
+        _close(ctx, writer, reader)
+
+
+def test_spin_after_a_message_then_a_notify_wakes_the_reader(monkeypatch, spin_class, tmp_path):
+    ctx, writer, reader = _spin_pair(tmp_path)
+    try:
+        monkeypatch.setenv(vllm_plugin.ENV, "0.25")
+        vllm_plugin.register()
+        time.sleep(0.05)
+        reader.record_read()
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=2000)  # within the spin: a yield, no poll
+        assert time.monotonic() - t0 < 0.05
+        # Idle for long: the poll grows up to the caller's timeout, and a notify cuts it short.
+        reader.last_read = time.monotonic() - 100
+        writer.notify()
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=2000)
+        assert time.monotonic() - t0 < 0.5
+        t0 = time.monotonic()
+        reader.wait(timeout_ms=200)  # the notify was consumed: nothing left to wake it
+        assert time.monotonic() - t0 >= 0.19
+    finally:
+        _close(ctx, writer, reader)
+
+
+def test_importing_the_plugin_is_light():
+    """vLLM imports every general plugin in every process of every server: nothing heavy at import."""
+    heavy = ("vllm", "torch", "zmq", "pydantic", "pdctl.connector.nixl")
+    code = f"import sys, pdctl.vllm_plugin; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_registered_as_a_vllm_general_plugin():
+    with open(REPO / "pyproject.toml", "rb") as f:
+        eps = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"pdctl_calm_queues": "pdctl.vllm_plugin:register"}
+
+
+def test_vllm_loads_it_in_a_fresh_process():
+    """vLLM's own loader finds the installed entry point and the plugin patches the class (`pip install -e .`
+    registers it; a stale pdctl.egg-info in the working directory would hide it)."""
+    from importlib.metadata import entry_points
+
+    if "pdctl_calm_queues" not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        pytest.skip("pdctl's entry points are not installed here: run `pip install -e . --no-deps`")
+    code = ("from vllm.plugins import load_general_plugins; "
+            "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition as S; "
+            "load_general_plugins(); print(hasattr(S.wait, '__pdctl_bounded__'))")
+    env_off = {k: v for k, v in os.environ.items() if k not in (vllm_plugin.ENV, "VLLM_PLUGINS")}
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                        env={**env_off, vllm_plugin.ENV: "0"})
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env_off)
+    assert on.stdout.strip().splitlines()[-1:] == ["True"], on.stderr[-2000:]
+    assert off.stdout.strip().splitlines()[-1:] == ["False"], off.stderr[-2000:]
