@@ -186,17 +186,22 @@ def render_k8s(t: Topology, out_dir: str | Path, *, image: str | None = None, na
     return written
 
 
-def tiny_model(out_dir: str | Path, *, seed: int = 0, force: bool = False) -> tuple[bool, str]:
-    """Build the tiny random-weight Llama for tests and demos; (built now, fingerprint). Kept when out_dir holds
-    this seed's model already, unless force."""
+def tiny_model(out_dir: str | Path, *, seed: int = 0, force: bool = False, say: Say = _quiet) -> str | None:
+    """Build the tiny random-weight Llama for tests and demos; its fingerprint, or None when out_dir holds this
+    seed's model already (kept unless force)."""
     from pdctl import tinymodel
 
     out = Path(out_dir)
     marker = out / "pdctl-tiny.json"
-    if not force and marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
-        return False, tinymodel.fingerprint(out)
+    try:
+        kept = not force and marker.is_file() and json.loads(marker.read_text()).get("seed") == seed
+    except (ValueError, OSError, AttributeError):
+        kept = False  # a marker that is not ours: rebuild
+    if kept:
+        return None
+    say(f"building tiny model in {out} ...")
     tinymodel.build_tiny_model(out, seed=seed)
-    return True, tinymodel.fingerprint(out)
+    return tinymodel.fingerprint(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,6 +317,9 @@ class Deployment:
         instance gave up)."""
         from pdctl.launch import supervisor
 
+        if threading.current_thread() is not threading.main_thread():
+            raise UserError("supervise() runs in the main thread (it handles SIGINT and SIGTERM); elsewhere, use "
+                            "up(detach=True), whose supervisor is its own process")
         stop = threading.Event()
         got: list[int] = []
         old = {s: signal.signal(s, lambda signum, _f: (got.append(signum), stop.set()))
@@ -338,34 +346,33 @@ class Deployment:
 
 @contextlib.contextmanager
 def _interruptible():
-    """SIGTERM as Ctrl-C while starting (main thread only): a bring-up stopped either way stops every process."""
+    """SIGINT and SIGTERM raise KeyboardInterrupt (main thread only), so whatever was started in the block is
+    stopped on the way out, however pdctl was told to stop (a shell that ignores SIGINT, `kill`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def on_term(_signum, _frame):
+    def on_signal(_signum, _frame):
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
-def _start(p: Plan, t: Topology, *, detach: bool, timeout_s: float, on_progress, local_only: str | None = None):
+def _preflight(p: Plan, t: Topology):
+    """The plan's backend, once everything that can be known before launch was checked."""
     from pdctl.launch import run as run_mod
     from pdctl.launch.backends import backend_for
 
     backend = backend_for(p.topology.engine)
-    if local_only and backend.name != "local":
-        raise UserError(local_only)
     problems = run_mod.preflight(origin(t), p, backend)
     if problems:
         raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
-    with _interruptible():
-        state = run_mod.up(p, backend, attached=not detach, timeout_s=timeout_s, on_progress=on_progress)
-    return state, backend
+    return backend
 
 
 def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.0,
@@ -376,29 +383,41 @@ def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.
 
     detach=False: use it as a context manager; everything stops when the block ends. detach=True: the servers and
     a supervisor (local engine) outlive this process; `pdctl.attach(name)` finds them again."""
+    from pdctl.launch import run as run_mod
+
     if isinstance(target, Plan):
-        p = target
-        t = target.topology
+        if state_dir is not None or reference_port is not None:
+            raise UserError("up(plan): the plan says where its state lives and whether it has a reference; give "
+                            "state_dir and reference_port to pdctl.plan")
+        p, t = target, target.topology
         if t.origin is None:
             raise UserError("up(plan): the plan's topology must come from pdctl.load")
     else:
         t = target
         p = plan(t, state_dir=state_dir, reference_port=reference_port)
-    state, backend = _start(p, t, detach=detach, timeout_s=timeout_s, on_progress=on_progress)
+    backend = _preflight(p, t)
     notes = []
-    if detach:
-        if backend.restartable:
+    with _interruptible():
+        state = run_mod.up(p, backend, attached=not detach, timeout_s=timeout_s, on_progress=on_progress)
+        try:
+            if detach and backend.restartable:
+                from pdctl.launch import supervisor
+
+                try:
+                    pid = supervisor.start_detached(state)
+                except RuntimeError as e:
+                    notes.append(f"warning: {e}; instances will not be restarted")
+                else:
+                    notes.append(f"supervisor pid {pid} (log {Path(p.state_dir) / 'logs' / 'supervisor.log'})")
+            elif detach:
+                notes.append(f"note: the {backend.name} engine starts a plan as a whole; pdctl does not restart "
+                             "its single instances (status shows them down; pdctl down && pdctl up)")
+        except BaseException:  # stopped while its supervisor started: nothing is left behind
             from pdctl.launch import supervisor
 
-            try:
-                pid = supervisor.start_detached(state)
-            except RuntimeError as e:
-                notes.append(f"warning: {e}; instances will not be restarted")
-            else:
-                notes.append(f"supervisor pid {pid} (log {Path(p.state_dir) / 'logs' / 'supervisor.log'})")
-        else:
-            notes.append(f"note: the {backend.name} engine starts a plan as a whole; pdctl does not restart its "
-                         "single instances (status shows them down; pdctl down && pdctl up)")
+            supervisor.stop(Path(p.state_dir))
+            run_mod.down(state, backend)
+            raise
     return Deployment(state, backend, attached=not detach, notes=notes)
 
 
@@ -447,18 +466,18 @@ def down(name: str | None = None, *, state_dir: str | Path | None = None, grace_
 
 @contextlib.contextmanager
 def _brought_up(p: Plan, t: Topology, timeout_s: float, progress: Callable[[str], None], label: str):
-    """A plan with its reference, up in the foreground for one gate, always taken down."""
-    progress(label)
-    state, backend = _start(p, t, detach=False, timeout_s=timeout_s, on_progress=lambda _rows: None,
-                            local_only=f"this brings a topology up on this host with a reference beside it; for the "
-                                       f"{t.engine.kind} engine run `pdctl up -d` and then point the gate at the "
-                                       "running system (pdctl check --proxy URL --reference URL, pdctl eval --url URL)")
-    try:
-        yield Deployment(state, backend, attached=True)
-    finally:
-        from pdctl.launch import run as run_mod
+    """A plan with its reference, up in the foreground for one gate, always taken down (also on SIGINT/SIGTERM
+    while the gate runs)."""
+    from pdctl.launch import run as run_mod
 
-        run_mod.down(state, backend)
+    backend = _preflight(p, t)
+    progress(label)
+    with _interruptible():
+        state = run_mod.up(p, backend, attached=True, timeout_s=timeout_s)
+        try:
+            yield Deployment(state, backend, attached=True)
+        finally:
+            run_mod.down(state, backend)
 
 
 def _local_engine(t: Topology) -> None:
@@ -468,14 +487,31 @@ def _local_engine(t: Topology) -> None:
                         "(pdctl check --proxy URL --reference URL, pdctl eval --url URL)")
 
 
-def _running_warning(d: Deployment | None) -> str:
+def _running_warning(d: Deployment | None, gate: str = "check") -> str:
     from pdctl.gates import gated as gated_mod
 
     if d is None:
+        still = ("the proxy's fallback counter still fails the gate" if gate == "eval" else
+                 "the transfer proof and the proxy's fallback counter still fail a request answered without its KV")
         return ("note: a running system's proxy.on_prefill_down and connector.kv_load_failure_policy are its own "
-                "(give its state dir to have them checked); the transfer proof and the proxy's fallback counter "
-                "still fail a request answered without its KV")
+                f"(give --state-dir to have them checked); {still}")
     return gated_mod.running_warning(d.topology) or ""
+
+
+def _check_url(flag: str, url: str | None) -> None:
+    """A URL the user gave: http(s), a host, a numeric port if any; else an error naming the flag."""
+    import urllib.parse
+
+    if url is None:
+        return
+    try:
+        u = urllib.parse.urlsplit(url)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(f"{flag} {url}: expected an http URL, e.g. http://127.0.0.1:8000")
 
 
 def _served_model(url: str) -> str:
@@ -531,9 +567,13 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
     def prompts(blocks: list[int], vocab: int, max_prompt: int) -> list:
         return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, o.seed, o.lengths)
 
+    for flag, url in (("--proxy", proxy), ("--reference", reference), *(("--decode", u) for u in decodes or ())):
+        _check_url(flag, url)
     if isinstance(target, (str, Path)):
         target = load(target, gated=True)
-    if isinstance(target, Deployment):
+    if isinstance(target, Deployment) and (o.reference_first or o.state_dir):
+        raise UserError("--reference-first and --state-dir are for a topology pdctl brings up, not a running one")
+    if isinstance(target, Deployment) and proxy is None:
         d = target
         ref = reference or d.reference_url
         if not ref:
@@ -541,14 +581,18 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
                             "aggregated server")
         say(_running_warning(d))
         t = d.topology
+        vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
         max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
         report = _check_fleet(d.plan, d.proxy_url, ref, model or t.model.name,
-                              lambda pb, db: prompts([pb, db], o.vocab, max_prompt), o, progress)
+                              lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab), progress)
         return _reported(report, o)
-    if target is None:
+    if not isinstance(target, Topology):
+        if target is not None and not isinstance(target, Deployment):
+            raise UserError(f"check: cannot check a {type(target).__name__}; give a Topology, a Deployment or URLs")
         if not (proxy and reference):
-            raise UserError("give a TOPOLOGY, a running deployment with --reference, or both --proxy and --reference")
-        say(_running_warning(None))
+            raise UserError("give a TOPOLOGY, --state-dir of a running one with --reference, or both --proxy and "
+                            "--reference for running systems")
+        say(_running_warning(target))
         urls = decodes or [i["url"] for i in _ready_instances(proxy) if i.get("role") == "decode"]
         if not urls:
             raise UserError("no decode URL to prove the transfer with: pass --decode URL")
@@ -576,6 +620,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
     ps = prompts([t.prefill[0].block_size, t.decode[0].block_size], vocab, max_prompt)
     answers: str | list = ref.http_url
     if o.reference_first:
+        _preflight(p, t)  # the whole plan, before the reference alone starts
         alone, p = p.with_processes([ref]), p.with_processes([s for s in p.processes if s is not ref])
         with _brought_up(alone, t, o.timeout_s, progress, "bringing up the aggregated reference alone"):
             progress(f"recording the reference's answers to {len(ps)} prompts")
@@ -592,10 +637,14 @@ def _ready_instances(proxy_url: str) -> list[dict]:
     from pdctl.launch import probe
 
     try:
-        got = json.loads(probe.http_get(proxy_url.rstrip("/") + "/ready")[1] or "{}").get("instances", [])
+        body = json.loads(probe.http_get(proxy_url.rstrip("/") + "/ready")[1] or "{}")
     except ValueError:
         return []
-    return got if isinstance(got, list) else []
+    got = body.get("instances") if isinstance(body, dict) else None
+    if isinstance(got, dict):  # a proxy before pdctl 16: {"ROLE URL": healthy}
+        return [{"role": k.split(" ", 1)[0], "url": k.split(" ", 1)[1], "healthy": v}
+                for k, v in got.items() if " " in k]
+    return [i for i in got if isinstance(i, dict) and "url" in i] if isinstance(got, list) else []
 
 
 def _check_fleet(p: Plan, proxy_url: str, reference: str, model: str, prompts_for, o: CheckOptions, progress: Say):
@@ -689,8 +738,13 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
 
     o = options or EvalOptions()
     table = expected_table(o.expected, say)
+    _check_url("--url", url)
+    if baseline != "auto":
+        _check_url("--baseline", baseline)
     if isinstance(target, (str, Path)):
         target = load(target, gated=True)
+    if target is not None and not isinstance(target, (Topology, Deployment)):
+        raise UserError(f"evaluate: cannot evaluate a {type(target).__name__}; give a Topology, a Deployment or a URL")
     if target is None and not url:
         raise UserError("give a TOPOLOGY, or --url of a running P/D proxy")
     if not isinstance(target, Topology) and baseline == "auto":
@@ -715,8 +769,9 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
             raise UserError(f"model '{name}' has a relative gsm8k gate in {o.expected} (per-sample agreement and "
                             "accuracy delta against an aggregated reference): give --baseline URL of an aggregated "
                             "server of the same model, or a TOPOLOGY (pdctl then starts one)")
-        say(_running_warning(d) if d else _running_warning(None).replace("transfer proof and the ", ""))
-        return run(proxy_url, baseline, name, o.tokenizer or (_served_path(d) if d else None),
+        say(_running_warning(d, "eval"))
+        local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
+        return run(proxy_url, baseline, name, o.tokenizer or (_served_path(d) if local else None),
                    o.results or Path("results") / f"eval-{stamp}")
 
     t = _gated(target, say)
@@ -728,10 +783,10 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port if baseline == "auto" else None)
     tok = o.tokenizer or _model_path(t)
     out_dir = o.results or Path("results") / f"eval-{t.name}-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "topology.json").write_text(json.dumps(p.to_dict()["topology"], indent=2))
     label = f"bringing up {p.name}{' and an aggregated reference' if baseline == 'auto' else ''}"
     with _brought_up(p, t, o.timeout_s, progress, label) as d:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "topology.json").write_text(json.dumps(p.to_dict()["topology"], indent=2))
         return run(d.proxy_url, d.reference_url if baseline == "auto" else baseline, t.model.name, tok, out_dir)
 
 
@@ -779,32 +834,31 @@ def _bench_data(o: BenchOptions, say: Say) -> BenchOptions:
 
 
 def bench(target: Topology | str | Path, options: BenchOptions | None = None, *, results: str | Path | None = None,
-          say: Say = _quiet) -> BenchResult:
+          say: Say = _quiet, progress: Say = _quiet) -> BenchResult:
     """The whole job: up (beside an aggregated reference) -> parity -> accuracy -> load benchmark -> down.
-    `say` gets each phase as it starts."""
+    `say` and `progress` get each phase as it starts, with the seconds since the start."""
     o = options or BenchOptions()
     table = expected_table(o.expected)
     o = _bench_data(o, say)
     t = _gated(load(target, gated=True) if isinstance(target, (str, Path)) else target, say)
     out_dir = Path(results) if results else Path("results") / f"bench-{t.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return _bench(t, o, table, out_dir, say)
+    return _bench(t, o, table, out_dir, say, progress)
 
 
-def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say) -> BenchResult:
+def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, progress: Say = _quiet) -> BenchResult:
     from pdctl.bench.run import run_bench
-    from pdctl.launch import run as run_mod
-    from pdctl.launch.backends import backend_for
 
     _local_engine(t)
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
-    backend = backend_for(p.topology.engine)
-    problems = run_mod.preflight(origin(t), p, backend)
-    if problems:
-        raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
+    backend = _preflight(p, t)
     t0 = time.monotonic()
+
+    def phase(text: str) -> None:
+        say(f"[{time.monotonic() - t0:5.0f} s] {text}")
+        progress(f"[{time.monotonic() - t0:5.0f} s] {text}")
+
     with _interruptible():
-        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table,
-                      lambda text: say(f"[{time.monotonic() - t0:5.0f} s] {text}"))
+        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
     return BenchResult(s["status"], s, out_dir)
 
 
@@ -835,6 +889,7 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
     from pydantic import ValidationError
 
     from pdctl.bench import sweep as sweep_mod
+
     matrix = Path(matrix)
     try:
         m = sweep_mod.load_matrix(matrix)
@@ -844,6 +899,9 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
     o = options or BenchOptions()
     table = expected_table(o.expected)
     o = _bench_data(o, say)
+    from pdctl.gates import gated as gated_mod
+
+    say(gated_mod.gated_lines([f"{'.'.join(k)}={v}" for k, v in gated_mod.GATE_SETTINGS], [])[0] + " in every case")
 
     def run_case(case, case_dir: Path) -> dict:
         base = {"prefill_block": case.prefill_block_size, "decode_block": case.decode_block_size,

@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.live import Live
 
 from pdctl import api, render
 from pdctl import topology as topo_mod
@@ -205,9 +204,8 @@ def model_tiny(
 
       pdctl model tiny /tmp/tiny --seed 7
     """
-    with err.status(f"building tiny model in {out_dir} ..."):
-        built, fingerprint = api.tiny_model(out_dir, seed=seed, force=force)
-    out.print(f"built {out_dir} (seed {seed}, fingerprint {fingerprint})" if built else
+    fingerprint = api.tiny_model(out_dir, seed=seed, force=force, say=say)
+    out.print(f"built {out_dir} (seed {seed}, fingerprint {fingerprint})" if fingerprint else
               f"tiny model already at {out_dir} (seed {seed}); --force rebuilds", highlight=False)
 
 
@@ -243,9 +241,8 @@ def up(
     """
     t = _load(topology, overrides)
     try:
-        with Live(render.progress([]), console=err, refresh_per_second=4, transient=False) as live:
-            d = api.up(t, detach=detach, timeout_s=timeout, state_dir=state_dir,
-                       on_progress=lambda rows: live.update(render.progress(rows)))
+        with render.live_progress(err) as on_progress:
+            d = api.up(t, detach=detach, timeout_s=timeout, state_dir=state_dir, on_progress=on_progress)
     except KeyboardInterrupt:
         err.print("interrupted: every process was stopped")
         raise typer.Exit(130) from None
@@ -466,10 +463,9 @@ def check(
                             junit=junit, state_dir=state_dir)
     if topology is not None:
         target = _load(topology, overrides, gated=True)
-    elif state_dir is not None and not proxy_url:  # a topology that is up (`pdctl up -d`)
-        target = api.attach(state_dir=state_dir)
-    else:
-        target = None
+    else:  # a topology that is up (`pdctl up -d`), or running servers
+        target = api.attach(state_dir=state_dir) if state_dir is not None else None
+        opts.state_dir = None
     with err.status("checking ...") as st:
         report = api.check(target, proxy=proxy_url, reference=reference_url, decodes=decode_url, model=model,
                            options=opts, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -593,7 +589,9 @@ def bench(
                             max_tokens=max_tokens, concurrency=concurrency, request_rate=request_rate,
                             eval_concurrency=eval_concurrency, reference_port=reference_port, timeout_s=timeout,
                             state_dir=state_dir)
-    r = api.bench(_load(topology, overrides, gated=True), opts, results=results, say=say)
+    t = _load(topology, overrides, gated=True)
+    with err.status("bench ...") as st:
+        r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
     if json_:
         print(json.dumps(r.summary, indent=2))
     else:

@@ -95,6 +95,9 @@ def assert_accuracy(deployment, *, limit: int | None = None, data_dir: str | Pat
     options: pdctl.EvalOptions fields (num_fewshot, min_agreement, tolerance, results, ...)."""
     import pdctl
 
+    if not Path(expected).is_file():
+        raise pytest.UsageError(f"assert_accuracy: expected accuracy table {expected} not found (relative to "
+                                f"{Path.cwd()}); give expected=PATH")
     r = pdctl.evaluate(deployment, options=pdctl.EvalOptions(
         limit=limit, data_dir=Path(data_dir) if data_dir else None, expected=Path(expected), **options))
     if r.status == "FAIL" or (r.status == "UNGATED" and not allow_ungated):

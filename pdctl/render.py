@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from pathlib import Path
 
 from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 
@@ -35,6 +37,23 @@ def progress(rows: list) -> Table:
     for r in rows:
         table.add_row(r.name, f"[{colors.get(r.phase, 'red')}]{r.phase}[/]", f"{r.elapsed_s:5.1f} s")
     return table
+
+
+@contextlib.contextmanager
+def live_progress(err: Console):
+    """An on_progress callback that shows the instances' table, from the first report on (a pre-flight error
+    before it is not preceded by an empty table)."""
+    live = Live(progress([]), console=err, refresh_per_second=4, transient=False)
+
+    def on_progress(rows: list) -> None:
+        if not live.is_started:
+            live.start()
+        live.update(progress(rows))
+
+    try:
+        yield on_progress
+    finally:
+        live.stop()
 
 
 def launch_failed(err: Console, e) -> None:

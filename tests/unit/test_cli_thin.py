@@ -8,7 +8,7 @@ import sys
 from tests.conftest import REPO
 
 CLI = REPO / "pdctl" / "cli.py"
-ALLOWED = {"functools", "inspect", "json", "sys", "pathlib", "typing", "typer", "rich.console", "rich.live",
+ALLOWED = {"functools", "inspect", "json", "sys", "pathlib", "typing", "typer", "rich.console",
            "pdctl", "pdctl.api", "pdctl.render", "pdctl.topology"}
 
 

