@@ -1,0 +1,94 @@
+"""pdctl's Python API before anything starts: names at the package root, overrides in every form, plans with a
+reference, and bad input as UserError (never a traceback). Bring-ups are e2e (tests/e2e/test_api.py)."""
+
+import subprocess
+import sys
+
+import pytest
+
+import pdctl
+from pdctl.topology import Override, TopologyError
+from tests.conftest import CONFIGS
+
+
+def test_the_api_is_at_the_package_root_and_plan_and_bench_are_still_modules_too():
+    import pdctl.bench.sweep as sweep_mod
+    import pdctl.plan as _  # noqa: F401 (the submodule import must not shadow the function)
+
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml")
+    assert [s.name for s in pdctl.plan(t).processes] == ["prefill-0", "decode-0", "proxy"]
+    assert pdctl.plan.build_plan is not None and sweep_mod.__name__ == "pdctl.bench.sweep"
+    assert callable(pdctl.bench) and "The whole job" in pdctl.bench.__doc__
+    for name in pdctl.__all__:
+        assert getattr(pdctl, name) is not None, name
+    with pytest.raises(AttributeError):
+        pdctl.no_such_thing  # noqa: B018
+
+
+@pytest.mark.parametrize("overrides", [{"decode.block_size": 128}, ["decode.block_size=128"],
+                                       [Override(("decode", "block_size"), 128, "--decode-block-size 128")]])
+def test_overrides_as_a_mapping_strings_or_override_objects(overrides):
+    assert pdctl.load(CONFIGS / "cpu-demo.yaml", overrides).decode[0].block_size == 128
+
+
+def test_a_bad_override_is_a_topology_error_naming_it():
+    with pytest.raises(TopologyError) as e:
+        pdctl.load(CONFIGS / "cpu-demo.yaml", {"decode.block_size": 48})
+    assert "decode.block_size=48" in e.value.render()
+
+
+def test_gated_load_says_what_it_runs_with_and_what_the_user_kept():
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml", ["proxy.on_prefill_down=fallback"], gated=True)
+    assert t.connector.kv_load_failure_policy == "fail" and t.proxy.on_prefill_down == "fallback"
+    notes = pdctl.gate_notes(t)
+    assert notes[0].startswith("gated: connector.kv_load_failure_policy=fail") and notes[1].startswith("warning:")
+    assert pdctl.gate_notes(pdctl.load(CONFIGS / "cpu-demo.yaml")) == []
+
+
+def test_a_plan_with_a_reference_and_where_its_state_lives(tmp_path):
+    p = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml"), state_dir=tmp_path, reference_port=8399)
+    assert p.get("reference").ports["http"] == 8399 and p.state_dir == str(tmp_path)
+    assert p.topology.name == "cpu-demo"  # typed, all the way
+
+
+def test_up_refuses_what_it_cannot_honour_before_anything_starts(tmp_path):
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml")
+    p = pdctl.plan(t, state_dir=tmp_path)
+    with pytest.raises(pdctl.UserError, match="give state_dir and reference_port to pdctl.plan"):
+        pdctl.up(p, state_dir=tmp_path / "other")
+    with pytest.raises(pdctl.UserError, match="must come from pdctl.load"):
+        pdctl.up(pdctl.plan.Plan.from_dict(p.to_dict()))  # read back from JSON: no file to resolve paths from
+
+
+@pytest.mark.parametrize("kwargs,flag", [({"proxy": "localhost:1", "reference": "http://x"}, "--proxy"),
+                                         ({"proxy": "http://x", "reference": "http://x:port"}, "--reference"),
+                                         ({"proxy": "http://x", "reference": "http://x", "decodes": ["ftp://d"]},
+                                          "--decode")])
+def test_check_refuses_a_url_that_is_not_one_naming_the_flag(kwargs, flag):
+    with pytest.raises(pdctl.UserError, match=f"^{flag} .*: expected an http URL"):
+        pdctl.check(None, **kwargs)
+
+
+def test_check_and_evaluate_name_what_they_need():
+    with pytest.raises(pdctl.UserError, match="give a TOPOLOGY"):
+        pdctl.check()
+    with pytest.raises(pdctl.UserError, match="cannot check a int"):
+        pdctl.check(3, proxy="http://x", reference="http://y")
+    with pytest.raises(pdctl.UserError, match="--baseline auto needs a TOPOLOGY"):
+        pdctl.evaluate(url="http://127.0.0.1:9", baseline="auto")
+
+
+def test_attach_and_down_when_nothing_is_up(tmp_path):
+    with pytest.raises(pdctl.UserError, match="nothing is up in"):
+        pdctl.attach(state_dir=tmp_path)
+    r = pdctl.down(state_dir=tmp_path)
+    assert r.nothing == f"no state in {tmp_path}" and r.stopped == []
+
+
+def test_the_cli_is_the_api_rendered():
+    """`pdctl plan --json` and pdctl.plan give the same plan."""
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "pdctl", "plan", str(CONFIGS / "cpu-demo.yaml"), "--json",
+                          "--state-dir", "/tmp/pdctl-x"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml"), state_dir="/tmp/pdctl-x").to_dict()
