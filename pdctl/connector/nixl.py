@@ -83,6 +83,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if not s.get("pin_transfer_thread", False):
             os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
+        if os.environ.get("PDCTL_QUEUE_SPIN_S") and not seam.spin_wait_patched():
+            log.warning("pdctl connector: PDCTL_QUEUE_SPIN_S is set but vLLM's executor queues were not calmed: "
+                        "pdctl's vLLM plugin did not load (pdctl not installed in this Python, or VLLM_PLUGINS "
+                        "does not name pdctl_calm_queues); the queue readers spin")
         if "worker_spin_s" in s:
             log.warning("pdctl connector: extra config pdctl.worker_spin_s is no longer read here: vLLM's executor "
                         "queues are calmed by pdctl's vLLM plugin (PDCTL_QUEUE_SPIN_S, set by pdctl's plan from "
@@ -254,7 +258,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         plan = split_plan(local, remote, staging=staging, **shape)
         meta.local_physical_block_ids = plan.local_ids()
         meta.remote.block_ids = plan.remote_ids()
-        self._split_plans[req_id] = plan
+        if any(plan.groups):  # a read of nothing is never reported done: a kept plan would outlive its request
+            self._split_plans[req_id] = plan
         return True
 
     def _release(self, plan: SplitPlan) -> None:

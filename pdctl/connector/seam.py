@@ -320,6 +320,10 @@ def patch_spin_wait(spin_s: float) -> bool:
     return True
 
 
+def spin_wait_patched() -> bool:
+    return getattr(spin_condition_class().wait, PATCH_MARK, None) is not None
+
+
 def unpatch_spin_wait() -> bool:
     """Undo patch_spin_wait (tests). False when it was not patched."""
     cls = spin_condition_class()

@@ -67,6 +67,15 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, _, group in live_processes() if group == pgid]
 
 
+# pdctl's settings for vLLM (the queue plugin's) come from the plan only: one exported in pdctl's own shell must not
+# reach a server the plan leaves plain (a reference with reference.calm_queues: false, a GPU server).
+PLAN_ONLY_ENV = ("PDCTL_QUEUE_SPIN_S",)
+
+
+def _inherited(spec: ProcessSpec) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in PLAN_ONLY_ENV}
+
+
 class LocalBackend(RestartableBackend):
     name = "local"
 
@@ -88,7 +97,7 @@ class LocalBackend(RestartableBackend):
             log.flush()
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             proc = subprocess.Popen(
-                guarded(spec.argv, orphan=not attached), env={**os.environ, **spec.env},
+                guarded(spec.argv, orphan=not attached), env={**_inherited(spec), **spec.env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent if attached else None,
             )

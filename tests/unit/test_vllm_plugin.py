@@ -137,3 +137,14 @@ def test_vllm_loads_it_in_a_fresh_process():
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env_off)
     assert on.stdout.strip().splitlines()[-1:] == ["True"], on.stderr[-2000:]
     assert off.stdout.strip().splitlines()[-1:] == ["False"], off.stderr[-2000:]
+
+
+def test_the_spin_setting_reaches_a_server_only_from_its_plan(monkeypatch):
+    """One exported in pdctl's own shell must not calm a server the plan leaves plain (reference.calm_queues:
+    false); the plan's own value is what the server gets."""
+    from pdctl.launch.local import _inherited
+
+    monkeypatch.setenv("PDCTL_QUEUE_SPIN_S", "0")
+    monkeypatch.setenv("SOMETHING_ELSE", "1")
+    env = _inherited(None)
+    assert "PDCTL_QUEUE_SPIN_S" not in env and env["SOMETHING_ELSE"] == "1"
