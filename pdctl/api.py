@@ -395,14 +395,16 @@ def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.
     else:
         t = target
         p = plan(t, state_dir=state_dir, reference_port=reference_port)
-    backend = _preflight(p, t)
-    notes = []
-    with _interruptible():
-        state = run_mod.up(p, backend, attached=not detach, timeout_s=timeout_s, on_progress=on_progress)
-        try:
-            if detach and backend.restartable:
-                from pdctl.launch import supervisor
+    from pdctl.launch import supervisor
 
+    backend = _preflight(p, t)
+    notes: list[str] = []
+    state = None
+    try:
+        with _interruptible():
+            # Interrupted while starting, run.up stops what it started; once it returned, the except below does.
+            state = run_mod.up(p, backend, attached=not detach, timeout_s=timeout_s, on_progress=on_progress)
+            if detach and backend.restartable:
                 try:
                     pid = supervisor.start_detached(state)
                 except RuntimeError as e:
@@ -412,13 +414,13 @@ def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.
             elif detach:
                 notes.append(f"note: the {backend.name} engine starts a plan as a whole; pdctl does not restart "
                              "its single instances (status shows them down; pdctl down && pdctl up)")
-        except BaseException:  # stopped while its supervisor started: nothing is left behind
-            from pdctl.launch import supervisor
-
+            d = Deployment(state, backend, attached=not detach, notes=notes)
+    except BaseException:
+        if state is not None:  # up, then stopped before the caller got its handle: nothing is left behind
             supervisor.stop(Path(p.state_dir))
             run_mod.down(state, backend)
-            raise
-    return Deployment(state, backend, attached=not detach, notes=notes)
+        raise
+    return d
 
 
 def state_dir_of(name: str | None = None, state_dir: str | Path | None = None) -> Path:

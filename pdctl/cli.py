@@ -240,20 +240,25 @@ def up(
       pdctl up -d configs/cpu-demo.yaml --decode-block-size 128 --state-dir /tmp/demo128
     """
     t = _load(topology, overrides)
+    d = None
     try:
         with render.live_progress(err) as on_progress:
             d = api.up(t, detach=detach, timeout_s=timeout, state_dir=state_dir, on_progress=on_progress)
+        with d:  # in the foreground, whatever ends this block early (Ctrl-C before supervision) stops everything
+            where = "" if d.backend.name == "local" else f"  engine {d.backend.name}"
+            out.print(f"[green]ready[/green]: {d.name}  proxy {d.proxy_url}  state {d.state_dir}{where}",
+                      highlight=False)
+            for note in d.notes:
+                (out.print if note.startswith("supervisor") else say)(note)
+            if detach:
+                return
+            out.print("attached: supervising (restarts instances that fail); Ctrl-C stops everything",
+                      highlight=False)
+            how = d.supervise(say=lambda msg: err.print(msg, markup=False, highlight=False))
     except KeyboardInterrupt:
-        err.print("interrupted: every process was stopped")
+        err.print("interrupted: " + ("the topology stays up (pdctl down stops it)" if d and not d.attached else
+                                     "every process was stopped"))
         raise typer.Exit(130) from None
-    where = "" if d.backend.name == "local" else f"  engine {d.backend.name}"
-    out.print(f"[green]ready[/green]: {d.name}  proxy {d.proxy_url}  state {d.state_dir}{where}", highlight=False)
-    for note in d.notes:
-        (out.print if note.startswith("supervisor") else say)(note)
-    if detach:
-        return
-    out.print("attached: supervising (restarts instances that fail); Ctrl-C stops everything", highlight=False)
-    how = d.supervise(say=lambda msg: err.print(msg, markup=False, highlight=False))
     if how == "settled":
         err.print("[red]every instance is down and none will be restarted[/red]", highlight=False)
     err.print("stopped every process", highlight=False)

@@ -92,3 +92,24 @@ def test_the_cli_is_the_api_rendered():
     out = subprocess.run([sys.executable, "-m", "pdctl", "plan", str(CONFIGS / "cpu-demo.yaml"), "--json",
                           "--state-dir", "/tmp/pdctl-x"], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml"), state_dir="/tmp/pdctl-x").to_dict()
+
+
+def test_up_interrupted_once_started_stops_what_it_started(monkeypatch, tmp_path):
+    """Ctrl-C after run.up returned but before the caller got its handle (the window a foreground `pdctl up` once
+    lost its state.json in): the topology is taken down, not left for the parent's death to half-clean."""
+    from pdctl import api
+    from pdctl.launch import run as run_mod
+
+    started, downed = object(), []
+    monkeypatch.setattr(api, "_preflight", lambda p, t: type("B", (), {"restartable": True, "name": "local"})())
+    monkeypatch.setattr(run_mod, "up", lambda *a, **kw: started)
+    monkeypatch.setattr(run_mod, "down", lambda state, backend, *a: downed.append(state))
+    monkeypatch.setattr("pdctl.launch.supervisor.stop", lambda d: None)
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "Deployment", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pdctl.up(pdctl.load(CONFIGS / "cpu-demo.yaml"), state_dir=tmp_path)
+    assert downed == [started]
