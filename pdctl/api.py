@@ -113,15 +113,21 @@ def _gated(t: Topology, say: Say) -> Topology:
         for line in gate_notes(t):
             say(line)
         return t
-    changes = {".".join(path): value for path, value in gated_mod.GATE_SETTINGS}
-    gt = t.model_copy(update={
-        "proxy": t.proxy.model_copy(update={"on_prefill_down": changes["proxy.on_prefill_down"], "strict": None}),
-        "connector": t.connector.model_copy(update={
-            "kv_load_failure_policy": changes["connector.kv_load_failure_policy"]}),
-    })
+    updates: dict[str, dict] = {}
+    for (section, name), value in gated_mod.GATE_SETTINGS:
+        updates.setdefault(section, {})[name] = value
+    updates["proxy"]["strict"] = None  # the deprecated alias of on_prefill_down must not contradict it
+    gt = t.model_copy(update={s: getattr(t, s).model_copy(update=u) for s, u in updates.items()})
     gt._origin = replace(t.origin, topology=gt) if t.origin else None
-    say(gated_mod.gated_lines([f"{k}={v}" for k, v in changes.items()], [])[0])
+    say(_gate_note())
     return gt
+
+
+def _gate_note() -> str:
+    """What every gated run is brought up with."""
+    from pdctl.gates import gated as gated_mod
+
+    return gated_mod.gated_lines([f"{'.'.join(path)}={v}" for path, v in gated_mod.GATE_SETTINGS], [])[0]
 
 
 def default_state_dir(t: Topology) -> Path:
@@ -901,9 +907,7 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
     o = options or BenchOptions()
     table = expected_table(o.expected)
     o = _bench_data(o, say)
-    from pdctl.gates import gated as gated_mod
-
-    say(gated_mod.gated_lines([f"{'.'.join(k)}={v}" for k, v in gated_mod.GATE_SETTINGS], [])[0] + " in every case")
+    say(_gate_note() + " in every case")
 
     def run_case(case, case_dir: Path) -> dict:
         base = {"prefill_block": case.prefill_block_size, "decode_block": case.decode_block_size,

@@ -72,7 +72,7 @@ def group_members(pgid: int) -> list[int]:
 PLAN_ONLY_ENV = ("PDCTL_QUEUE_SPIN_S",)
 
 
-def _inherited(spec: ProcessSpec) -> dict[str, str]:
+def _inherited() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in PLAN_ONLY_ENV}
 
 
@@ -97,7 +97,7 @@ class LocalBackend(RestartableBackend):
             log.flush()
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             proc = subprocess.Popen(
-                guarded(spec.argv, orphan=not attached), env={**_inherited(spec), **spec.env},
+                guarded(spec.argv, orphan=not attached), env={**_inherited(), **spec.env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent if attached else None,
             )

@@ -146,5 +146,5 @@ def test_the_spin_setting_reaches_a_server_only_from_its_plan(monkeypatch):
 
     monkeypatch.setenv("PDCTL_QUEUE_SPIN_S", "0")
     monkeypatch.setenv("SOMETHING_ELSE", "1")
-    env = _inherited(None)
+    env = _inherited()
     assert "PDCTL_QUEUE_SPIN_S" not in env and env["SOMETHING_ELSE"] == "1"
