@@ -72,7 +72,10 @@ class Plan:
         return [p for p in self.processes if p.role == role]
 
     def get(self, name: str) -> ProcessSpec:
-        return next(p for p in self.processes if p.name == name)
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise KeyError(f"plan {self.name} has no process {name!r}")
 
     def with_processes(self, processes: list[ProcessSpec]) -> Plan:
         """The same plan (name, state dir, topology) with these processes."""
@@ -146,6 +149,8 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
         staging = t.staging_blocks(g) if role == "decode" else 0
         if staging:
             extra["pdctl"]["staging_blocks"] = staging
+        if c.trace:
+            extra["pdctl"]["trace"] = True
     if role == "decode":
         # vLLM's default is "fail"; pdctl's connector reports every KV it cannot deliver (staging full, a
         # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.
@@ -275,6 +280,20 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
                        block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout)
+
+
+def with_plain_reference(plan: Plan, port: int) -> Plan:
+    """The plan (which holds its aggregated reference) plus "reference-plain": the same server as plain vLLM,
+    executor queues not calmed, on `port`; for benchmarks that compare P/D with both."""
+    ref = plan.get("reference")
+    argv = list(ref.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    old = ref.http_url
+    plain = replace(ref, name="reference-plain", argv=argv, ports={**ref.ports, "http": port},
+                    env={k: v for k, v in ref.env.items() if k != QUEUE_SPIN_ENV},
+                    log_path=str(Path(ref.log_path).with_name("reference-plain.log")))
+    plain = replace(plain, readiness_url=ref.readiness_url.replace(old, plain.http_url, 1))
+    return plan.with_processes([*plan.processes, plain])
 
 
 def select(plan: Plan, which: str | None) -> list[ProcessSpec]:

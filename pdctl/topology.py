@@ -215,7 +215,18 @@ class ConnectorSpec(_Strict):
         "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
         "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
         "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
+    trace: bool = Field(
+        False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
+        "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "
+        "converted it, when the scheduler learnt the KV had arrived; joined with the proxy's own timestamps by "
+        "`pdctl bench --breakdown` and scripts/bench_pd_latency.py")
     extra_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _trace_needs_pdctl(self) -> ConnectorSpec:
+        if self.trace and self.kind != "pdctl":
+            raise ValueError("trace: the timing lines come from pdctl's connector; set kind: pdctl")
+        return self
 
 
 class ReferenceSpec(_Strict):

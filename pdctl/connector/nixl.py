@@ -71,6 +71,15 @@ def _settings(vllm_config) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
 
 
+TRACE_MARK = "pdctl trace"
+
+
+def trace(stage: str, req_id: str) -> None:
+    """One timing line (wall clock: the proxy and every engine process on a host share it), read by
+    pdctl.bench.breakdown. Only when the connector's `trace` setting is on."""
+    log.info("%s %s %s %.6f", TRACE_MARK, stage, req_id, time.time())
+
+
 class PdctlNixlWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config):
         s = _settings(vllm_config)
@@ -91,6 +100,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             log.warning("pdctl connector: extra config pdctl.worker_spin_s is no longer read here: vLLM's executor "
                         "queues are calmed by pdctl's vLLM plugin (PDCTL_QUEUE_SPIN_S, set by pdctl's plan from "
                         "connector.worker_spin_s)")
+        self._trace = bool(s.get("trace", False))
         self._staging_blocks = int(s.get("staging_blocks", 0))
         self._staging: StagingPool | None = None  # the last staging_blocks ids of the cache, once first needed
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
@@ -213,6 +223,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             read = sum(len(g) for g in meta.local_block_ids)
             self._receiving[req_id] = (remote.engine_id, remote.host, remote.port, read, remote.num_tokens)
         self._prefix_hit = prefix_hit  # for _map_block_ids_for_block_size_ratio, which vLLM calls in here
+        if self._trace and remote and seam.has_remote_agent(self, remote.engine_id):
+            trace("read_issued", req_id)
         try:
             return super()._read_blocks_for_req(req_id, meta)
         finally:
@@ -268,9 +280,11 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             self._staging_pool().release(staging)
 
     def get_transfer_results(self):
-        results = super().get_transfer_results()
+        polled = time.time() if self._trace else 0.0
+        results = super().get_transfer_results()  # polls the reads, then converts P < D blocks
         failed = set(results.failed_recving or ())
-        for req_id in list(results.finished_recving or ()) + list(failed):
+        done = list(results.finished_recving or ()) + list(failed)
+        for req_id in done:
             self._log_received(req_id, req_id not in failed)
             plan = self._split_plans.pop(req_id, None)
             if plan is None:
@@ -278,6 +292,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             if req_id not in failed:
                 self._split_received(plan)
             self._release(plan)
+        if self._trace:
+            for req_id in done:
+                log.info("%s read_done %s %.6f", TRACE_MARK, req_id, polled)
+                trace("converted", req_id)
         return results
 
     def _split_received(self, plan: SplitPlan) -> None:
@@ -367,7 +385,32 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             kv_cache_config.num_blocks -= staging
             log.info("pdctl connector: %d KV blocks reserved as staging for prefill block > decode block",
                      staging)
+        self._trace = bool(_settings(vllm_config).get("trace", False))
+        self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
         super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    # Timing lines (connector setting `trace`): when the decode's scheduler first saw a remote-KV request,
+    # gave it blocks (its read goes to the worker with this step), and learnt that its KV had arrived.
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if self._trace and request.request_id not in self._traced and (request.kv_transfer_params or {}).get(
+                "do_remote_prefill"):
+            self._traced.add(request.request_id)
+            trace("sched_seen", request.request_id)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if self._trace and num_external_tokens and request.request_id in self._traced:
+            trace("sched_alloc", request.request_id)
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._trace:
+            for req_id in connector_output.finished_recving or ():
+                if req_id in self._traced:
+                    self._traced.discard(req_id)
+                    trace("sched_kv_ready", req_id)
+        super().update_connector_output(connector_output)
 
 
 class NixlConnector(NixlPullConnector):

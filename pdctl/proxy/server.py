@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from pdctl.topology import DEFAULT_POOL, instance_name
 log = logging.getLogger("pdctl.proxy")
 
 PASS_HEADERS = ("Authorization",)
+TIMINGS_KEPT = 4096
 REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -91,6 +93,8 @@ class Proxy:
             inst.breaker.threshold, inst.breaker.open_s = cfg.breaker_failures, cfg.breaker_open_s
         self.metrics = Metrics()
         self._upstreams: dict[str, Upstream] = {}
+        # The last requests' timestamps (GET /debug/timings): a few clock reads per request, always on.
+        self.timings: deque[dict] = deque(maxlen=TIMINGS_KEPT)
 
     def upstream(self, inst: Instance) -> Upstream:
         up = self._upstreams.get(inst.url)
@@ -109,6 +113,7 @@ class Proxy:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_route)
+        app.router.add_get("/debug/timings", self.timings_route)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -177,6 +182,17 @@ class Proxy:
     async def metrics_route(self, _req: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.router.instances), content_type="text/plain")
 
+    async def timings_route(self, req: web.Request) -> web.Response:
+        """Per-request wall-clock stamps of the last requests (`?since=T`: only those received after T):
+        recv, prefill_sent, prefill_done, decode_sent, decode_first (the decode's first token event),
+        client_first (written to the client), end; with the request id and who served it."""
+        try:
+            since = float(req.query.get("since", "0"))
+        except ValueError:
+            return web.json_response(error_body("since: expected a number (seconds since the epoch)",
+                                                "invalid_request", 400), status=400)
+        return web.json_response([t for t in list(self.timings) if t["recv"] > since])
+
     # -- P/D -------------------------------------------------------------------------------------------------
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
@@ -200,7 +216,7 @@ class Proxy:
     async def _pd(self, req: web.Request, route: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         status = 500
-        rt = _Route()
+        rt = _Route(stamps={"recv": time.time()})
         request_id = req.headers.get("X-Request-Id") or f"pdctl-{uuid.uuid4().hex}"
         try:
             resp = await self._pd_inner(req, route, t0, rt, request_id)
@@ -212,6 +228,9 @@ class Proxy:
             seconds = time.perf_counter() - t0
             self.metrics.request_done(route, status, seconds)
             p, d = rt.prefill, rt.decode
+            self.timings.append({"id": request_id, "status": status, "prefill": p.name if p else None,
+                                 "decode": d.name if d else None, "fallback": rt.fallback, **rt.stamps,
+                                 "end": time.time()})
             if d is not None:
                 self.metrics.pair_done(p.pool if p else "-", d.pool, status)
             if self.cfg.access_log:
@@ -268,7 +287,7 @@ class Proxy:
             d.inflight += 1
             try:
                 resp = await self._decode(req, d, route, dec_body, headers, t0, rt.headers(),
-                                          retry_ok=len(tried) == 1)
+                                          retry_ok=len(tried) == 1, stamps=rt.stamps)
             finally:
                 d.inflight -= 1
             if resp is not None:
@@ -302,9 +321,11 @@ class Proxy:
             tried.append(p)
             rt.prefill = p
             p.inflight += 1
+            rt.stamps["prefill_sent"] = time.time()
             try:
                 async with await self.upstream(p).request("POST", route, wire, headers) as r:
                     raw = await r.read()
+                rt.stamps["prefill_done"] = time.time()
             except UpstreamError as e:
                 self._failed(p, e)
                 errors.append(f"{p.name}: {e}")
@@ -355,16 +376,19 @@ class Proxy:
         return None
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                      t0: float, route_headers: dict[str, str], retry_ok: bool) -> web.StreamResponse | None:
+                      t0: float, route_headers: dict[str, str], retry_ok: bool,
+                      stamps: dict[str, float]) -> web.StreamResponse | None:
         """The decode's answer passed through; None when nothing listened and another decode may be tried."""
         try:
-            return await self._decode_answer(req, d, route, body, headers, t0, route_headers, retry_ok)
+            return await self._decode_answer(req, d, route, body, headers, t0, route_headers, retry_ok, stamps)
         except BaseException:  # cancelled (the client went away): no verdict on the instance
             d.breaker.release()
             raise
 
     async def _decode_answer(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                             t0: float, route_headers: dict[str, str], retry_ok: bool) -> web.StreamResponse | None:
+                             t0: float, route_headers: dict[str, str], retry_ok: bool,
+                             stamps: dict[str, float]) -> web.StreamResponse | None:
+        stamps["decode_sent"] = time.time()
         try:
             upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
         except UpstreamError as e:
@@ -385,6 +409,7 @@ class Proxy:
                     self._failed(d, e)
                     return web.json_response(error_body(f"decode {d.name} ({d.url}) failed: {e!s}"), status=502)
                 self.metrics.first_decode_byte(time.perf_counter() - t0)
+                stamps["decode_first"] = stamps["client_first"] = time.time()
                 if upstream.status >= 500 and body.get("kv_transfer_params"):
                     # Most likely its KV read failed (a prefill gone): not the decode's fault, so no breaker.
                     self.metrics.upstream_error(d.url)
@@ -405,11 +430,13 @@ class Proxy:
                                                     f": {e!s}", "upstream_timeout" if timeout else "proxy_error",
                                                     504 if timeout else 502), status=504 if timeout else 502)
             self.metrics.first_decode_byte(time.perf_counter() - t0)
+            stamps["decode_first"] = time.time()
             out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
                                                           "X-Request-Id": headers["X-Request-Id"], **route_headers})
             await out.prepare(req)
             try:
                 await out.write(head)
+                stamps["client_first"] = time.time()
                 async for chunk in chunks:
                     await out.write(chunk)
                 d.breaker.success()
@@ -443,6 +470,7 @@ class _Route:
     decode: Instance | None = None
     fallback: str | None = None
     reject: bool = False  # no decode-only fallback for this request (on_prefill_down, or its header)
+    stamps: dict[str, float] = field(default_factory=dict)  # wall-clock times of its stages (/debug/timings)
 
     def headers(self) -> dict[str, str]:
         h = {}

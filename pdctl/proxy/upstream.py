@@ -226,7 +226,8 @@ class Upstream:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_S:
+            # is_closing: the peer went away and its connection_lost callback has not run yet.
+            if not conn.closed and not conn.transport.is_closing() and now - conn.idle_since < IDLE_S:
                 return conn
             conn.close()
         return None
@@ -254,7 +255,14 @@ class Upstream:
             if conn is None:
                 conn = await self._connect()
             conn._reset()
-            conn.transport.write(wire)
+            try:
+                conn.transport.write(wire)
+            except RuntimeError as e:  # uvloop: the transport closed under us (the server died)
+                conn.close()
+                if reused:
+                    conn, reused = None, False
+                    continue
+                raise ConnectFailed(f"connection closed before the request was sent: {e}") from None
             try:
                 while not conn.headers_done:
                     await conn.wait(self.first_byte_timeout_s if not conn.got_bytes else self.read_timeout_s,

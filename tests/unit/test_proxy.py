@@ -508,6 +508,66 @@ def test_upstream_retries_a_keep_alive_connection_the_server_closed_unanswered()
     assert len(answered) == 2 and answered[0] != answered[1]  # the second answer came on a new connection
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_upstream_does_not_write_on_a_pooled_connection_whose_server_died(loop_kind):
+    """A server killed between two requests: its pooled connection's transport is closing (or closed before
+    connection_lost ran). uvloop raised RuntimeError on write (the proxy answered 500, seen in a fault drill);
+    the request must go on a new connection instead, and a closed fresh connection is a ConnectFailed."""
+    from pdctl.proxy.upstream import ConnectFailed, Upstream
+
+    async def main():
+        async def handle(reader, writer):
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return
+                await reader.readexactly(int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        up = Upstream(f"http://127.0.0.1:{port}", 1.0, 2.0)
+        got = []
+        async with await up.request("POST", "/v1/completions", b"{}") as r:
+            got.append((r.status, await r.read()))
+        (pooled,) = up._idle
+        pooled.transport.close()  # closing; connection_lost not yet delivered
+        async with await up.request("POST", "/v1/completions", b"{}") as r:
+            got.append((r.status, await r.read()))
+        if loop_kind == "uvloop":
+            # A fresh connection whose write fails (closed under us) is a ConnectFailed, not a RuntimeError.
+            up.close()
+            orig = up._connect
+
+            class Dead:  # what uvloop's transport does once its handle is closed
+                def write(self, _data):
+                    raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+                def close(self):
+                    pass
+
+            async def closed_at_once():
+                conn = await orig()
+                conn.transport.close()
+                conn.transport = Dead()
+                return conn
+
+            up._connect = closed_at_once
+            with pytest.raises(ConnectFailed):
+                await up.request("POST", "/v1/completions", b"{}")
+        server.close()
+        return got
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        result = uvloop.run(main())
+    else:
+        result = asyncio.run(main())
+    assert result == [(200, b"{}"), (200, b"{}")]
+
+
 def test_upstream_read_timeout_and_refused_connection():
     from pdctl.proxy.upstream import ConnectFailed, ReadTimeout, Upstream
 
@@ -580,3 +640,18 @@ def test_a_request_may_forbid_the_fallback_with_its_header(pd):
     status, text, _ = post(url + "/v1/completions", BODY, {"x-pdctl-on-prefill-down": "reject"})
     assert status == 503 and json.loads(text)["error"]["type"] == "prefill_unavailable" and not pd.decode.requests
     assert post(url + "/v1/completions", BODY)[0] == 200  # others still fall back
+
+
+def test_debug_timings_stamp_every_stage_in_order(pd):
+    t0 = time.time()
+    assert post(pd.url + "/v1/completions", {**BODY, "stream": True}, {"X-Request-Id": "rid-t1"})[0] == 200
+    assert post(pd.url + "/v1/completions", BODY, {"X-Request-Id": "rid-t2"})[0] == 200
+    status, text = get(pd.url + f"/debug/timings?since={t0}")
+    recs = {r["id"]: r for r in json.loads(text)}
+    assert status == 200 and set(recs) == {"rid-t1", "rid-t2"}
+    order = ["recv", "prefill_sent", "prefill_done", "decode_sent", "decode_first", "client_first", "end"]
+    for r in recs.values():
+        assert [r[k] for k in order] == sorted(r[k] for k in order) and r["recv"] >= t0
+        assert r["status"] == 200 and r["decode"] and r["prefill"]
+    assert json.loads(get(pd.url + f"/debug/timings?since={time.time()}")[1]) == []
+    assert get(pd.url + "/debug/timings?since=soon")[0] == 400

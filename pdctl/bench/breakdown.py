@@ -1,0 +1,153 @@
+"""Where a P/D request's time to first token goes: the proxy's own timestamps (GET /debug/timings) joined with
+the decode connector's timing lines (connector.trace), stage by stage.
+
+Every stamp is wall-clock time (time.time()) taken in a different process: on one host they share the clock;
+across hosts the stages that cross machines carry the clocks' offset. Pure: parsing, joining and statistics;
+the caller fetches the proxy's records and reads the decode logs.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+# The connector's line: "... pdctl trace <stage> <vLLM request id> <time>" (pdctl.connector.nixl.trace).
+TRACE_LINE = re.compile(r"pdctl trace (\w+) (\S+) (\d+\.\d+)")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    start: str  # stamp names: the proxy's (recv, prefill_sent, ...) or the connector's (sched_seen, ...)
+    end: str
+    what: str
+
+
+# In request order; consecutive, so their sum is the proxy's receive -> first byte to the client (TTFT).
+STAGES: tuple[Stage, ...] = (
+    Stage("proxy in", "recv", "prefill_sent", "proxy: request read, prefill chosen and sent"),
+    Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer"),
+    Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent"),
+    Stage("decode API", "decode_sent", "sched_seen", "decode API server and engine input until its scheduler "
+          "sees the request"),
+    Stage("blocks", "sched_seen", "sched_alloc", "decode scheduler: until it gives the request blocks"),
+    Stage("read issue", "sched_alloc", "read_issued", "scheduler output to the worker, NIXL read issued"),
+    Stage("KV read", "read_issued", "read_done", "NIXL read, until the worker's poll sees it done"),
+    Stage("convert", "read_done", "converted", "post-receive layout conversion (merge / split / zero)"),
+    Stage("KV ready", "converted", "sched_kv_ready", "worker result back to the scheduler"),
+    Stage("first token", "sched_kv_ready", "decode_first", "the decode step that computes the first token, "
+          "detokenized and streamed by the decode's API server"),
+    Stage("proxy out", "decode_first", "client_first", "proxy: first event written to the client"),
+)
+TOTAL = Stage("TTFT (proxy)", "recv", "client_first", "proxy receive -> first byte to the client")
+
+
+def connector_stamps(lines: Iterable[str]) -> dict[str, dict[str, float]]:
+    """vLLM request id -> {stage: time} from a decode's log; the first stamp of a stage wins."""
+    out: dict[str, dict[str, float]] = {}
+    for line in lines:
+        m = TRACE_LINE.search(line)
+        if m:
+            out.setdefault(m.group(2), {}).setdefault(m.group(1), float(m.group(3)))
+    return out
+
+
+def join(proxy_records: Iterable[dict], stamps: dict[str, dict[str, float]]) -> list[dict[str, float]]:
+    """Each proxied P/D request's stamps, the proxy's and its decode's together. vLLM's request id holds the
+    proxy's X-Request-Id (e.g. cmpl-<id>-0-<suffix>); requests without every stamp are left out (a fallback,
+    an error, a read that failed)."""
+    records = {r["id"]: r for r in proxy_records if r.get("id") and r.get("status") == 200 and not r.get("fallback")}
+    found: dict[str, list[dict[str, float]]] = {}
+    for vid, s in stamps.items():
+        parts = vid.split("-")  # the proxy's id is some run of vLLM's id's dash-separated parts
+        for rid in {"-".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)}:
+            if rid in records:
+                found.setdefault(rid, []).append(s)
+    out = []
+    for rid, rec in records.items():
+        theirs = found.get(rid, [])
+        if len(theirs) != 1:  # none, or several (n > 1 completions): not one P/D read to follow
+            continue
+        merged = {k: v for k, v in rec.items() if isinstance(v, float)} | theirs[0]
+        if all(s.start in merged and s.end in merged for s in STAGES):
+            out.append(merged)
+    return out
+
+
+def quantile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(p) - 1]
+
+
+@dataclass
+class StageStat:
+    name: str
+    what: str
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(timelines: list[dict[str, float]]) -> list[StageStat]:
+    """p50/p99/mean per stage (ms), then the total; empty when no request had every stamp."""
+    if not timelines:
+        return []
+    out = []
+    for s in (*STAGES, TOTAL):
+        ms = [1e3 * (t[s.end] - t[s.start]) for t in timelines]
+        out.append(StageStat(s.name, s.what, quantile(ms, 50), quantile(ms, 99), statistics.fmean(ms)))
+    return out
+
+
+def table(stats: list[StageStat], title: str = "") -> str:
+    """A text waterfall: each stage's p50 / p99 and a bar placed where it starts (by the p50s)."""
+    if not stats:
+        return f"{title}: no request carried every stamp (is connector.trace on?)" if title else ""
+    total = stats[-1].p50_ms or 1.0
+    width = 30
+    lines = [title] if title else []
+    lines.append(f"{'stage':14} {'p50 ms':>8} {'p99 ms':>8}  {'':{width}}")
+    at = 0.0
+    for s in stats[:-1]:
+        start = min(width - 1, int(width * at / total))
+        n = max(1, round(width * max(s.p50_ms, 0.0) / total))
+        lines.append(f"{s.name:14} {s.p50_ms:8.2f} {s.p99_ms:8.2f}  {' ' * start}{'#' * min(n, width - start)}")
+        at += max(s.p50_ms, 0.0)
+    t = stats[-1]
+    lines.append(f"{t.name:14} {t.p50_ms:8.2f} {t.p99_ms:8.2f}  (sum of stage p50s {at:.2f})")
+    return "\n".join(lines)
+
+
+def plot(panels: dict[str, list[StageStat]], path) -> None:
+    """A waterfall PNG: one row per panel (e.g. pair and load), stages stacked by p50."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s.name for s in STAGES]
+    colors = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(11, 0.7 * len(panels) + 2))
+    for row, (label, stats) in enumerate(panels.items()):
+        left = 0.0
+        for i, s in enumerate(stats[: len(STAGES)]):
+            w = max(s.p50_ms, 0.0)
+            ax.barh(row, w, left=left, color=colors[i % len(colors)], label=names[i] if row == 0 else None)
+            left += w
+        if stats:
+            ax.text(left, row, f" {stats[-1].p50_ms:.1f} ms (p50 TTFT)", va="center", fontsize=8)
+    ax.set_yticks(range(len(panels)), list(panels))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the proxy receiving the request (stage p50s, stacked)")
+    ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
