@@ -136,7 +136,7 @@ def plot(panels: dict[str, list[StageStat]], path) -> None:
     names = [s.name for s in STAGES]
     colors = plt.get_cmap("tab20").colors
     fig, ax = plt.subplots(figsize=(11, 0.7 * len(panels) + 2))
-    for row, (label, stats) in enumerate(panels.items()):
+    for row, stats in enumerate(panels.values()):
         left = 0.0
         for i, s in enumerate(stats[: len(STAGES)]):
             w = max(s.p50_ms, 0.0)
