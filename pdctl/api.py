@@ -829,8 +829,13 @@ class BenchResult:
 
 
 def _bench_data(o: BenchOptions, say: Say) -> BenchOptions:
+    from pdctl.bench.load import check_dataset
     from pdctl.gates import gsm8k
 
+    try:
+        check_dataset(o.dataset, o.dataset_path)  # the load's prompts: before anything starts
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if not o.skip_eval:
         return replace(o, data_dir=gsm8k_source(o.data_dir, say))
     if o.data_dir is not None:  # the parity gate's GSM8K prompts
@@ -854,9 +859,12 @@ def bench(target: Topology | str | Path, options: BenchOptions | None = None, *,
 
 
 def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, progress: Say = _quiet) -> BenchResult:
+    from pdctl.bench.load import WorkloadError
     from pdctl.bench.run import run_bench
 
     _local_engine(t)
+    if o.breakdown:
+        t = _traced(t, o)
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
     backend = _preflight(p, t)
     t0 = time.monotonic()
@@ -866,8 +874,23 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
         progress(f"[{time.monotonic() - t0:5.0f} s] {text}")
 
     with _interruptible():
-        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
+        try:
+            s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
+        except WorkloadError as e:  # the load's prompts, refused before anything started
+            raise UserError(str(e)) from None
     return BenchResult(s["status"], s, out_dir)
+
+
+def _traced(t: Topology, o: BenchOptions) -> Topology:
+    """The topology with connector.trace on (the decodes' timing lines), for a bench that follows its requests."""
+    if o.skip_perf:
+        raise UserError("--breakdown follows the load benchmark's requests: drop --skip-perf")
+    if t.connector.kind != "pdctl":
+        raise UserError(f"--breakdown: the decode's timing lines come from pdctl's connector; topology '{t.name}' "
+                        f"uses connector.kind {t.connector.kind}")
+    traced = t.model_copy(update={"connector": t.connector.model_copy(update={"trace": True})})
+    traced._origin = t.origin
+    return traced
 
 
 @dataclass

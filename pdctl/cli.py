@@ -92,6 +92,8 @@ RateOpt = Annotated[float | None, typer.Option(help="load benchmark in open loop
                                                "requests/s (as vllm bench serve)")]
 EvalConcOpt = Annotated[int, typer.Option(help="accuracy gate: requests in flight (1 keeps per-sample agreement "
                                           "exact)")]
+DatasetOpt = Annotated[str, typer.Option(help="load benchmark: vLLM's random, prefix_repetition, sharegpt or custom")]
+DatasetPathOpt = Annotated[Path | None, typer.Option(help="load benchmark: sharegpt's JSON or custom's JSONL file")]
 
 
 def _load(path: Path, overrides: list, gated: bool = False):
@@ -564,36 +566,36 @@ def bench(
     max_tokens: Annotated[int, typer.Option(help="load benchmark: output tokens")] = 32,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
     request_rate: RateOpt = None,
-    eval_concurrency: EvalConcOpt = 1,
-    reference_port: RefPortOpt = 8300,
-    timeout: TimeoutOpt = 300.0,
-    state_dir: StateDirOpt = None,
-    json_: JsonOpt = False,
+    dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
+    breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
+    eval_concurrency: EvalConcOpt = 1, reference_port: RefPortOpt = 8300,
+    timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False,
     overrides: list = (),
 ) -> None:
     """The whole job in one command: up -> parity check -> accuracy gate -> load benchmark -> down.
 
     Brings the topology up beside an aggregated reference, runs `pdctl check`'s parity gate, `pdctl eval`'s
-    accuracy gate (P/D and reference, per-sample agreement), then the same streaming load against both (TTFT,
-    TPOT, ITL, end-to-end p50/p99, throughput, NIXL transfer time and bytes) and reports P/D / aggregated ratios.
-    Exit 1 if a gate failed. Every artefact, with the resolved topology, lands under --results.
+    accuracy gate (P/D and reference, per-sample agreement), then the same prompts (--dataset) through vLLM's
+    serving benchmark against both (TTFT, TPOT, ITL, end-to-end p50/p99, throughput, NIXL transfer time and bytes),
+    with P/D / aggregated ratios. Exit 1 if a gate failed; every artefact (resolved topology too) lands in --results.
 
-    The accuracy gate is expected.yaml's for the model (absolute and/or relative to the reference). GSM8K comes
-    from --data-dir, else $GSM8K_DIR, else a cached openai/gsm8k, else the hub: with none, it stops before
-    anything starts. The topology runs with proxy.on_prefill_down=reject and connector.kv_load_failure_policy=fail
-    (unless set on the command line): a fallback never counts as P/D.
+    The accuracy gate is expected.yaml's for the model. GSM8K: --data-dir, else $GSM8K_DIR, else a cached
+    openai/gsm8k, else the hub (none: it stops before anything starts). The topology runs with
+    proxy.on_prefill_down=reject and connector.kv_load_failure_policy=fail (unless set): a fallback is not P/D.
 
     Examples:
 
       pdctl bench configs/cpu-demo.yaml --decode-block-size 128 --data-dir ../shared/data/gsm8k
 
       pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --decode-block-size 64 --limit 256
+
+      pdctl bench configs/cpu-demo.yaml --skip-check --skip-eval --breakdown   # where P/D's TTFT goes
     """
     opts = api.BenchOptions(skip_check=skip_check, skip_eval=skip_eval, skip_perf=skip_perf, data_dir=data_dir,
                             limit=limit, expected=expected, requests=requests, prompt_len=prompt_len,
                             max_tokens=max_tokens, concurrency=concurrency, request_rate=request_rate,
                             eval_concurrency=eval_concurrency, reference_port=reference_port, timeout_s=timeout,
-                            state_dir=state_dir)
+                            state_dir=state_dir, dataset=dataset, dataset_path=dataset_path, breakdown=breakdown)
     t = _load(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -614,13 +616,12 @@ def sweep(
     expected: ExpectedOpt = Path("configs/expected.yaml"),
     requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
-    request_rate: RateOpt = None,
+    request_rate: RateOpt = None, dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
     eval_concurrency: EvalConcOpt = 1,
     skip_check: Annotated[bool, typer.Option(help="skip the parity gate")] = False,
     skip_eval: Annotated[bool, typer.Option(help="skip the accuracy gate")] = False,
     skip_perf: Annotated[bool, typer.Option(help="skip the load benchmark")] = False,
-    reference_port: RefPortOpt = 8300,
-    timeout: TimeoutOpt = 300.0,
+    reference_port: RefPortOpt = 8300, timeout: TimeoutOpt = 300.0,
 ) -> None:
     """`pdctl bench` for every case of a matrix: one table, sweep.json, sweep.md and PNG plots.
 
@@ -635,8 +636,8 @@ def sweep(
     """
     opts = api.BenchOptions(skip_check=skip_check, skip_eval=skip_eval, skip_perf=skip_perf, data_dir=data_dir,
                             limit=limit, expected=expected, requests=requests, concurrency=concurrency,
-                            request_rate=request_rate, eval_concurrency=eval_concurrency,
-                            reference_port=reference_port, timeout_s=timeout)
+                            request_rate=request_rate, eval_concurrency=eval_concurrency, dataset=dataset,
+                            reference_port=reference_port, timeout_s=timeout, dataset_path=dataset_path)
     r = api.sweep(topology, matrix, opts, results=results, say=say)
     render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pdctl.bench import breakdown
+
 
 def fmt(v, spec: str = "", none: str = "-") -> str:
     return none if v is None else format(v, spec)
@@ -198,7 +200,7 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
         accuracy(out, err, s["accuracy"], expected_file)
     if "perf" in s:
         pd, agg, r = s["perf"]["pd"], s["perf"]["aggregated"], s["perf"]["ratio"]
-        t = Table(title="load: P/D vs aggregated (ms; p50 / p99)")
+        t = Table(title=f"load ({s['perf'].get('dataset', 'random')} prompts): P/D vs aggregated (ms; p50 / p99)")
         for col in ("", "TTFT", "TPOT", "ITL", "end-to-end", "req/s", "out tok/s", "errors"):
             t.add_column(col)
         rows = [("P/D", pd), ("aggregated", agg)] + [(f"pair {x['prefill_pool']} -> {x['decode_pool']}", x)
@@ -215,6 +217,13 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
         if pd.get("kv_bytes") is not None:
             out.print(f"KV transfer (decode metrics): {pd['kv_bytes'] / 2**20:.1f} MiB in "
                       f"{1e3 * (pd['kv_xfer_s'] or 0):.1f} ms of NIXL transfer time", highlight=False)
+        if "breakdown" in s["perf"]:
+            bd = s["perf"]["breakdown"]
+            stats = [breakdown.StageStat(**x) for x in bd["stages"]]
+            out.print(breakdown.table(stats, f"where P/D's TTFT goes ({bd['followed']} of {bd['requests']} "
+                                             "requests followed; ms)"), highlight=False)
+            if bd["unread_logs"]:
+                err.print(f"breakdown: could not read the logs of {', '.join(bd['unread_logs'])} on this host")
     summary = Table(title=f"bench {s['pools']}")
     for col in ("gate", "result", "detail"):
         summary.add_column(col)

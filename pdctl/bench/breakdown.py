@@ -37,8 +37,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("KV read", "read_issued", "read_done", "NIXL read, until the worker's poll sees it done"),
     Stage("convert", "read_done", "converted", "post-receive layout conversion (merge / split / zero)"),
     Stage("KV ready", "converted", "sched_kv_ready", "worker result back to the scheduler"),
-    Stage("first token", "sched_kv_ready", "decode_first", "the decode step that computes the first token, "
-          "detokenized and streamed by the decode's API server"),
+    Stage("to compute", "sched_kv_ready", "sched_first", "until the scheduler schedules the step that computes "
+          "the first token"),
+    Stage("first token", "sched_first", "decode_first", "that step (one token over the received KV), its "
+          "output through the decode's API server (detokenized, streamed)"),
     Stage("proxy out", "decode_first", "client_first", "proxy: first event written to the client"),
 )
 TOTAL = Stage("TTFT (proxy)", "recv", "client_first", "proxy receive -> first byte to the client")

@@ -22,6 +22,9 @@ class BenchOptions:
     max_tokens: int = 32
     concurrency: int = 4
     request_rate: float | None = None  # open loop (Poisson arrivals) instead of `concurrency`
+    breakdown: bool = False  # follow every P/D load request stage by stage (connector.trace on for the bring-up)
+    dataset: str = "random"  # vLLM's benchmark dataset: random, prefix_repetition, sharegpt or custom
+    dataset_path: Path | None = None  # sharegpt's JSON, custom's JSONL (a local file: nothing is downloaded)
     eval_concurrency: int = 1  # per-sample agreement with the reference is exact only when batches match
     reference_port: int = 8300
     timeout_s: float = 300.0

@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdctl.bench import load
+from pdctl.bench import breakdown, load
 from pdctl.bench.options import BenchOptions
 from pdctl.gates import accuracy, check, fleet, parity
+from pdctl.launch import probe
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
 from pdctl.plan import Plan, ProcessSpec
@@ -29,13 +30,20 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     summary: dict = {"name": t.name, "prefill_block": p0.block_size, "decode_block": d0.block_size,
                      "prefill_tp": p0.tp, "decode_tp": d0.tp, "decode_layout": d0.kv_layout,
                      "connector": t.connector.kind, "pools": summary_line(t)}
+    vocab = loaded.model_info.vocab_size or 1000
+    seed = int(time.time())
+    works: list[load.Workload] = []
+    if not o.skip_perf:
+        # The load's prompts, before anything starts (a dataset file that does not give enough fails here): one
+        # workload for P/D and the reference alike, one fresh one per pool pair (the same servers as P/D's run).
+        phase(f"load: {o.requests} prompts from vLLM's {o.dataset} dataset (seed {seed})")
+        works = _workloads(loaded, o, seed, vocab, 1 + (len(t.pairs()) if fleet_mode else 0), phase)
     phase(f"up: {plan.name} and an aggregated reference")
     t0 = time.perf_counter()
     state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
     summary["time_to_ready_s"] = time.perf_counter() - t0
     proxy = plan.get("proxy").http_url
     decodes = [s.http_url for s in plan.by_role("decode")]
-    vocab = loaded.model_info.vocab_size or 1000
     try:
         if not o.skip_check:
             phase("parity check")
@@ -63,27 +71,33 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                                                     data_dir=o.data_dir)
         if not o.skip_perf:
             how = f"{o.request_rate:g} req/s (Poisson)" if o.request_rate else f"concurrency {o.concurrency}"
-            phase(f"load: {o.requests} requests x {o.prompt_len} prompt + {o.max_tokens} output tokens, "
-                  f"{how}, P/D then aggregated")
-            seed = int(time.time())
-            work = load.workload(o.requests, o.prompt_len, vocab, seed=seed)
-            pd = load.run_load("P/D", proxy, t.model.name, work, o.max_tokens, o.concurrency, decodes,
+            size = f" x {o.prompt_len}" if o.dataset in ("random", "prefix_repetition") else ""
+            phase(f"load: {o.requests} {o.dataset} prompts{size} + {o.max_tokens} output tokens, {how}, P/D then "
+                  "aggregated")
+            (out_dir / "load").mkdir(exist_ok=True)
+            # The same prompts to both (different servers: neither answers from its prefix cache), the same arrivals.
+            since = time.time()
+            pd = load.run_load("P/D", proxy, t.model.name, works[0], o.max_tokens, o.concurrency, decodes,
                                o.request_rate, seed)
-            # Fresh prompts for the reference too (neither side may answer from its prefix cache), the same arrivals.
-            work = load.workload(o.requests, o.prompt_len, vocab, seed=seed + 1)
-            agg = load.run_load("aggregated", ref.http_url, t.model.name, work, o.max_tokens, o.concurrency,
+            followed = _followed(plan, proxy, since) if o.breakdown else None
+            agg = load.run_load("aggregated", ref.http_url, t.model.name, works[0], o.max_tokens, o.concurrency,
                                 request_rate=o.request_rate, seed=seed)
+            (out_dir / "load" / "pd.vllm.json").write_text(pd.vllm_json())  # vLLM's own result, as it gave it
+            (out_dir / "load" / "aggregated.vllm.json").write_text(agg.vllm_json())
             summary["perf"] = {"pd": pd.to_dict(), "aggregated": agg.to_dict(), "ratio": load.ratios(pd, agg),
+                               "dataset": o.dataset, "seed": seed,
                                "status": "PASS" if pd.errors == 0 and agg.errors == 0 else "FAIL"}
+            if followed is not None:
+                summary["perf"]["breakdown"] = followed
             if fleet_mode:
                 # The same load pinned to each pool pair in turn (fresh prompts): what each pair costs.
                 per_pair = []
-                for i, (pp, dp) in enumerate(t.pairs()):
+                for (pp, dp), work in zip(t.pairs(), works[1:], strict=True):
                     phase(f"load: pair {pp.name} -> {dp.name}")
-                    work = load.workload(o.requests, o.prompt_len, vocab, seed=seed + 2 + i)
                     urls = [s.http_url for s in plan.by_role("decode") if s.pool == dp.name]
                     r = load.run_load(f"{pp.name}->{dp.name}", proxy, t.model.name, work, o.max_tokens,
                                       o.concurrency, urls, o.request_rate, seed, {ROUTE_HEADER: f"{pp.name}/{dp.name}"})
+                    (out_dir / "load" / f"pair-{pp.name}-{dp.name}.vllm.json").write_text(r.vllm_json())
                     per_pair.append({"prefill_pool": pp.name, "decode_pool": dp.name, **r.to_dict(),
                                      "ratio": load.ratios(r, agg)})
                     if r.errors:
@@ -96,3 +110,37 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     summary["status"] = "FAIL" if "FAIL" in gates else "PASS"
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _workloads(loaded: Loaded, o: BenchOptions, seed: int, vocab: int, count: int,
+               phase: Callable[[str], None]) -> list[load.Workload]:
+    """`count` workloads from o.dataset with the model's tokenizer, seeds seed, seed + 1, ..., no prompt in two.
+    Without the tokenizer (a hub model not cached here), synthetic datasets fall back to token-id prompts."""
+    path = resolved_model(loaded.topology, loaded.topology.decode[0], loaded.base_dir)
+    try:
+        tok = load.load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - whatever the tokenizer's loader raises: said, then token ids if we can
+        if o.dataset in load.FILE_DATASETS:
+            raise load.WorkloadError(f"--dataset {o.dataset}: the model's tokenizer ({path}) did not load: {e}") from e
+        phase(f"load: the model's tokenizer ({path}) did not load ({e}); token-id prompts from its vocabulary")
+        tok = None
+    seen: set = set()
+    return [load.workload(o.requests, prompt_len=o.prompt_len, max_tokens=o.max_tokens, seed=seed + i, tokenizer=tok,
+                          vocab=vocab, dataset=o.dataset, dataset_path=o.dataset_path, seen=seen)
+            for i in range(count)]
+
+
+def _followed(plan: Plan, proxy: str, since: float) -> dict:
+    """The P/D load's requests stage by stage: the proxy's timestamps joined with the decodes' timing lines."""
+    status, text = probe.http_get(f"{proxy}/debug/timings?since={since}", timeout=30)
+    records = json.loads(text) if status == 200 else []
+    stamps: dict = {}
+    unread = []
+    for s in plan.by_role("decode"):
+        try:
+            stamps |= breakdown.connector_stamps(Path(s.log_path).read_text(errors="replace").splitlines())
+        except OSError:  # a log on another node (Ray, Slurm without a shared file system)
+            unread.append(s.name)
+    timelines = breakdown.join(records, stamps)
+    return {"requests": len(records), "followed": len(timelines), "unread_logs": unread,
+            "stages": [st.to_dict() for st in breakdown.summarize(timelines)]}

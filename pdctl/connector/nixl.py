@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.logger import init_logger
 
 from pdctl.connector import seam
-from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_tokens_from
+from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_mask
 from pdctl.kv.index import (
     SplitPlan,
     StagingPool,
@@ -317,7 +317,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                 blocks = split_in_place(whole, plan.ratio, received, local)
                 if tail is not None:
                     at, first = tail
-                    blocks[at : at + 1] = zero_tokens_from(blocks[at : at + 1], local, first)
+                    blocks[at].masked_fill_(zero_mask(local, first), 0)
                 keep = real.nonzero().reshape(-1)
                 cache.index_copy_(0, ids[keep], blocks[keep].reshape(-1, *cache.shape[1:]))
 
@@ -351,14 +351,15 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             for name in names:
                 cache = self.device_kv_caches[name]
                 local = self._side(cache, self.block_size)
-                if written:
+                merge = convert and block_size_ratio > 1
+                if written and (merge or zero_from is not None):
                     blocks = cache.index_select(0, idx).reshape(written, -1)
-                    if convert and block_size_ratio > 1:
+                    if merge:
                         received = self._side(cache, self.block_size // block_size_ratio,
                                                self._received_isa.get(block_size_ratio))
                         blocks = merge_in_place(blocks, block_size_ratio, received, local)
                     if zero_from is not None:
-                        blocks[-1:] = zero_tokens_from(blocks[-1:], local, zero_from)
+                        blocks[-1].masked_fill_(zero_mask(local, zero_from), 0)
                     cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
                 if stale.numel():
                     cache.index_fill_(0, stale, 0)
@@ -387,10 +388,12 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
                      staging)
         self._trace = bool(_settings(vllm_config).get("trace", False))
         self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
+        self._kv_ready: set[str] = set()  # ... then until the step that computes their first token
         super().__init__(vllm_config, engine_id, kv_cache_config)
 
     # Timing lines (connector setting `trace`): when the decode's scheduler first saw a remote-KV request,
-    # gave it blocks (its read goes to the worker with this step), and learnt that its KV had arrived.
+    # gave it blocks (its read goes to the worker with this step), learnt that its KV had arrived, and scheduled
+    # the step that computes its first token.
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         if self._trace and request.request_id not in self._traced and (request.kv_transfer_params or {}).get(
@@ -409,8 +412,16 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             for req_id in connector_output.finished_recving or ():
                 if req_id in self._traced:
                     self._traced.discard(req_id)
+                    self._kv_ready.add(req_id)
                     trace("sched_kv_ready", req_id)
         super().update_connector_output(connector_output)
+
+    def build_connector_meta(self, scheduler_output):
+        if self._trace and self._kv_ready:  # the step that computes the first token of a request whose KV arrived
+            for req_id in self._kv_ready & scheduler_output.num_scheduled_tokens.keys():
+                self._kv_ready.discard(req_id)
+                trace("sched_first", req_id)
+        return super().build_connector_meta(scheduler_output)
 
 
 class NixlConnector(NixlPullConnector):

@@ -104,7 +104,9 @@ INTERNALS: tuple[Internal, ...] = (
     *_hooks(PULL_SCHEDULER, ("get_num_new_matched_tokens", ("request", "num_computed_tokens")),
             ("update_state_after_alloc", ("request", "blocks", "num_external_tokens")),
             ("update_connector_output", ("connector_output",)),
-            why="PdctlNixlScheduler's timing lines (connector.trace): request seen, blocks given, KV arrived"),
+            ("build_connector_meta", ("scheduler_output",)),
+            why="PdctlNixlScheduler's timing lines (connector.trace): request seen, blocks given, KV arrived, "
+            "first token scheduled"),
     *_hooks(PULL_CONNECTOR, ("__init__", ("vllm_config", "role", "kv_cache_config")),
             why="pdctl's NixlConnector builds its own parts"),
     *_hooks(SPIN, ("wait", ("timeout_ms",)), why="the plugin's bounded wait replaces it for readers"),

@@ -7,6 +7,7 @@ Slots past the prompt's last token are zero, so stale bytes never reach attentio
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,13 @@ def split_in_place(remote_blocks: torch.Tensor, ratio: int, received: Side, loca
     k = k.reshape(b, h, ratio, n, d).transpose(1, 2).reshape(b * ratio, h, n, d)
     v = v.reshape(b, h, ratio, n, d).transpose(1, 2).reshape(b * ratio, h, n, d)
     return local.layout.pack(k, v, local.shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def zero_mask(side: Side, first: int) -> torch.Tensor:
+    """True at the elements zero_tokens_from(block, side, first) zeroes: computed once per (side, first), a tail
+    is then zeroed by one masked_fill_ instead of an unpack, clone and pack per layer."""
+    return zero_tokens_from(torch.ones(1, side.shape.elems, dtype=torch.int16), side, first).reshape(-1) == 0
 
 
 def zero_tokens_from(raw: torch.Tensor, side: Side, first: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""`pdctl bench` end to end on P32 -> D128: parity, accuracy (with per-sample agreement) and the load ratios."""
+"""`pdctl bench` end to end on P32 -> D128: parity, accuracy (with per-sample agreement), the load ratios, and the
+load's requests followed stage by stage (--breakdown)."""
 
 import json
 
@@ -9,7 +10,7 @@ from tests.e2e.conftest import pdctl
 def test_bench_p32_d128_end_to_end(tmp_path):
     r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--decode-block-size", "128", "--data-dir",
               SHARED / "data" / "gsm8k", "--limit", "10", "--requests", "12", "--results", tmp_path / "res",
-              "--state-dir", tmp_path / "state", "--json", timeout=1500)
+              "--state-dir", tmp_path / "state", "--breakdown", "--json", timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert (s["prefill_block"], s["decode_block"], s["status"]) == (32, 128, "PASS")
@@ -19,6 +20,14 @@ def test_bench_p32_d128_end_to_end(tmp_path):
     assert perf["pd"]["requests"] == perf["aggregated"]["requests"] == 12
     assert perf["pd"]["errors"] == perf["aggregated"]["errors"] == 0
     assert perf["pd"]["kv_bytes"] > 0 and perf["ratio"]["ttft_ms_p50"] > 0 and perf["ratio"]["tpot_ms_p50"] > 0
+    # --breakdown: every P/D load request followed from the proxy through the decode's connector to its first token.
+    bd = perf["breakdown"]
+    assert bd["requests"] == bd["followed"] == 12 and not bd["unread_logs"], bd
+    stages = {x["name"]: x for x in bd["stages"]}
+    assert list(stages)[0] == "proxy in" and list(stages)[-1] == "TTFT (proxy)"
+    assert all(x["p50_ms"] >= 0 for x in bd["stages"]) and stages["KV read"]["p50_ms"] > 0
+    assert abs(sum(x["mean_ms"] for x in bd["stages"][:-1]) - stages["TTFT (proxy)"]["mean_ms"]) < 1e-6 * 1e3
+    assert stages["TTFT (proxy)"]["p50_ms"] <= perf["pd"]["ttft_ms_p99"]  # the client's TTFT includes the proxy's
     res = tmp_path / "res"
     for f in ("summary.json", "topology.json", "parity.json", "eval/summary.json"):
         assert (res / f).is_file(), f

@@ -113,3 +113,22 @@ def test_up_interrupted_once_started_stops_what_it_started(monkeypatch, tmp_path
     with pytest.raises(KeyboardInterrupt):
         pdctl.up(pdctl.load(CONFIGS / "cpu-demo.yaml"), state_dir=tmp_path)
     assert downed == [started]
+
+
+def test_bench_breakdown_turns_the_trace_on_and_refuses_what_it_cannot_follow(monkeypatch, tmp_path):
+    from pdctl import api
+    from pdctl.bench.options import BenchOptions
+
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml")
+    traced = api._traced(t, BenchOptions(breakdown=True))
+    assert traced.connector.trace and not t.connector.trace and traced.origin is t.origin
+    assert '"trace":true' in " ".join(pdctl.plan(traced).get("decode-0").argv)
+    with pytest.raises(pdctl.UserError, match="drop --skip-perf"):
+        api._traced(t, BenchOptions(breakdown=True, skip_perf=True))
+    stock = pdctl.load(CONFIGS / "cpu-demo.yaml", {"connector.kind": "nixl"})
+    with pytest.raises(pdctl.UserError, match="pdctl's connector; topology 'cpu-demo' uses connector.kind nixl"):
+        api._traced(stock, BenchOptions(breakdown=True))
+    # Before anything starts: no plan, no process.
+    monkeypatch.setattr(api, "_preflight", lambda *a: pytest.fail("pre-flight reached"))
+    with pytest.raises(pdctl.UserError, match="connector.kind nixl"):
+        api._bench(stock, BenchOptions(breakdown=True), {}, tmp_path, print)

@@ -18,7 +18,7 @@ def _proxy(rid: str, t0: float, **over) -> dict:
 
 def _lines(vid: str, t0: float) -> list[str]:
     at = {"sched_seen": 0.014, "sched_alloc": 0.0145, "read_issued": 0.016, "read_done": 0.019, "converted": 0.0192,
-          "sched_kv_ready": 0.021}
+          "sched_kv_ready": 0.021, "sched_first": 0.022}
     return [f"(EngineCore pid=1) INFO 12-02 10:00:00 [nixl.py:80] pdctl trace {k} {vid} {t0 + v:.6f}"
             for k, v in at.items()]
 

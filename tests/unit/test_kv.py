@@ -14,6 +14,7 @@ from pdctl.kv.convert import (
     split_in_place,
     to_sequence,
     transfer_plan,
+    zero_mask,
     zero_tokens_from,
 )
 from pdctl.kv.layouts import LAYOUTS, BlockShape, layout
@@ -173,3 +174,19 @@ def test_merge_across_cpu_isas_amx_prefill_into_vec_decode(ratio):
         b, j = divmod(t, 32)
         assert torch.equal(k_out[t // (32 * ratio), :, t % (32 * ratio)], k_in[b, :, j])
         assert torch.equal(v_out[t // (32 * ratio), :, t % (32 * ratio)], v_in[b, :, j])
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_zero_mask_zeroes_what_zero_tokens_from_zeroes(name):
+    """What the connector applies to a tail (a cached mask) against the oracle, at every cut."""
+    side = Side(layout(name), BlockShape(2, 64, 64))
+    raw = torch.randn(1, side.shape.elems).to(torch.bfloat16)
+    for first in range(64):
+        masked = raw.clone()
+        masked[0].masked_fill_(zero_mask(side, first), 0)
+        assert torch.equal(masked, zero_tokens_from(raw, side, first)), first
+    assert not zero_mask(side, 64).any() and zero_mask(side, 0).all()
+    # Negative control: the mask of another cut zeroes other slots.
+    wrong = raw.clone()
+    wrong[0].masked_fill_(zero_mask(side, 31), 0)
+    assert not torch.equal(wrong, zero_tokens_from(raw, side, 32))

@@ -1,0 +1,220 @@
+"""Where P/D's time to first token goes, and P/D vs aggregated, in one bring-up.
+
+One fleet (configs/cpu-latency.yaml: prefill pools p32/p64 x decode pools d64/d32, connector.trace on) beside an
+aggregated reference with vLLM's executor queues calmed (pdctl's plugin, the default) and one as plain vLLM. Per
+load mode (one request at a time, then Poisson arrivals at --rate) and repeat, every side gets the same fresh
+prompts (vLLM's benchmark machinery, pdctl.bench.load), sides in rotating order: each pinned pair through the proxy,
+then the two references. Each P/D run's requests are followed stage by stage (proxy /debug/timings joined with the
+decode's timing lines, pdctl.bench.breakdown). Reports: the waterfall per pair and mode (median over repeats of
+each stage's p50 and p99), P/D / aggregated ratios of TTFT and TPOT p50 (median of per-repeat ratios, with their
+spread), hetero / homogeneous pair with the same decode block, and at --stall-concurrency requests in flight the
+p99 gap between tokens. Runs where most streams arrived in one burst (TPOT ~0) are counted and left out of TPOT.
+
+Usage: python scripts/bench_pd_latency.py [--label after] [--repeat 5] [--requests 16] [--rate 6]
+       [--pairs p32/d64,p64/d32,p64/d64,p32/d32] [--out results/bench_pd_latency-LABEL.json]
+With results/bench_pd_latency-before.json present, an `--label after` run also prints before -> after per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pdctl
+from pdctl.bench import breakdown, load
+from pdctl.plan import with_plain_reference
+from pdctl.proxy.routing import ROUTE_HEADER
+from pdctl.topology import resolved_model
+
+REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
+
+
+def timings(proxy: str, since: float) -> list[dict]:
+    with urllib.request.urlopen(f"{proxy}/debug/timings?since={since}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def decode_stamps(plan, pool: str) -> dict:
+    stamps: dict = {}
+    for s in plan.by_role("decode"):
+        if s.pool == pool:
+            stamps |= breakdown.connector_stamps(Path(s.log_path).read_text(errors="replace").splitlines())
+    return stamps
+
+
+def med(xs):
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs):
+    xs = [x for x in xs if x == x]
+    return [min(xs), max(xs)] if xs else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", default="configs/cpu-latency.yaml")
+    ap.add_argument("--set", action="append", default=[], help="topology override, e.g. connector.worker_spin_s=0")
+    ap.add_argument("--pairs", default="p32/d64,p64/d32,p64/d64,p32/d32", help="pinned PREFILL/DECODE pools")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=16, help="requests per side per run")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals (req/s) for the loaded mode; 0: skip")
+    ap.add_argument("--stall-concurrency", type=int, default=16, help="0: skip the stall check")
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
+    a = ap.parse_args()
+    out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
+
+    t = pdctl.load(a.topology, [*a.set, "connector.trace=true"])
+    state_dir = Path("/tmp/pdctl-bench-latency")
+    plan = with_plain_reference(pdctl.plan(t, state_dir=state_dir, reference_port=8300), port=8301)
+    pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
+    sides = [f"{p}->{d}" for p, d in pairs] + list(REFS)
+    modes = [("c=1", 1, None)] + ([(f"{a.rate:g} req/s", a.requests, a.rate)] if a.rate else [])
+    runs: list[dict] = []
+    tok = load.load_tokenizer(resolved_model(t, t.decode[0], t.origin.base_dir))
+    seen: set = set()  # every prompt sent: none goes twice to a server (its prefix cache would answer)
+
+    def work(n: int, seed: int) -> load.Workload:
+        return load.workload(n, a.prompt_len, seed=seed, max_tokens=a.max_tokens, tokenizer=tok, seen=seen)
+
+    with pdctl.up(plan, timeout_s=600) as d:
+        urls = {s: d.proxy_url for s in sides[: len(pairs)]} | {k: d.plan.get(v).http_url for k, v in REFS.items()}
+        seed = int(time.time())
+        for mode, conc, rate in modes:
+            for rep in range(a.repeat):
+                # Fresh prompts per repeat and per pair (pairs share prefill and decode servers); the references
+                # (servers of their own) get the first pair's, so that pair and the references see the same prompts.
+                seed += 100
+                works = {side: work(a.requests, seed + i) for i, side in enumerate(sides[: len(pairs)])}
+                works |= dict.fromkeys(REFS, works[sides[0]])
+                order = sides[rep % len(sides):] + sides[: rep % len(sides)]
+                for side in order:
+                    pair = dict(zip(sides, pairs, strict=False)).get(side)
+                    headers = {ROUTE_HEADER: f"{pair[0]}/{pair[1]}"} if pair else None
+                    decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
+                    since = time.time()
+                    r = load.run_load(side, urls[side], t.model.name, works[side], a.max_tokens, conc, decodes, rate,
+                                      seed, headers)
+                    row = {"mode": mode, "repeat": rep, "side": side, **r.to_dict()}
+                    if pair:
+                        tl = breakdown.join(timings(d.proxy_url, since), decode_stamps(d.plan, pair[1]))
+                        row["breakdown"] = [s.to_dict() for s in breakdown.summarize(tl)]
+                        row["followed"] = len(tl)
+                    runs.append(row)
+                    print(f"{mode:>10} rep {rep} {side:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms  TPOT p50 "
+                          f"{r.tpot_ms_p50:6.2f} ms  bunched {r.bunched}/{r.requests}  errors {r.errors}"
+                          + (f"  followed {row['followed']}" if pair else ""), flush=True)
+        stall = None
+        if a.stall_concurrency:
+            p, dd = pairs[0]
+            r = load.run_load("stall", d.proxy_url, t.model.name, work(4 * a.stall_concurrency, seed + 99),
+                              a.max_tokens * 4, a.stall_concurrency, headers={ROUTE_HEADER: f"{p}/{dd}"})
+            stall = {"pair": f"{p}->{dd}", "concurrency": a.stall_concurrency, **r.to_dict()}
+            print(f"stall check {p}->{dd} c={a.stall_concurrency}: ITL p50 {r.itl_ms_p50:.2f} ms, p99 "
+                  f"{r.itl_ms_p99:.2f} ms, errors {r.errors}")
+    report = summarize(runs, sides, pairs, modes)
+    report["stall"] = stall
+    print_report(report)
+    before = out.with_name("bench_pd_latency-before.json")
+    if a.label != "before" and before.exists():
+        print_before_after(json.loads(before.read_text())["report"], report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    breakdown.plot({f"{k} {m}": [breakdown.StageStat(**s) for s in v] for (k, m), v in
+                    ((tuple(key.split(" | ")), st) for key, st in report["waterfall"].items())}, png)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "label": a.label, "report": report, "runs": runs},
+                              indent=2))
+    print(f"\nwrote {out} and {png}")
+    return 0
+
+
+def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: list) -> dict:
+    """Medians over repeats: each stage's p50/p99 per pair and mode; ratios per repeat, then their median."""
+    waterfall, ratios, hetero = {}, [], []
+    for mode, *_ in modes:
+        rs = [r for r in runs if r["mode"] == mode]
+        for side in sides[: len(pairs)]:
+            mine = [r["breakdown"] for r in rs if r["side"] == side and r.get("breakdown")]
+            if mine:
+                waterfall[f"{side} | {mode}"] = [
+                    {**mine[0][i], "p50_ms": med(m[i]["p50_ms"] for m in mine),
+                     "p99_ms": med(m[i]["p99_ms"] for m in mine), "mean_ms": med(m[i]["mean_ms"] for m in mine)}
+                    for i in range(len(mine[0]))]
+        reps = sorted({r["repeat"] for r in rs})
+
+        def per_rep(side, key, ref, rs=rs, reps=reps):
+            out = []
+            for k in reps:
+                x = next((r for r in rs if r["side"] == side and r["repeat"] == k), None)
+                y = next((r for r in rs if r["side"] == ref and r["repeat"] == k), None)
+                if not x or not y or not y[key]:
+                    continue
+                if key.startswith("tpot") and (x["bunched"] > x["requests"] // 2 or y["bunched"] > y["requests"] // 2):
+                    continue  # a burst-delivered run's TPOT measures nothing
+                out.append(x[key] / y[key])
+            return out
+
+        for side in sides[: len(pairs)]:
+            for ref in REFS:
+                row = {"mode": mode, "pair": side, "versus": ref}
+                for key in ("ttft_ms_p50", "tpot_ms_p50"):
+                    xs = per_rep(side, key, ref)
+                    row[key] = {"ratio": med(xs), "spread": spread(xs), "repeats": len(xs)}
+                row["pd"] = {k: med(r[k] for r in rs if r["side"] == side) for k in ("ttft_ms_p50", "tpot_ms_p50")}
+                row["aggregated"] = {k: med(r[k] for r in rs if r["side"] == ref)
+                                     for k in ("ttft_ms_p50", "tpot_ms_p50")}
+                row["bunched_runs"] = sum(r["bunched"] > r["requests"] // 2 for r in rs if r["side"] in (side, ref))
+                ratios.append(row)
+        by_pool = {s: p for s, p in zip(sides, pairs, strict=False)}
+        for side, (_, dpool) in by_pool.items():
+            homog = next((s for s, (pp, dd) in by_pool.items() if dd == dpool and pp[1:] == dd[1:]), None)
+            if homog and homog != side:
+                row = {"mode": mode, "pair": side, "versus": homog}
+                for key in ("ttft_ms_p50", "tpot_ms_p50"):
+                    xs = per_rep(side, key, homog)
+                    row[key] = {"ratio": med(xs), "spread": spread(xs), "repeats": len(xs)}
+                hetero.append(row)
+    return {"waterfall": waterfall, "ratios": ratios, "hetero": hetero}
+
+
+def sp(s) -> str:
+    return f"{s[0]:.2f}-{s[1]:.2f}" if s else "-"
+
+
+def print_report(rep: dict) -> None:
+    for key, stats in rep["waterfall"].items():
+        print("\n" + breakdown.table([breakdown.StageStat(**s) for s in stats], key))
+    print(f"\n{'mode':>10} {'pair':9} {'versus':24} {'TTFT P/D':>9} {'agg':>7} {'ratio':>6} {'spread':>13}"
+          f" {'TPOT P/D':>9} {'agg':>6} {'ratio':>6} {'spread':>11}")
+    for r in rep["ratios"]:
+        t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
+        print(f"{r['mode']:>10} {r['pair']:9} {r['versus']:24} {r['pd']['ttft_ms_p50']:9.1f} "
+              f"{r['aggregated']['ttft_ms_p50']:7.1f} {t['ratio']:6.2f} {sp(t['spread']):>13} "
+              f"{r['pd']['tpot_ms_p50']:9.2f} {r['aggregated']['tpot_ms_p50']:6.2f} {p['ratio']:6.2f} "
+              f"{sp(p['spread']):>11}")
+    for r in rep["hetero"]:
+        print(f"{r['mode']:>10} hetero {r['pair']} / homogeneous {r['versus']}: TTFT x{r['ttft_ms_p50']['ratio']:.3f}"
+              f", TPOT x{r['tpot_ms_p50']['ratio']:.3f}")
+
+
+def print_before_after(before: dict, after: dict) -> None:
+    print("\nbefore -> after (stage p50 ms, median over repeats)")
+    for key, stats in after["waterfall"].items():
+        old = {s["name"]: s for s in before["waterfall"].get(key, [])}
+        print(f"  {key}")
+        for s in stats:
+            o = old.get(s["name"])
+            print(f"    {s['name']:14} {o['p50_ms'] if o else float('nan'):8.2f} -> {s['p50_ms']:8.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
