@@ -129,8 +129,10 @@ def main() -> int:
         print_before_after(json.loads(before.read_text())["report"], report)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
-    breakdown.plot({f"{k} {m}": [breakdown.StageStat(**s) for s in v] for (k, m), v in
-                    ((tuple(key.split(" | ")), st) for key, st in report["waterfall"].items())}, png)
+    panels = {key.replace(" | ", " "): [breakdown.StageStat(**s) for s in st]
+              for key, st in report["waterfall"].items()}
+    calmed = {r["mode"]: r["aggregated"]["ttft_ms_p50"] for r in report["ratios"] if r["versus"] == next(iter(REFS))}
+    breakdown.plot(panels, png, {k: calmed.get(k.split(" ", 1)[1]) for k in panels})
     out.write_text(json.dumps({"command": " ".join(sys.argv), "label": a.label, "report": report, "runs": runs},
                               indent=2))
     print(f"\nwrote {out} and {png}")

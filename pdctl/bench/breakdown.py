@@ -128,8 +128,9 @@ def table(stats: list[StageStat], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def plot(panels: dict[str, list[StageStat]], path) -> None:
-    """A waterfall PNG: one row per panel (e.g. pair and load), stages stacked by p50."""
+def plot(panels: dict[str, list[StageStat]], path, references: dict[str, float] | None = None) -> None:
+    """A waterfall PNG: one row per panel (e.g. pair and load), stages stacked by p50; `references`: per panel, an
+    aggregated server's TTFT p50 in the same run, drawn as a mark on that row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,6 +147,10 @@ def plot(panels: dict[str, list[StageStat]], path) -> None:
             left += w
         if stats:
             ax.text(left, row, f" {stats[-1].p50_ms:.1f} ms (p50 TTFT)", va="center", fontsize=8)
+        ref = (references or {}).get(list(panels)[row])
+        if ref:
+            ax.plot([ref, ref], [row - 0.45, row + 0.45], color="black", linestyle="--", linewidth=1,
+                    label="aggregated TTFT p50" if row == 0 else None)
     ax.set_yticks(range(len(panels)), list(panels))
     ax.invert_yaxis()
     ax.set_xlabel("ms from the proxy receiving the request (stage p50s, stacked)")

@@ -471,10 +471,20 @@ def test_upstream_connections_are_kept_alive(pd):
     assert len(peers) == 5 and len(set(peers)) == 1  # one connection, reused
 
 
+OK_JSON = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
+
+
+async def _server_and_upstream(handle):
+    """A raw asyncio server running `handle`, and pdctl's Upstream to it."""
+    from pdctl.proxy.upstream import Upstream
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, Upstream(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", 1.0, 2.0)
+
+
 def test_upstream_retries_a_keep_alive_connection_the_server_closed_unanswered():
     """A server may close an idle keep-alive connection just as a request is sent on it: the request was never
     seen, so it goes again on a new connection instead of failing."""
-    from pdctl.proxy.upstream import Upstream
 
     answered = []
 
@@ -490,12 +500,10 @@ def test_upstream_retries_a_keep_alive_connection_the_server_closed_unanswered()
                     writer.close()
                     return
                 answered.append(writer.get_extra_info("peername"))
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+                writer.write(OK_JSON)
                 await writer.drain()
 
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        up = Upstream(f"http://127.0.0.1:{port}", 1.0, 2.0)
+        server, up = await _server_and_upstream(handle)
         bodies = []
         for _ in range(2):
             async with await up.request("POST", "/v1/completions", b"{}") as r:
@@ -513,7 +521,7 @@ def test_upstream_does_not_write_on_a_pooled_connection_whose_server_died(loop_k
     """A server killed between two requests: its pooled connection's transport is closing (or closed before
     connection_lost ran). uvloop raised RuntimeError on write (the proxy answered 500, seen in a fault drill);
     the request must go on a new connection instead, and a closed fresh connection is a ConnectFailed."""
-    from pdctl.proxy.upstream import ConnectFailed, Upstream
+    from pdctl.proxy.upstream import ConnectFailed
 
     async def main():
         async def handle(reader, writer):
@@ -523,12 +531,10 @@ def test_upstream_does_not_write_on_a_pooled_connection_whose_server_died(loop_k
                 except asyncio.IncompleteReadError:
                     return
                 await reader.readexactly(int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]))
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+                writer.write(OK_JSON)
                 await writer.drain()
 
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        up = Upstream(f"http://127.0.0.1:{port}", 1.0, 2.0)
+        server, up = await _server_and_upstream(handle)
         got = []
         async with await up.request("POST", "/v1/completions", b"{}") as r:
             got.append((r.status, await r.read()))
