@@ -15,7 +15,7 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
     try:
-        conn.request("GET", u.path or "/")
+        conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""))
         resp = conn.getresponse()
         return resp.status, resp.read().decode("utf-8", "replace")
     except (OSError, http.client.HTTPException):

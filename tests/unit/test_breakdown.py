@@ -69,3 +69,33 @@ def test_table_and_plot(tmp_path):
     assert not math.isnan(stats[-1].p99_ms)
     b.plot({"P32->D64 c=1": stats, "P64->D32 c=1": stats}, tmp_path / "w.png", {"P32->D64 c=1": 20.0})
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_http_get_keeps_the_query_string():
+    """bench --breakdown asks the proxy for /debug/timings?since=T through probe.http_get (once dropped the
+    query, so every request the proxy ever saw was followed)."""
+    import http.server
+    import threading
+
+    from pdctl.launch import probe
+
+    seen = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            seen.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"[]")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert probe.http_get(f"http://127.0.0.1:{srv.server_port}/debug/timings?since=12.5") == (200, "[]")
+        assert probe.http_get(f"http://127.0.0.1:{srv.server_port}/health") == (200, "[]")
+    finally:
+        srv.shutdown()
+    assert seen == ["/debug/timings?since=12.5", "/health"]
