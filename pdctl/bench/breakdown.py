@@ -113,7 +113,8 @@ def table(stats: list[StageStat], title: str = "") -> str:
     """A text waterfall: each stage's p50 / p99 and a bar placed where it starts (by the p50s)."""
     if not stats:
         return f"{title}: no request carried every stamp (is connector.trace on?)" if title else ""
-    total = stats[-1].p50_ms or 1.0
+    # Stage p50s need not add up to the total's p50: scale by the larger so every bar fits.
+    total = max(stats[-1].p50_ms, sum(max(s.p50_ms, 0.0) for s in stats[:-1])) or 1.0
     width = 30
     lines = [title] if title else []
     lines.append(f"{'stage':14} {'p50 ms':>8} {'p99 ms':>8}  {'':{width}}")

@@ -99,3 +99,10 @@ def test_probe_http_get_keeps_the_query_string():
     finally:
         srv.shutdown()
     assert seen == ["/debug/timings?since=12.5", "/health"]
+
+
+def test_table_bars_fit_when_the_stage_p50s_add_up_to_more_than_the_total():
+    stats = [b.StageStat(s.name, s.what, 1.0, 2.0, 1.0) for s in (*b.STAGES, b.TOTAL)]
+    lines = b.table(stats).splitlines()
+    bars = [ln[36:] for ln in lines[1:-1]]
+    assert all(len(ln) <= 80 for ln in lines) and all(bar.count("#") <= 3 for bar in bars), lines
