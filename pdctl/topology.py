@@ -218,8 +218,8 @@ class ConnectorSpec(_Strict):
     trace: bool = Field(
         False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
         "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "
-        "converted it, when the scheduler learnt the KV had arrived; joined with the proxy's own timestamps by "
-        "`pdctl bench --breakdown` and scripts/bench_pd_latency.py")
+        "converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined with "
+        "the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -22,29 +22,16 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pdctl
 from pdctl.bench import breakdown, load
+from pdctl.bench.run import follow
 from pdctl.plan import with_plain_reference
 from pdctl.proxy.routing import ROUTE_HEADER
 from pdctl.topology import resolved_model
 
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
-
-
-def timings(proxy: str, since: float) -> list[dict]:
-    with urllib.request.urlopen(f"{proxy}/debug/timings?since={since}", timeout=30) as r:
-        return json.loads(r.read())
-
-
-def decode_stamps(plan, pool: str) -> dict:
-    stamps: dict = {}
-    for s in plan.by_role("decode"):
-        if s.pool == pool:
-            stamps |= breakdown.connector_stamps(Path(s.log_path).read_text(errors="replace").splitlines())
-    return stamps
 
 
 def med(xs):
@@ -106,9 +93,8 @@ def main() -> int:
                                       seed, headers)
                     row = {"mode": mode, "repeat": rep, "side": side, **r.to_dict()}
                     if pair:
-                        tl = breakdown.join(timings(d.proxy_url, since), decode_stamps(d.plan, pair[1]))
-                        row["breakdown"] = [s.to_dict() for s in breakdown.summarize(tl)]
-                        row["followed"] = len(tl)
+                        f = follow(d.plan, d.proxy_url, since)
+                        row["breakdown"], row["followed"] = f["stages"], f["followed"]
                     runs.append(row)
                     print(f"{mode:>10} rep {rep} {side:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms  TPOT p50 "
                           f"{r.tpot_ms_p50:6.2f} ms  bunched {r.bunched}/{r.requests}  errors {r.errors}"

@@ -79,7 +79,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
             since = time.time()
             pd = load.run_load("P/D", proxy, t.model.name, works[0], o.max_tokens, o.concurrency, decodes,
                                o.request_rate, seed)
-            followed = _followed(plan, proxy, since) if o.breakdown else None
+            followed = follow(plan, proxy, since) if o.breakdown else None
             agg = load.run_load("aggregated", ref.http_url, t.model.name, works[0], o.max_tokens, o.concurrency,
                                 request_rate=o.request_rate, seed=seed)
             (out_dir / "load" / "pd.vllm.json").write_text(pd.vllm_json())  # vLLM's own result, as it gave it
@@ -130,8 +130,9 @@ def _workloads(loaded: Loaded, o: BenchOptions, seed: int, vocab: int, count: in
             for i in range(count)]
 
 
-def _followed(plan: Plan, proxy: str, since: float) -> dict:
-    """The P/D load's requests stage by stage: the proxy's timestamps joined with the decodes' timing lines."""
+def follow(plan: Plan, proxy: str, since: float) -> dict:
+    """The proxy's P/D requests received after `since`, stage by stage: its timestamps joined with the decodes'
+    timing lines (connector.trace); requests seen, followed, logs not readable here, stage stats."""
     status, text = probe.http_get(f"{proxy}/debug/timings?since={since}", timeout=30)
     records = json.loads(text) if status == 200 else []
     stamps: dict = {}

@@ -74,10 +74,10 @@ def _settings(vllm_config) -> dict[str, Any]:
 TRACE_MARK = "pdctl trace"
 
 
-def trace(stage: str, req_id: str) -> None:
-    """One timing line (wall clock: the proxy and every engine process on a host share it), read by
-    pdctl.bench.breakdown. Only when the connector's `trace` setting is on."""
-    log.info("%s %s %s %.6f", TRACE_MARK, stage, req_id, time.time())
+def trace(stage: str, req_id: str, at: float | None = None) -> None:
+    """One timing line (wall clock `at`, default now: the proxy and every engine process on a host share it),
+    read by pdctl.bench.breakdown. Only when the connector's `trace` setting is on."""
+    log.info("%s %s %s %.6f", TRACE_MARK, stage, req_id, time.time() if at is None else at)
 
 
 class PdctlNixlWorker(NixlPullConnectorWorker):
@@ -294,7 +294,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             self._release(plan)
         if self._trace:
             for req_id in done:
-                log.info("%s read_done %s %.6f", TRACE_MARK, req_id, polled)
+                trace("read_done", req_id, polled)
                 trace("converted", req_id)
         return results
 
