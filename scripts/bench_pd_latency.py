@@ -55,6 +55,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals (req/s) for the loaded mode; 0: skip")
     ap.add_argument("--stall-concurrency", type=int, default=16, help="0: skip the stall check")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="skip the per-request floor (a 4-token prompt through each aggregated reference)")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
@@ -99,6 +101,17 @@ def main() -> int:
                     print(f"{mode:>10} rep {rep} {side:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms  TPOT p50 "
                           f"{r.tpot_ms_p50:6.2f} ms  bunched {r.bunched}/{r.requests}  errors {r.errors}"
                           + (f"  followed {row['followed']}" if pair else ""), flush=True)
+        # What one more vLLM request costs on this host whatever pdctl does: a 4-token prompt (its compute is next to
+        # nothing) through each aggregated reference, one at a time. P/D makes two requests of each prompt, so its
+        # TTFT floor is the aggregated TTFT plus this.
+        floor_runs = []
+        for rep in range(a.repeat if a.floor else 0):
+            for ref in REFS:
+                r = load.run_load(f"{ref} floor", urls[ref], t.model.name,
+                                  load.workload(a.requests, 4, seed=seed + 500 + rep, max_tokens=a.max_tokens,
+                                                tokenizer=tok, seen=seen), a.max_tokens, 1, [], None, seed)
+                floor_runs.append({"repeat": rep, "side": ref, "ttft_ms_p50": r.ttft_ms_p50})
+                print(f"{'floor':>10} rep {rep} {ref:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms (4-token prompt)", flush=True)
         stall = None
         if a.stall_concurrency:
             p, dd = pairs[0]
@@ -109,6 +122,7 @@ def main() -> int:
                   f"{r.itl_ms_p99:.2f} ms, errors {r.errors}")
     report = summarize(runs, sides, pairs, modes)
     report["stall"] = stall
+    report["floor"] = floor(floor_runs, report["ratios"])
     print_report(report)
     before = out.with_name("bench_pd_latency-before.json")
     if a.label != "before" and before.exists():
@@ -174,6 +188,21 @@ def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: lis
     return {"waterfall": waterfall, "ratios": ratios, "hetero": hetero}
 
 
+def floor(floor_runs: list[dict], ratios: list[dict]) -> list[dict]:
+    """Per pair at c=1: P/D TTFT against the aggregated TTFT plus one minimal vLLM request on the same server."""
+    out = []
+    for r in ratios:
+        minimal = med(f["ttft_ms_p50"] for f in floor_runs if f["side"] == r["versus"])
+        if r["mode"] != "c=1" or minimal != minimal:
+            continue
+        bound = r["aggregated"]["ttft_ms_p50"] + minimal
+        out.append({"pair": r["pair"], "versus": r["versus"], "minimal_request_ttft_ms_p50": minimal,
+                    "floor_ttft_ms": bound, "pd_ttft_ms_p50": r["pd"]["ttft_ms_p50"],
+                    "pd_over_floor": r["pd"]["ttft_ms_p50"] / bound,
+                    "floor_over_aggregated": bound / r["aggregated"]["ttft_ms_p50"]})
+    return out
+
+
 def sp(s) -> str:
     return f"{s[0]:.2f}-{s[1]:.2f}" if s else "-"
 
@@ -189,6 +218,11 @@ def print_report(rep: dict) -> None:
               f"{r['aggregated']['ttft_ms_p50']:7.1f} {t['ratio']:6.2f} {sp(t['spread']):>13} "
               f"{r['pd']['tpot_ms_p50']:9.2f} {r['aggregated']['tpot_ms_p50']:6.2f} {p['ratio']:6.2f} "
               f"{sp(p['spread']):>11}")
+    for r in rep.get("floor") or []:
+        print(f"       c=1 {r['pair']:9} {r['versus']:24} floor = aggregated TTFT + a 4-token request "
+              f"({r['minimal_request_ttft_ms_p50']:.1f} ms) = {r['floor_ttft_ms']:.1f} ms "
+              f"({r['floor_over_aggregated']:.2f}x aggregated); P/D {r['pd_ttft_ms_p50']:.1f} ms = "
+              f"{r['pd_over_floor']:.2f}x floor")
     for r in rep["hetero"]:
         print(f"{r['mode']:>10} hetero {r['pair']} / homogeneous {r['versus']}: TTFT x{r['ttft_ms_p50']['ratio']:.3f}"
               f", TPOT x{r['tpot_ms_p50']['ratio']:.3f}")

