@@ -82,6 +82,8 @@ def topology_command(fn):
 
 TopologyArg = Annotated[Path, typer.Argument(help="topology YAML", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+OutputOpt = Annotated[render.Output, typer.Option("--output", "-o", help="default: the columns that matter, fitting 80 "
+                      "columns; wide: every column; json or yaml (--json = -o json)")]
 StateDirOpt = Annotated[Path | None, typer.Option("--state-dir", help="default: .pdctl/<name>")]
 NameArg = Annotated[str | None, typer.Argument(help="topology name (default: the only one that is up)")]
 TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for readiness")]
@@ -140,8 +142,8 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
 
 @app.command()
 @topology_command
-def plan(topology: TopologyArg, json_: JsonOpt = False, state_dir: StateDirOpt = None,
-         overrides: list = ()) -> None:
+def plan(topology: TopologyArg, json_: JsonOpt = False, output: OutputOpt = render.Output.default,
+         state_dir: StateDirOpt = None, overrides: list = ()) -> None:
     """Show the exact processes `pdctl up` would start: argv, env, ports, log, readiness URL.
 
     Examples:
@@ -150,17 +152,10 @@ def plan(topology: TopologyArg, json_: JsonOpt = False, state_dir: StateDirOpt =
 
       pdctl plan configs/qwen3-0.6b-cuda.yaml --decode-tp 2 --json
 
-      pdctl plan configs/cpu-slurm.yaml --engine slurm
+      pdctl plan configs/cpu-slurm.yaml --engine slurm -o wide
     """
     p = api.plan(_load(topology, overrides), state_dir=state_dir)
-    batch = api.slurm_batch(p)
-    if json_:
-        print(json.dumps({**p.to_dict(), "batch_script": batch}, indent=2) if batch else p.to_json())
-        return
-    render.plan(out, p)
-    if batch:
-        out.print("\n[bold]Slurm batch script[/bold] (pdctl up submits it; the proxy runs here):", highlight=False)
-        out.print(batch, highlight=False, markup=False, soft_wrap=True)
+    render.plan(out, p, render.Output.json if json_ else output, api.slurm_batch(p))
 
 
 @render_app.command("k8s")
@@ -284,22 +279,26 @@ def down(name: NameArg = None, state_dir: StateDirOpt = None,
 
 
 @app.command()
-def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt = False) -> None:
-    """One row per instance: role, pid, ports, block size, TP, health, uptime, restarts, requests and KV usage;
-    then the supervisor, and for each instance that ended once, how (signal or exit code) and its log's
-    root-cause line.
+def status(name: NameArg = None, state_dir: StateDirOpt = None, json_: JsonOpt = False,
+           output: OutputOpt = render.Output.default, watch: Annotated[bool, typer.Option(
+               "--watch", "-w", help="redraw every --interval seconds; Ctrl-C to leave")] = False,
+           interval: Annotated[float, typer.Option(min=0.2, help="seconds between --watch redraws")] = 2.0) -> None:
+    """One row per instance: name, pool, host:port, block size, TP, health, restarts, KV usage (-o wide adds
+    where, pid, side channel, uptime, requests running/waiting); then the supervisor, and for each instance that
+    ended once, how (signal or exit code) and its log's root-cause line.
 
     Examples:
 
       pdctl status
 
-      pdctl status cpu-demo --json
+      pdctl status cpu-demo -o wide --watch
     """
-    s = api.attach(name, state_dir=state_dir).status()
-    if json_:
-        print(json.dumps(s.to_dict(), indent=2))
-    else:
-        render.status(out, s)
+    d, output = api.attach(name, state_dir=state_dir), render.Output.json if json_ else output
+    if watch and output in (render.Output.json, render.Output.yaml):
+        raise UserError(f"--watch redraws the table: it does not go with -o {output.value} (or --json)")
+    if watch:
+        return render.watch(out, lambda: render.status_view(out, d.status(), output), interval)
+    render.status(out, d.status(), output)
 
 
 @app.command()

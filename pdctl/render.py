@@ -3,28 +3,87 @@
 from __future__ import annotations
 
 import contextlib
+import enum
+import json
+import os
 import shlex
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from pdctl.bench import breakdown
+
+
+class Output(enum.StrEnum):
+    """`-o/--output`: what a listing command prints."""
+
+    default = "default"  # the columns that matter, fitting 80 columns
+    wide = "wide"  # every column
+    json = "json"
+    yaml = "yaml"
 
 
 def fmt(v, spec: str = "", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-def plan(out: Console, p) -> None:
-    table = Table(title=f"plan: {p.name}  (state {p.state_dir})", show_lines=False)
-    for col in ("process", "pool", "platform", "block", "TP", "layout", "HTTP", "side channel", "readiness"):
-        table.add_column(col)
-    for s in p.processes:  # in pool order: the plan lists each pool's instances together
-        table.add_row(s.name, s.pool or "-", s.platform, str(s.block_size or "-"), str(s.tp or "-"), s.kv_layout or "-",
-                      f"{s.host}:{s.ports['http']}", str(s.ports.get("side_channel", "-")), s.readiness_url)
+def plain(out: Console) -> bool:
+    """No box drawing and no colour: stdout is not a terminal (a pipe, a file, CI) or NO_COLOR is set."""
+    return not out.is_terminal or bool(os.environ.get("NO_COLOR"))
+
+
+def listing(out: Console, title: str | None, columns: list[str], keep: tuple[str, ...] = ()) -> Table:
+    """A table for a listing: no vertical rules (they cost 3 characters a column), header rule only on a
+    terminal; a value too long for its column wraps (fold) instead of ending in an ellipsis, and the `keep`
+    columns (names, addresses) never wrap: other columns give way first."""
+    style = "none" if plain(out) else "bold"
+    t = Table(title=title, title_justify="left", box=None if plain(out) else box.SIMPLE_HEAD, pad_edge=False,
+              show_edge=False, header_style=style, title_style=style)
+    for c in columns:
+        t.add_column(c, overflow="fold", no_wrap=c in keep)
+    return t
+
+
+def show(out: Console, table: RenderableType, wide: bool = False) -> None:
+    """-o wide: every column at its natural width, lines as long as they need (like kubectl's), not folded."""
+    if wide:
+        out = Console(file=out.file, width=100_000, color_system=out.color_system, highlight=False,
+                      force_terminal=out.is_terminal)
     out.print(table)
+
+
+def machine(data: dict, output: Output) -> str:
+    if output is Output.yaml:
+        import yaml
+
+        return yaml.safe_dump(data, sort_keys=False, width=1_000_000)
+    return json.dumps(data, indent=2)
+
+
+def plan(out: Console, p, output: Output = Output.default, batch: str | None = None) -> None:
+    if output in (Output.json, Output.yaml):
+        print(machine({**p.to_dict(), **({"batch_script": batch} if batch else {})}, output), end="" if
+              output is Output.yaml else "\n")
+        return
+    wide = output is Output.wide
+    cols = (["instance", "pool", "platform", "block", "TP", "layout", "HTTP", "side channel", "readiness"] if wide
+            else ["instance", "block", "TP", "layout", "URL"])
+    table = listing(out, f"plan: {p.name} (state {p.state_dir})", cols, keep=("instance", "URL", "HTTP"))
+    for s in p.processes:  # in pool order: the plan lists each pool's instances together
+        common = [str(s.block_size or "-"), str(s.tp or "-"), s.kv_layout or "-"]
+        table.add_row(*([s.name, s.pool or "-", s.platform, *common, f"{s.host}:{s.ports['http']}",
+                         str(s.ports.get("side_channel", "-")), s.readiness_url] if wide else
+                        [s.name, *common, s.http_url]))
+    show(out, table, wide)
+    if batch:
+        out.print("\nSlurm batch script (pdctl up submits it; the proxy runs here):", highlight=False)
+        out.print(batch, highlight=False, markup=False, soft_wrap=True)
     for s in p.processes:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
         out.print(f"\n[bold]{s.name}[/bold]  log: {s.log_path}", highlight=False)
@@ -88,27 +147,65 @@ def down(out: Console, r) -> None:
     out.print(f"{r.name} is down", highlight=False)
 
 
-def status(out: Console, s) -> None:
-    table = Table(title=f"{s.name} ({s.state_dir})")
-    for col in ("instance", "where", "pid", "HTTP", "side ch.", "block", "TP", "health", "uptime", "restarts",
-                "run", "wait", "KV"):
-        table.add_column(col)
+def status_view(out: Console, s, output: Output = Output.default) -> RenderableType:
+    """The status listing: default = instance, pool, host:port, block, TP, health, restarts, KV %; wide adds where,
+    pid, side channel, uptime and the requests running/waiting. Then the supervisor and how instances ended."""
+    wide = output is Output.wide
+    cols = ["instance", "pool", "host:port", "block", "TP", "health", "restarts", "KV"]
+    if wide:
+        cols[3:3] = ["where", "pid", "side ch."]
+        cols += ["uptime", "run", "wait"]
+    table = listing(out, f"{s.name} ({s.state_dir})", cols, keep=("instance", "host:port"))
+    color = not plain(out)
     for r in s.instances:
-        health = "[green]ok[/]" if r.healthy else ("[yellow]running[/]" if r.running else "[red]down[/]")
+        health = "ok" if r.healthy else ("running" if r.running else "down")
         if r.phase in ("starting", "backoff", "failed", "exited") and not r.healthy:
             health += f" ({r.phase})"
-        table.add_row(r.name, r.where, fmt(r.pid), f"{r.host}:{r.http_port}", fmt(r.side_channel_port),
-                      fmt(r.block_size), fmt(r.tp), health, fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""),
-                      str(r.restarts), fmt(r.requests_running, ".0f"), fmt(r.requests_waiting, ".0f"),
-                      fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else ""))
-    out.print(table)
+        if color:
+            health = f"[{'green' if r.healthy else 'yellow' if r.running else 'red'}]{health}[/]"
+        kv = fmt(r.kv_usage and 100 * r.kv_usage, ".1f") + ("%" if r.kv_usage is not None else "")
+        row = [r.name, r.pool or "-", f"{r.host}:{r.http_port}", fmt(r.block_size), fmt(r.tp), health,
+               str(r.restarts), kv]
+        if wide:
+            row[3:3] = [r.where, fmt(r.pid), fmt(r.side_channel_port)]
+            row += [fmt(r.uptime_s, ".0f") + ("s" if r.uptime_s else ""), fmt(r.requests_running, ".0f"),
+                    fmt(r.requests_waiting, ".0f")]
+        table.add_row(*row)
     sup = s.supervisor
-    out.print(f"supervisor: {sup['mode']} pid {sup['pid']}" if sup else
-              "supervisor: none (nothing restarts failed instances)", highlight=False)
-    for r in s.instances:
-        if r.last_exit or r.last_error:
-            out.print(f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}"
-                      if r.last_error else ""), markup=False, highlight=False)
+    lines = [f"supervisor: {sup['mode']} pid {sup['pid']}" if sup else
+             "supervisor: none (nothing restarts failed instances)"]
+    lines += [f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}" if r.last_error else "")
+              for r in s.instances if r.last_exit or r.last_error]
+    return Group(table, *(Text(line) for line in lines))
+
+
+def status(out: Console, s, output: Output = Output.default) -> None:
+    if output in (Output.json, Output.yaml):
+        print(machine(s.to_dict(), output), end="" if output is Output.yaml else "\n")
+    else:
+        show(out, status_view(out, s, output), output is Output.wide)
+
+
+def watch(out: Console, view: Callable[[], RenderableType], interval_s: float) -> None:
+    """Redraw `view()` every interval until Ctrl-C. On a terminal the view is redrawn in place; piped, each
+    refresh is printed after the last one (a log of snapshots), stamped with the time."""
+
+    def stamped() -> RenderableType:
+        return Group(Text(f"every {interval_s:g} s, {time.strftime('%H:%M:%S')} (Ctrl-C to leave)"), view())
+
+    try:
+        if plain(out) and not out.is_terminal:
+            while True:
+                out.print(stamped())
+                out.print()
+                out.file.flush()
+                time.sleep(interval_s)
+        with Live(stamped(), console=out, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval_s)
+                live.update(stamped(), refresh=True)
+    except KeyboardInterrupt:
+        pass
 
 
 def parity(out: Console, report) -> None:
