@@ -224,11 +224,36 @@ def wait_port(port: int, timeout: float = 30) -> None:
     raise RuntimeError(f"port {port} never opened")
 
 
+def summary(rows: list[dict]) -> list[dict]:
+    """Per proxy, stream and concurrency: the median wrk req/s over repeats, and the median of each repeat's
+    ratio to pdctl's proxy of this checkout (measured in the same repeat)."""
+    import statistics
+
+    ours = "pdctl (aiohttp+httptools)"
+    out = []
+    for key in sorted({(r["proxy"], r["stream"], r["concurrency"]) for r in rows if r.get("wrk_rps")}):
+        mine = [r for r in rows if (r["proxy"], r["stream"], r["concurrency"]) == key]
+        ratios = []
+        for r in mine:
+            base = next((b for b in rows if (b["proxy"], b["stream"], b["concurrency"], b["repeat"]) ==
+                         (ours, r["stream"], r["concurrency"], r["repeat"]) and b.get("wrk_rps")), None)
+            if base and key[0] != ours:
+                ratios.append(r["wrk_rps"] / base["wrk_rps"])
+        out.append({"proxy": key[0], "stream": key[1], "concurrency": key[2],
+                    "wrk_rps": statistics.median(r["wrk_rps"] for r in mine),
+                    **({"ratio_to_pdctl": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)]}
+                       if ratios else {})})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--out", default="results/bench_proxy.json")
+    ap.add_argument("--pdctl-at", action="append", default=[], metavar="DIR",
+                    help="also measure the pdctl proxy of another checkout (e.g. a git worktree of an older commit)")
+    ap.add_argument("--repeat", type=int, default=1, help="measure everything N times, interleaved; medians")
     ap.add_argument("--serve-backends", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-fastapi", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -251,17 +276,27 @@ def main() -> int:
         "fastapi+httpx": (fa_port, [sys.executable, __file__, "--serve-fastapi", str(fa_port), urls["prefill"],
                                     urls["decode"]]),
     }
-    for _port, argv in proxies.values():
-        procs.append(subprocess.Popen(argv, preexec_fn=pinned(proxy_core), start_new_session=True,
+    envs = {}
+    for other in a.pdctl_at:
+        port = free_port()
+        name = f"pdctl at {other}"
+        proxies[name] = (port, [sys.executable, "-m", "pdctl", "proxy", "--port", str(port), "--prefill",
+                                urls["prefill"], "--decode", urls["decode"]])
+        envs[name] = {**os.environ, "PYTHONPATH": str(Path(other).resolve())}
+    for name, (_port, argv) in proxies.items():
+        procs.append(subprocess.Popen(argv, preexec_fn=pinned(proxy_core), start_new_session=True, env=envs.get(name),
+                                      cwd=envs.get(name, {}).get("PYTHONPATH"),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     os.sched_setaffinity(0, {load_core})
     rows = []
     try:
-        for port in (p_port, d_port, px_port, fa_port):
+        for port in (p_port, d_port, *(port for port, _ in proxies.values())):
             wait_port(port)
         proxy_urls = {name: f"http://127.0.0.1:{port}" for name, (port, _) in proxies.items()}
         all_urls = {**urls, **proxy_urls}
-        for stream in (False, True):
+        for rep, stream in ((rep, stream) for rep in range(a.repeat) for stream in (False, True)):
+            if rep % 2:  # interleaved: every other repeat measures the proxies in the opposite order
+                proxy_urls = dict(reversed(proxy_urls.items()))
             for c in a.concurrency:
                 # Latency (concurrency 1): each proxy interleaved with its own direct baseline in one run.
                 # Throughput: one thing at a time.
@@ -270,10 +305,10 @@ def main() -> int:
                 direct = (next(iter(pairs.values()))["direct"] if c == 1 else
                           asyncio.run(load(["direct"], all_urls, c, stream, a.duration))["direct"])
                 rows.append({"proxy": "direct (client calls P then D)", "stream": stream, "concurrency": c,
-                             **direct, "added_p50_ms": 0.0, "added_p99_ms": 0.0})
+                             "repeat": rep, **direct, "added_p50_ms": 0.0, "added_p99_ms": 0.0})
                 for name, purl in proxy_urls.items():
                     r, base = pairs[name][name], pairs[name].get("direct", direct)
-                    rows.append({"proxy": name, "stream": stream, "concurrency": c, **r,
+                    rows.append({"proxy": name, "stream": stream, "concurrency": c, "repeat": rep, **r,
                                  "added_p50_ms": r["p50_ms"] - base["p50_ms"],
                                  "added_p99_ms": r["p99_ms"] - base["p99_ms"],
                                  **wrk(purl, c, stream, a.duration, load_core)})
@@ -289,9 +324,16 @@ def main() -> int:
                     if w else f"{'-':>9}")
         print(f"{r['proxy']:32} {str(r['stream']):6} {r['concurrency']:>4} {r['rps']:>7.0f} {r['p50_ms']:>7.2f} "
               f"{r['p99_ms']:>7.2f} {r['added_p50_ms']:>6.2f} {r['added_p99_ms']:>6.2f} {r['errors']:>3} | {wrk_cols}")
+    medians = summary(rows)
+    if a.repeat > 1:
+        print(f"\nmedian over {a.repeat} repeats of wrk req/s (and per-repeat ratio to pdctl's proxy here):")
+        for m in medians:
+            print(f"  {m['proxy']:40} stream={str(m['stream']):5} c={m['concurrency']:<3} {m['wrk_rps']:>8.0f}"
+                  + (f"  x{m['ratio_to_pdctl']:.3f} ({m['ratio_spread'][0]:.3f}-{m['ratio_spread'][1]:.3f})"
+                     if m.get("ratio_to_pdctl") else ""))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "proxy_core": proxy_core,
-                                       "load_core": load_core, "rows": rows}, indent=2))
+                                       "load_core": load_core, "rows": rows, "medians": medians}, indent=2))
     print(f"wrote {a.out}")
     return 0
 

@@ -51,3 +51,15 @@ def processes_with_arg(text: str) -> list[int]:
             if text in cmd and stat[stat.rindex(")") + 2] not in "ZX":
                 out.append(int(d.name))
     return out
+
+
+def sample(text: str, metric: str, /, **labels: str) -> float | None:
+    """The value of one Prometheus sample (exactly these labels), parsed with prometheus_client's own parser;
+    None when absent. Label order and number formatting are the exposition library's business, not the test's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == metric and s.labels == labels:
+                return s.value
+    return None

@@ -1,100 +1,95 @@
-"""The proxy's Prometheus metrics, kept by hand: a few counters and histograms need no client library."""
+"""The proxy's Prometheus metrics, through prometheus_client (the library vLLM's own /metrics uses), one registry
+per proxy: request counts by route and status, per prefill->decode pool pair, fallbacks, retries, refusals,
+upstream errors; histograms of the time to first byte (TTFT as the client sees it) and of the whole request per
+pair, of the prefill leg per prefill pool and of the decode's first byte per decode pool; and, read from the router
+at each scrape, every instance's in-flight requests and circuit breaker."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: pdctl's dashboards and gates do not read them
 
 # Why a request went to a decode alone: no prefill was usable, the ones tried failed, or one answered without KV.
 FALLBACK_REASONS = ("prefill_down", "prefill_failed", "no_kv_params")
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+NO_POOL = "-"  # the prefill pool of a decode-only request, the decode pool of one that never reached a decode
 
 
-@dataclass
-class Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
-    total: float = 0.0
-    n: int = 0
+class _Instances:
+    """Per-instance gauges, read from the router's instances when Prometheus scrapes (nothing kept per request)."""
 
-    def observe(self, v: float) -> None:
-        self.total += v
-        self.n += 1
-        for i, b in enumerate(BUCKETS):
-            if v <= b:
-                self.counts[i] += 1
-                break
+    def __init__(self, instances: Callable[[], Iterable]):
+        self.instances = instances
 
-    def render(self, name: str) -> list[str]:
-        lines, cum = [f"# TYPE {name} histogram"], 0
-        for b, c in zip(BUCKETS, self.counts, strict=True):
-            cum += c
-            le = "+Inf" if b == float("inf") else repr(b)
-            lines.append(f'{name}_bucket{{le="{le}"}} {cum}')
-        return [*lines, f"{name}_sum {self.total}", f"{name}_count {self.n}"]
+    def collect(self):
+        inflight = GaugeMetricFamily("pdctl_proxy_inflight", "requests in flight per instance",
+                                     labels=["role", "pool", "name", "instance"])
+        opened = GaugeMetricFamily("pdctl_proxy_breaker_open", "1 while the instance's circuit breaker is open",
+                                   labels=["role", "pool", "name"])
+        trips = CounterMetricFamily("pdctl_proxy_breaker_trips", "times the instance's circuit breaker opened",
+                                    labels=["role", "pool", "name"])
+        for i in self.instances():
+            inflight.add_metric([i.role, i.pool, i.name, i.url], i.inflight)
+            opened.add_metric([i.role, i.pool, i.name], int(i.breaker.opened_at is not None))
+            trips.add_metric([i.role, i.pool, i.name], i.breaker.trips)
+        yield from (inflight, opened, trips)
 
 
-@dataclass
 class Metrics:
-    requests: Counter = field(default_factory=Counter)  # (route, status) -> n
-    upstream_errors: Counter = field(default_factory=Counter)  # instance url -> n
-    pairs: Counter = field(default_factory=Counter)  # (prefill pool, decode pool, status) -> n
-    kv_transfer_missing: int = 0
-    fallbacks: Counter = field(default_factory=Counter)  # reason -> decode-only requests
-    prefill_retries: int = 0
-    rejected: Counter = field(default_factory=Counter)  # reason -> requests refused (on_prefill_down: reject)
-    prefill_latency: Histogram = field(default_factory=Histogram)
-    first_decode_byte_latency: Histogram = field(default_factory=Histogram)
-    e2e_latency: Histogram = field(default_factory=Histogram)
+    def __init__(self, instances: Callable[[], Iterable] = tuple):
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("pdctl_proxy_requests", "requests answered, by route and HTTP status",
+                                ["route", "status"], registry=r)
+        self.pairs = Counter("pdctl_proxy_pair_requests", "requests per prefill->decode pool pair and status",
+                             ["prefill_pool", "decode_pool", "status"], registry=r)
+        self.upstream_errors = Counter("pdctl_proxy_upstream_errors", "failed calls to an instance",
+                                       ["instance"], registry=r)
+        self.kv_missing = Counter("pdctl_proxy_kv_transfer_missing", "prefill answers without kv_transfer_params",
+                                  registry=r)
+        self.fallbacks = Counter("pdctl_decode_only_fallback", "requests a decode served alone (computing the "
+                                 "prompt) because no prefill answered with usable KV", ["reason"], registry=r)
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)  # every reason exported from the start, at 0
+        self.retries = Counter("pdctl_proxy_prefill_retries", "prefill calls tried again on another prefill",
+                               registry=r)
+        self.rejected = Counter("pdctl_proxy_rejected", "requests refused (on_prefill_down: reject)", ["reason"],
+                                registry=r)
+        self.ttft = Histogram("pdctl_proxy_ttft_seconds", "proxy receive -> first byte to the client, per pair",
+                              ["prefill_pool", "decode_pool"], buckets=BUCKETS, registry=r)
+        self.duration = Histogram("pdctl_proxy_request_duration_seconds", "whole request, per pair and route",
+                                  ["prefill_pool", "decode_pool", "route"], buckets=BUCKETS, registry=r)
+        self.e2e = Histogram("pdctl_proxy_e2e_seconds", "whole request, all pairs", buckets=BUCKETS, registry=r)
+        self.prefill_latency = Histogram("pdctl_proxy_prefill_seconds", "the prefill leg, per prefill pool",
+                                         ["prefill_pool"], buckets=BUCKETS, registry=r)
+        self.first_decode_byte_latency = Histogram(
+            "pdctl_proxy_first_decode_byte_seconds", "proxy receive -> the decode's first byte, per decode pool",
+            ["decode_pool"], buckets=BUCKETS, registry=r)
+        r.register(_Instances(instances))
 
-    def request_done(self, route: str, status: int, seconds: float) -> None:
-        self.requests[(route, status)] += 1
-        self.e2e_latency.observe(seconds)
+    def request_done(self, route: str, status: int, seconds: float, prefill_pool: str | None = None,
+                     decode_pool: str | None = None, ttft_s: float | None = None) -> None:
+        self.requests.labels(route, status).inc()
+        self.e2e.observe(seconds)
+        pools = (prefill_pool or NO_POOL, decode_pool or NO_POOL)
+        self.duration.labels(*pools, route).observe(seconds)
+        if ttft_s is not None:
+            self.ttft.labels(*pools).observe(ttft_s)
+        if decode_pool is not None:
+            self.pairs.labels(*pools, status).inc()
 
-    def prefill_done(self, seconds: float) -> None:
-        self.prefill_latency.observe(seconds)
+    def prefill_done(self, seconds: float, pool: str | None) -> None:
+        self.prefill_latency.labels(pool or NO_POOL).observe(seconds)
 
-    def first_decode_byte(self, seconds: float) -> None:
-        self.first_decode_byte_latency.observe(seconds)
-
-    def pair_done(self, prefill_pool: str, decode_pool: str, status: int) -> None:
-        self.pairs[(prefill_pool, decode_pool, status)] += 1
+    def first_decode_byte(self, seconds: float, pool: str) -> None:
+        self.first_decode_byte_latency.labels(pool).observe(seconds)
 
     def upstream_error(self, url: str) -> None:
-        self.upstream_errors[url] += 1
+        self.upstream_errors.labels(url).inc()
 
-    def render(self, instances: list) -> str:
-        lines = ["# TYPE pdctl_proxy_requests_total counter"]
-        lines += [f'pdctl_proxy_requests_total{{route="{r}",status="{s}"}} {n}'
-                  for (r, s), n in sorted(self.requests.items())]
-        lines.append("# TYPE pdctl_proxy_pair_requests_total counter")
-        lines += [f'pdctl_proxy_pair_requests_total{{prefill_pool="{p}",decode_pool="{d}",status="{s}"}} {n}'
-                  for (p, d, s), n in sorted(self.pairs.items())]
-        lines.append("# TYPE pdctl_proxy_upstream_errors_total counter")
-        lines += [f'pdctl_proxy_upstream_errors_total{{instance="{u}"}} {n}'
-                  for u, n in sorted(self.upstream_errors.items())]
-        lines += ["# TYPE pdctl_proxy_kv_transfer_missing_total counter",
-                  f"pdctl_proxy_kv_transfer_missing_total {self.kv_transfer_missing}",
-                  "# HELP pdctl_decode_only_fallback_total requests a decode served alone (computing the "
-                  "prompt) because no prefill answered with usable KV",
-                  "# TYPE pdctl_decode_only_fallback_total counter"]
-        lines += [f'pdctl_decode_only_fallback_total{{reason="{r}"}} {self.fallbacks[r]}'
-                  for r in sorted({*FALLBACK_REASONS, *self.fallbacks})]
-        lines += ["# TYPE pdctl_proxy_prefill_retries_total counter",
-                  f"pdctl_proxy_prefill_retries_total {self.prefill_retries}",
-                  "# TYPE pdctl_proxy_rejected_total counter"]
-        lines += [f'pdctl_proxy_rejected_total{{reason="{r}"}} {n}' for r, n in sorted(self.rejected.items())]
-        lines += ["# TYPE pdctl_proxy_inflight gauge"]
-        for i in instances:
-            lines.append(f'pdctl_proxy_inflight{{role="{i.role}",pool="{i.pool}",name="{i.name}",'
-                         f'instance="{i.url}"}} {i.inflight}')
-        lines.append("# TYPE pdctl_proxy_breaker_open gauge")
-        lines += [f'pdctl_proxy_breaker_open{{role="{i.role}",name="{i.name}"}} '
-                  f'{int(i.breaker.opened_at is not None)}' for i in instances]
-        lines.append("# TYPE pdctl_proxy_breaker_trips_total counter")
-        lines += [f'pdctl_proxy_breaker_trips_total{{role="{i.role}",name="{i.name}"}} {i.breaker.trips}'
-                  for i in instances]
-        lines += self.prefill_latency.render("pdctl_proxy_prefill_seconds")
-        lines += self.first_decode_byte_latency.render("pdctl_proxy_first_decode_byte_seconds")
-        lines += self.e2e_latency.render("pdctl_proxy_e2e_seconds")
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -91,7 +91,7 @@ class Proxy:
                              cfg.affinity_prefix_chars)
         for inst in self.router.instances:
             inst.breaker.threshold, inst.breaker.open_s = cfg.breaker_failures, cfg.breaker_open_s
-        self.metrics = Metrics()
+        self.metrics = Metrics(lambda: self.router.instances)
         self._upstreams: dict[str, Upstream] = {}
         # The last requests' timestamps (GET /debug/timings): a few clock reads per request, always on.
         self.timings: deque[dict] = deque(maxlen=TIMINGS_KEPT)
@@ -180,7 +180,7 @@ class Proxy:
             return web.json_response(error_body(f"decode {inst.url} unreachable: {e}", code=503), status=503)
 
     async def metrics_route(self, _req: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.router.instances), content_type="text/plain")
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def timings_route(self, req: web.Request) -> web.Response:
         """Per-request wall-clock stamps of the last requests (`?since=T`: only those received after T):
@@ -226,13 +226,13 @@ class Proxy:
             return resp
         finally:
             seconds = time.perf_counter() - t0
-            self.metrics.request_done(route, status, seconds)
             p, d = rt.prefill, rt.decode
+            first = rt.stamps.get("client_first")
+            self.metrics.request_done(route, status, seconds, p.pool if p else None, d.pool if d else None,
+                                      first - rt.stamps["recv"] if first else None)
             self.timings.append({"id": request_id, "status": status, "prefill": p.name if p else None,
                                  "decode": d.name if d else None, "fallback": rt.fallback, **rt.stamps,
                                  "end": time.time()})
-            if d is not None:
-                self.metrics.pair_done(p.pool if p else "-", d.pool, status)
             if self.cfg.access_log:
                 log.info("%s %s %d %.1f ms prefill=%s decode=%s%s", request_id, route, status, 1e3 * seconds,
                          p.name if p else "-", d.name if d else "-",
@@ -273,7 +273,7 @@ class Proxy:
             dec_body["kv_transfer_params"] = pre
         else:
             dec_body.pop("kv_transfer_params", None)  # decode-only: the decode computes the prompt itself
-        self.metrics.prefill_done(time.perf_counter() - t0)
+        self.metrics.prefill_done(time.perf_counter() - t0, rt.prefill.pool if rt.prefill else None)
 
         tried: list[Instance] = []
         while True:
@@ -315,7 +315,7 @@ class Proxy:
             if p is None:
                 break
             if attempt:
-                self.metrics.prefill_retries += 1
+                self.metrics.retries.inc()
                 log.warning("request %s: prefill %s failed (%s); trying %s", headers.get("X-Request-Id"),
                             tried[-1].name, errors[-1], p.name)
             tried.append(p)
@@ -355,7 +355,7 @@ class Proxy:
             kvp = pre.get("kv_transfer_params")
             if usable_kv_params(kvp):
                 return kvp
-            self.metrics.kv_transfer_missing += 1
+            self.metrics.kv_missing.inc()
             return self._no_prefill("no_kv_params", f"prefill {p.name} ({p.url}) returned no usable "
                                     "kv_transfer_params", rt, "kv_transfer_missing", 502)
         rt.prefill = None
@@ -367,10 +367,10 @@ class Proxy:
     def _no_prefill(self, reason: str, why: str, rt: _Route, kind: str, code: int) -> None | web.Response:
         """on_prefill_down: reject -> the error answer; fallback -> None (the decode computes the prompt)."""
         if rt.reject:
-            self.metrics.rejected[reason] += 1
+            self.metrics.rejected.labels(reason).inc()
             return web.json_response(error_body(f"{why}; refusing to let a decode compute the prompt "
                                                 "(proxy.on_prefill_down: reject)", kind, code), status=code)
-        self.metrics.fallbacks[reason] += 1
+        self.metrics.fallbacks.labels(reason).inc()
         rt.fallback = reason
         log.warning("decode-only fallback (%s): %s", reason, why)
         return None
@@ -408,7 +408,7 @@ class Proxy:
                 except UpstreamError as e:
                     self._failed(d, e)
                     return web.json_response(error_body(f"decode {d.name} ({d.url}) failed: {e!s}"), status=502)
-                self.metrics.first_decode_byte(time.perf_counter() - t0)
+                self.metrics.first_decode_byte(time.perf_counter() - t0, d.pool)
                 stamps["decode_first"] = stamps["client_first"] = time.time()
                 if upstream.status >= 500 and body.get("kv_transfer_params"):
                     # Most likely its KV read failed (a prefill gone): not the decode's fault, so no breaker.
@@ -429,7 +429,7 @@ class Proxy:
                 return web.json_response(error_body(f"decode {d.name} ({d.url}) {'timed out' if timeout else 'failed'}"
                                                     f": {e!s}", "upstream_timeout" if timeout else "proxy_error",
                                                     504 if timeout else 502), status=504 if timeout else 502)
-            self.metrics.first_decode_byte(time.perf_counter() - t0)
+            self.metrics.first_decode_byte(time.perf_counter() - t0, d.pool)
             stamps["decode_first"] = time.time()
             out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
                                                           "X-Request-Id": headers["X-Request-Id"], **route_headers})

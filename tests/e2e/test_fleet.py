@@ -17,7 +17,7 @@ import pytest
 from pdctl.gates import fleet, parity
 from pdctl.launch import probe
 from pdctl.launch import state as state_mod
-from tests.conftest import REPO, SHARED
+from tests.conftest import REPO, SHARED, sample
 from tests.e2e.conftest import Reference, Up, get_text, live, pdctl, prompt_tokens_by_source, wait_for
 
 PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
@@ -135,7 +135,8 @@ def test_status_and_logs_name_the_pools(fleet_up):
         (s.role, s.pool, s.http_url) for s in fleet_up.plan.processes if s.role in ("prefill", "decode")}
     assert all(i["healthy"] for i in ready["instances"])
     metrics = get_text(fleet_up.urls["proxy"] + "/metrics")
-    assert 'pdctl_proxy_pair_requests_total{prefill_pool="p128",decode_pool="d32",status="200"}' in metrics
+    assert sample(metrics, "pdctl_proxy_pair_requests_total", prefill_pool="p128", decode_pool="d32", status="200")
+    assert sample(metrics, "pdctl_proxy_ttft_seconds_count", prefill_pool="p128", decode_pool="d32")
     assert live(fleet_up.pgids)
 
 
