@@ -86,7 +86,10 @@ def serve_fastapi_proxy(port: int, p_url: str, d_url: str) -> None:
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+    # As vLLM's toy proxy sets it: no cap on connections *and on kept-alive ones*. httpx keeps 20 alive by
+    # default; past 20 in flight every request opened and closed a connection (36 req/s with errors at c=64).
+    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
+                                                                 max_keepalive_connections=None))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -254,6 +257,9 @@ def main() -> int:
     ap.add_argument("--pdctl-at", action="append", default=[], metavar="DIR",
                     help="also measure the pdctl proxy of another checkout (e.g. a git worktree of an older commit)")
     ap.add_argument("--repeat", type=int, default=1, help="measure everything N times, interleaved; medians")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="leave the FastAPI + httpx proxy out (at c=64 it leaves the backends slow for whatever is "
+                    "measured right after it: an A/B of two pdctl proxies is cleaner without it)")
     ap.add_argument("--serve-backends", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-fastapi", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -276,6 +282,8 @@ def main() -> int:
         "fastapi+httpx": (fa_port, [sys.executable, __file__, "--serve-fastapi", str(fa_port), urls["prefill"],
                                     urls["decode"]]),
     }
+    if not a.baseline:
+        del proxies["fastapi+httpx"]
     envs = {}
     for other in a.pdctl_at:
         port = free_port()

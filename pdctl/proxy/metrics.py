@@ -1,8 +1,8 @@
 """The proxy's Prometheus metrics, through prometheus_client (the library vLLM's own /metrics uses), one registry
 per proxy: request counts by route and status, per prefill->decode pool pair, fallbacks, retries, refusals,
 upstream errors; histograms of the time to first byte (TTFT as the client sees it) and of the whole request per
-pair, of the prefill leg per prefill pool and of the decode's first byte per decode pool; and, read from the router
-at each scrape, every instance's in-flight requests and circuit breaker."""
+pair, and of the prefill leg per prefill pool; and, read from the router at each scrape, every instance's in-flight
+requests and circuit breaker."""
 
 from __future__ import annotations
 
@@ -63,30 +63,32 @@ class Metrics:
                               ["prefill_pool", "decode_pool"], buckets=BUCKETS, registry=r)
         self.duration = Histogram("pdctl_proxy_request_duration_seconds", "whole request, per pair and route",
                                   ["prefill_pool", "decode_pool", "route"], buckets=BUCKETS, registry=r)
-        self.e2e = Histogram("pdctl_proxy_e2e_seconds", "whole request, all pairs", buckets=BUCKETS, registry=r)
         self.prefill_latency = Histogram("pdctl_proxy_prefill_seconds", "the prefill leg, per prefill pool",
                                          ["prefill_pool"], buckets=BUCKETS, registry=r)
-        self.first_decode_byte_latency = Histogram(
-            "pdctl_proxy_first_decode_byte_seconds", "proxy receive -> the decode's first byte, per decode pool",
-            ["decode_pool"], buckets=BUCKETS, registry=r)
         r.register(_Instances(instances))
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *labels):
+        """metric.labels(*labels), kept: prometheus_client checks and locks on every labels() call, and a
+        request touches four labelled series (measured: ~10 % of the proxy's req/s at c=64 without the cache)."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def request_done(self, route: str, status: int, seconds: float, prefill_pool: str | None = None,
                      decode_pool: str | None = None, ttft_s: float | None = None) -> None:
-        self.requests.labels(route, status).inc()
-        self.e2e.observe(seconds)
-        pools = (prefill_pool or NO_POOL, decode_pool or NO_POOL)
-        self.duration.labels(*pools, route).observe(seconds)
+        p, d = prefill_pool or NO_POOL, decode_pool or NO_POOL
+        self._child(self.requests, route, status).inc()
+        self._child(self.duration, p, d, route).observe(seconds)
         if ttft_s is not None:
-            self.ttft.labels(*pools).observe(ttft_s)
+            self._child(self.ttft, p, d).observe(ttft_s)
         if decode_pool is not None:
-            self.pairs.labels(*pools, status).inc()
+            self._child(self.pairs, p, d, status).inc()
 
     def prefill_done(self, seconds: float, pool: str | None) -> None:
-        self.prefill_latency.labels(pool or NO_POOL).observe(seconds)
-
-    def first_decode_byte(self, seconds: float, pool: str) -> None:
-        self.first_decode_byte_latency.labels(pool).observe(seconds)
+        self._child(self.prefill_latency, pool or NO_POOL).observe(seconds)
 
     def upstream_error(self, url: str) -> None:
         self.upstream_errors.labels(url).inc()

@@ -408,7 +408,6 @@ class Proxy:
                 except UpstreamError as e:
                     self._failed(d, e)
                     return web.json_response(error_body(f"decode {d.name} ({d.url}) failed: {e!s}"), status=502)
-                self.metrics.first_decode_byte(time.perf_counter() - t0, d.pool)
                 stamps["decode_first"] = stamps["client_first"] = time.time()
                 if upstream.status >= 500 and body.get("kv_transfer_params"):
                     # Most likely its KV read failed (a prefill gone): not the decode's fault, so no breaker.
@@ -429,7 +428,6 @@ class Proxy:
                 return web.json_response(error_body(f"decode {d.name} ({d.url}) {'timed out' if timeout else 'failed'}"
                                                     f": {e!s}", "upstream_timeout" if timeout else "proxy_error",
                                                     504 if timeout else 502), status=504 if timeout else 502)
-            self.metrics.first_decode_byte(time.perf_counter() - t0, d.pool)
             stamps["decode_first"] = time.time()
             out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
                                                           "X-Request-Id": headers["X-Request-Id"], **route_headers})

@@ -447,8 +447,7 @@ def test_metrics_format_and_histograms(pd):
 
     m = parse_metrics(text)
     assert m['pdctl_proxy_requests_total{route="/v1/completions",status="200"}'] == 1
-    assert m["pdctl_proxy_e2e_seconds_count"] == 1 and m["pdctl_proxy_prefill_seconds_count"] == 1
-    assert m["pdctl_proxy_first_decode_byte_seconds_count"] == 1
+    assert m["pdctl_proxy_request_duration_seconds_count"] == 1 and m["pdctl_proxy_prefill_seconds_count"] == 1
     assert sample(text, "pdctl_proxy_inflight", role="decode", pool="default", name="decode-0", instance=pd.d_url) == 0
     # Per pair: TTFT and the whole request as histograms; the prefill leg per prefill pool.
     assert sample(text, "pdctl_proxy_ttft_seconds_count", prefill_pool="default", decode_pool="default") == 1
