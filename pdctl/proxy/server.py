@@ -315,7 +315,7 @@ class Proxy:
             if p is None:
                 break
             if attempt:
-                self.metrics.retries.inc()
+                self.metrics.retries += 1
                 log.warning("request %s: prefill %s failed (%s); trying %s", headers.get("X-Request-Id"),
                             tried[-1].name, errors[-1], p.name)
             tried.append(p)
@@ -355,7 +355,7 @@ class Proxy:
             kvp = pre.get("kv_transfer_params")
             if usable_kv_params(kvp):
                 return kvp
-            self.metrics.kv_missing.inc()
+            self.metrics.kv_missing += 1
             return self._no_prefill("no_kv_params", f"prefill {p.name} ({p.url}) returned no usable "
                                     "kv_transfer_params", rt, "kv_transfer_missing", 502)
         rt.prefill = None
@@ -367,10 +367,10 @@ class Proxy:
     def _no_prefill(self, reason: str, why: str, rt: _Route, kind: str, code: int) -> None | web.Response:
         """on_prefill_down: reject -> the error answer; fallback -> None (the decode computes the prompt)."""
         if rt.reject:
-            self.metrics.rejected.labels(reason).inc()
+            self.metrics.reject(reason)
             return web.json_response(error_body(f"{why}; refusing to let a decode compute the prompt "
                                                 "(proxy.on_prefill_down: reject)", kind, code), status=code)
-        self.metrics.fallbacks.labels(reason).inc()
+        self.metrics.fallback(reason)
         rt.fallback = reason
         log.warning("decode-only fallback (%s): %s", reason, why)
         return None

@@ -670,3 +670,19 @@ def test_debug_timings_stamp_every_stage_in_order(pd):
         assert r["status"] == 200 and r["decode"] and r["prefill"]
     assert json.loads(get(pd.url + f"/debug/timings?since={time.time()}")[1]) == []
     assert get(pd.url + "/debug/timings?since=soon")[0] == 400
+
+
+def test_histograms_count_each_observation_in_its_le_bucket():
+    from pdctl.proxy.metrics import Metrics
+
+    m = Metrics()
+    for v in (0.005, 0.0051, 0.3, 100.0):  # on a bound, just past one, mid-range, past the last finite bound
+        m.prefill_done(v, "p32")
+    text = m.render().decode()
+
+    def le(bound: str) -> float:
+        return sample(text, "pdctl_proxy_prefill_seconds_bucket", prefill_pool="p32", le=bound)
+
+    assert (le("0.005"), le("0.01"), le("0.25"), le("0.5"), le("60.0"), le("+Inf")) == (1, 2, 2, 3, 3, 4)
+    assert sample(text, "pdctl_proxy_prefill_seconds_count", prefill_pool="p32") == 4
+    assert sample(text, "pdctl_proxy_prefill_seconds_sum", prefill_pool="p32") == pytest.approx(100.3101)
