@@ -25,6 +25,13 @@ MODELS_CLAIM = "pdctl-models"
 HOST_ONLY_ENV = {"VLLM_CPU_OMP_THREADS_BIND", "UCX_NET_DEVICES", *DEVICE_ENV.values()}
 
 
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The prometheus.io/* pod annotations Prometheus' kubernetes_sd relabelling conventionally reads: every vLLM
+    server and the proxy serve Prometheus text on /metrics. (ServiceMonitor/PodMonitor need the operator's CRDs,
+    whose schema kubernetes-validate cannot check offline.)"""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
 def dns_name(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower()).strip("-")[:63]
 
@@ -108,7 +115,9 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
                 "metadata": {**meta, "name": svc, "labels": labels},
                 "spec": {"serviceName": svc, "replicas": g.count, "podManagementPolicy": "Parallel",
                          "selector": {"matchLabels": labels},
-                         "template": {"metadata": {"labels": labels}, "spec": pod}},
+                         "template": {"metadata": {"labels": labels,
+                                                   "annotations": scrape_annotations(spec.ports["http"])},
+                                      "spec": pod}},
             }
             for n in range(g.count):
                 url = f"http://{svc}-{n}.{svc}.{namespace}.svc:{spec.ports['http']}"
@@ -124,7 +133,8 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {**meta, "name": dns_name(name, "proxy"), "labels": labels},
         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
+                 "template": {"metadata": {"labels": labels, "annotations": scrape_annotations(px.ports["http"])},
+                              "spec": {"containers": [{
                      "name": "proxy", "image": image, "command": kept + upstreams,
                      "ports": [{"name": "http", "containerPort": px.ports["http"]}],
                      "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},

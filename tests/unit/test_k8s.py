@@ -104,3 +104,14 @@ def test_a_fleet_gets_one_statefulset_per_pool_and_the_proxy_names_pools():
     proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
     svc = "cuda-gaudi-fleet-decode-gaudi128"
     assert f"gaudi128=http://{svc}-1.{svc}.pd.svc:8200" in proxy and "--exclude-pair" not in proxy
+
+
+def test_every_pod_carries_prometheus_scrape_annotations_for_its_metrics_port():
+    t, m = _render(CONFIGS / "cuda-gaudi-fleet.yaml")
+    pods = {v["metadata"]["name"]: v["spec"]["template"] for v in m.values()
+            if v["kind"] in ("StatefulSet", "Deployment")}
+    assert len(pods) == 5  # four pools and the proxy
+    for name, pod in pods.items():
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
+                                                  "prometheus.io/port": str(ports["http"])}, name
