@@ -159,14 +159,16 @@ def test_open_loop_arrivals_repeat_with_the_seed_and_keep_the_schedule(fake):
     load.run_load("t", b.url, "tiny", work(8, seed=1), 20, 1, request_rate=20.0, seed=3)
     load.run_load("t", c.url, "tiny", work(8, seed=1), 20, 1, request_rate=20.0, seed=4)
     assert (r.requests, r.errors, r.request_rate) == (8, 0, 20.0)
-    assert max(abs(x - y) for x, y in zip(_offsets(a), _offsets(b), strict=True)) < 0.02
-    assert max(abs(x - y) for x, y in zip(_offsets(a), _offsets(c), strict=True)) > 0.02
+    # 50 ms of slack: a loaded 2-core CI host delays a send by tens of ms (20 ms failed once in a full suite here);
+    # the schedules of two seeds differ by ~100 ms, and a closed loop would space requests >= 200 ms.
+    assert max(abs(x - y) for x, y in zip(_offsets(a), _offsets(b), strict=True)) < 0.05
+    assert max(abs(x - y) for x, y in zip(_offsets(a), _offsets(c), strict=True)) > 0.05
     # vLLM's schedule: exponential gaps from numpy's global RNG, stretched to end at n / rate. Each request takes
     # ~0.2 s, so a closed loop of 1 would space them >= 0.2 s; the open loop keeps the schedule.
     np.random.seed(3)
     due = np.cumsum(np.random.gamma(1.0, 1 / 20.0, 8))
     due = due * (8 / 20.0) / due[-1]
-    assert max(abs(x - (d - due[0])) for x, d in zip(_offsets(a), due, strict=True)) < 0.02, (_offsets(a), due)
+    assert max(abs(x - (d - due[0])) for x, d in zip(_offsets(a), due, strict=True)) < 0.05, (_offsets(a), due)
 
 
 def test_prefix_repetition_shares_prefixes_but_no_prompt_repeats():
