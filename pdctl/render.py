@@ -58,18 +58,19 @@ def show(out: Console, table: RenderableType, wide: bool = False) -> None:
     out.print(table)
 
 
-def machine(data: dict, output: Output) -> str:
+def machine(data: dict, output: Output) -> None:
+    """-o json|yaml: the data on stdout as it is, no console markup."""
     if output is Output.yaml:
         import yaml
 
-        return yaml.safe_dump(data, sort_keys=False, width=1_000_000)
-    return json.dumps(data, indent=2)
+        print(yaml.safe_dump(data, sort_keys=False, width=1_000_000), end="")
+    else:
+        print(json.dumps(data, indent=2))
 
 
 def plan(out: Console, p, output: Output = Output.default, batch: str | None = None) -> None:
     if output in (Output.json, Output.yaml):
-        print(machine({**p.to_dict(), **({"batch_script": batch} if batch else {})}, output), end="" if
-              output is Output.yaml else "\n")
+        machine({**p.to_dict(), **({"batch_script": batch} if batch else {})}, output)
         return
     wide = output is Output.wide
     cols = (["instance", "pool", "platform", "block", "TP", "layout", "HTTP", "side channel", "readiness"] if wide
@@ -181,7 +182,7 @@ def status_view(out: Console, s, output: Output = Output.default) -> RenderableT
 
 def status(out: Console, s, output: Output = Output.default) -> None:
     if output in (Output.json, Output.yaml):
-        print(machine(s.to_dict(), output), end="" if output is Output.yaml else "\n")
+        machine(s.to_dict(), output)
     else:
         show(out, status_view(out, s, output), output is Output.wide)
 
@@ -194,7 +195,7 @@ def watch(out: Console, view: Callable[[], RenderableType], interval_s: float) -
         return Group(Text(f"every {interval_s:g} s, {time.strftime('%H:%M:%S')} (Ctrl-C to leave)"), view())
 
     try:
-        if plain(out) and not out.is_terminal:
+        if not out.is_terminal:
             while True:
                 out.print(stamped())
                 out.print()

@@ -286,7 +286,7 @@ class Proxy:
             tried.append(d)
             d.inflight += 1
             try:
-                resp = await self._decode(req, d, route, dec_body, headers, t0, rt.headers(),
+                resp = await self._decode(req, d, route, dec_body, headers, rt.headers(),
                                           retry_ok=len(tried) == 1, stamps=rt.stamps)
             finally:
                 d.inflight -= 1
@@ -376,17 +376,17 @@ class Proxy:
         return None
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                      t0: float, route_headers: dict[str, str], retry_ok: bool,
+                      route_headers: dict[str, str], retry_ok: bool,
                       stamps: dict[str, float]) -> web.StreamResponse | None:
         """The decode's answer passed through; None when nothing listened and another decode may be tried."""
         try:
-            return await self._decode_answer(req, d, route, body, headers, t0, route_headers, retry_ok, stamps)
+            return await self._decode_answer(req, d, route, body, headers, route_headers, retry_ok, stamps)
         except BaseException:  # cancelled (the client went away): no verdict on the instance
             d.breaker.release()
             raise
 
     async def _decode_answer(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                             t0: float, route_headers: dict[str, str], retry_ok: bool,
+                             route_headers: dict[str, str], retry_ok: bool,
                              stamps: dict[str, float]) -> web.StreamResponse | None:
         stamps["decode_sent"] = time.time()
         try:
