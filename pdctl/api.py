@@ -36,6 +36,7 @@ from pdctl.plan import Plan, ProcessSpec, build_plan, reference_spec
 from pdctl.topology import Loaded, Override, Topology, TopologyError, load_topology
 
 Say = Callable[[str], None]
+DASHBOARD = "configs/grafana/pdctl-fleet.json"  # pdctl's Grafana dashboard over its Prometheus (README: Monitoring)
 
 
 def _quiet(_: str) -> None:
@@ -232,6 +233,7 @@ class StatusReport:
     engine: str
     supervisor: dict | None
     instances: list  # launch.run.InstanceStatus
+    prometheus: str | None = None  # its URL when the topology runs with monitoring
 
     @property
     def ready(self) -> bool:
@@ -239,7 +241,7 @@ class StatusReport:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "state_dir": self.state_dir, "engine": self.engine, "supervisor": self.supervisor,
-                "ready": self.ready, "instances": [asdict(r) for r in self.instances]}
+                "ready": self.ready, "instances": [asdict(r) for r in self.instances], "prometheus": self.prometheus}
 
 
 class Deployment:
@@ -277,6 +279,13 @@ class Deployment:
         return [s for s in self.plan.processes if s.role in ("prefill", "decode")]
 
     @property
+    def prometheus_url(self) -> str | None:
+        """The topology's Prometheus (monitoring.enabled), else None."""
+        from pdctl.monitoring import prometheus_url
+
+        return prometheus_url(self.plan)
+
+    @property
     def reference_url(self) -> str | None:
         ref = [s for s in self.plan.processes if s.role == "reference"]
         return ref[0].http_url if ref else None
@@ -286,7 +295,7 @@ class Deployment:
         from pdctl.launch import supervisor
 
         return StatusReport(self.name, str(self.state_dir), self.state.backend, supervisor.alive(self.state_dir),
-                            run_mod.status(self.state, self.backend))
+                            run_mod.status(self.state, self.backend), self.prometheus_url)
 
     def select(self, which: str | None = None) -> list[ProcessSpec]:
         """Processes named by instance, ROLE, ROLE/POOL, ROLE/INDEX or ROLE/POOL/INDEX (all without `which`)."""
@@ -421,6 +430,8 @@ def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.
                 notes.append(f"note: the {backend.name} engine starts a plan as a whole; pdctl does not restart "
                              "its single instances (status shows them down; pdctl down && pdctl up)")
             d = Deployment(state, backend, attached=not detach, notes=notes)
+            if d.prometheus_url:
+                notes.append(f"monitoring: Prometheus {d.prometheus_url} (Grafana dashboard: {DASHBOARD})")
     except BaseException:
         if state is not None:  # up, then stopped before the caller got its handle: nothing is left behind
             supervisor.stop(Path(p.state_dir))

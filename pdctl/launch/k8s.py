@@ -4,7 +4,8 @@ Service, and a ConfigMap with the resolved topology.
 Rendered from the same plan `pdctl up` runs, with what a cluster decides instead of pdctl: the device plugin picks
 the accelerators (a resource request per platform, not device ids), every pod listens on the role's base ports,
 and the NIXL side-channel host is the pod's IP. Validated offline (kubernetes-validate --strict); no cluster runs
-here to apply them.
+here to apply them. `monitoring:` renders no Prometheus: every pod carries prometheus.io scrape annotations for the
+cluster's own.
 """
 
 from __future__ import annotations

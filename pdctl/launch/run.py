@@ -6,18 +6,20 @@ Rendering is the caller's: progress arrives through a callback, failures as Laun
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdctl import monitoring
 from pdctl.launch import probe, supervisor
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
 from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  # noqa: F401 (re-exported)
 from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState
-from pdctl.plan import Plan, ProcessSpec
+from pdctl.plan import Plan, ProcessSpec, monitoring_dir
 from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
@@ -50,6 +52,10 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
     for module in ("vllm", "nixl"):
         if importlib.util.find_spec(module) is None:
             problems.append(f"Python package '{module}' is not importable; install pdctl[cpu] or pdctl[cuda]")
+    for spec in plan.by_role("monitor"):
+        if shutil.which(spec.argv[0]) is None:
+            problems.append(f"monitoring: '{spec.argv[0]}' is not on PATH; install the Debian package prometheus "
+                            "(bash scripts/install_tools.sh, or apt-get install --no-install-recommends prometheus)")
     return problems + backend.preflight(plan)
 
 
@@ -66,6 +72,7 @@ def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
     """Start every process in parallel and wait until all are ready; on any failure stop them all and raise."""
     state = LaunchState(plan, backend=backend.name, detached=not attached)
     state_mod.clear_logs(Path(plan.state_dir))
+    write_monitoring(plan)
     try:
         state.plan = plan = backend.launch(plan, state, attached=attached)
         state_mod.save(state)
@@ -80,6 +87,20 @@ def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
         state_mod.remove(Path(plan.state_dir))
         raise
     return state
+
+
+def write_monitoring(plan: Plan) -> None:
+    """Prometheus' config and pdctl's rules into the state dir, before Prometheus starts (a plan with monitoring
+    on). Its samples (monitoring/data) are kept from one `up` to the next, like any Prometheus' across restarts."""
+    if not plan.by_role("monitor"):
+        return
+    d = monitoring_dir(plan.state_dir)
+    for rel, text in monitoring.files(plan).items():
+        path = d / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)  # a Prometheus reloading its config never reads half a file
 
 
 def _safe(fn, default):
@@ -270,7 +291,9 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
         rec = state.processes.get(spec.name)
         running = backend.liveness(state, spec.name).alive
         healthy = running and probe.healthy(spec.readiness_url, timeout=1.0)
-        m = probe.metrics(spec.http_url, timeout=1.0) if healthy and spec.role != "proxy" else None
+        # vLLM's series, from the servers (the proxy and Prometheus have none of them).
+        server = spec.role in ("prefill", "decode", "reference")
+        m = probe.metrics(spec.http_url, timeout=1.0) if healthy and server else None
         out.append(InstanceStatus(
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,

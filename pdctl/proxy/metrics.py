@@ -14,7 +14,7 @@ import bisect
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # Why a request went to a decode alone: no prefill was usable, the ones tried failed, or one answered without KV.
@@ -74,6 +74,9 @@ class Metrics:
                                            ["prefill_pool"])
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        # process_start_time_seconds & co. (read from /proc at scrape time), as vLLM's /metrics has them: a restart
+        # of the proxy shows in Prometheus as a new start time (pdctl:instance_restarts:10m).
+        ProcessCollector(registry=self.registry)
 
     # -- recording (the request path) ----------------------------------------------------------------------------
 

@@ -1,0 +1,320 @@
+"""Monitoring a topology with Prometheus: its config, pdctl's recording and alerting rules, and what a Grafana
+dashboard over them may query. Pure: a plan in, text out (pdctl.launch.run writes the files at launch).
+
+Prometheus scrapes two jobs: `vllm` (every prefill, decode and reference server) and `pdctl_proxy` (the proxy).
+Every target carries pdctl's names as labels: instance_name, role, pool (servers also block_size, tp, platform). The
+proxy's job honours the proxy's own labels: its per-instance series (pdctl_proxy_inflight{role,pool,name,instance})
+describe the servers behind it, not the proxy, so they keep their role and pool.
+
+The recording rules aggregate per pool (role, pool), per pool pair (prefill_pool, decode_pool) and per proxy
+reason; every rate is over WINDOW_SCRAPES scrape intervals (30 s at the default 2 s), so it has data within seconds.
+A rule over a counter that only exists once something went wrong (errors, rejections) answers 0 until then: a
+dashboard panel and a check see a series, not nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from pdctl.plan import Plan, ProcessSpec, connect_host, monitoring_dir
+
+VLLM_JOB = "vllm"
+PROXY_JOB = "pdctl_proxy"
+JOBS = f"{VLLM_JOB}|{PROXY_JOB}"
+SERVER_ROLES = ("prefill", "decode", "reference")
+WINDOW_SCRAPES = 15  # rate windows in scrape intervals: >= 2 samples even with a few scrapes missed
+RESTART_WINDOW = "10m"  # how long a restart stays visible (pdctl:instance_restarts:10m, PdctlInstanceRestarted)
+
+CONFIG_FILE = "prometheus.yml"
+RECORDING_FILE = "rules/pdctl-recording.yml"
+ALERTING_FILE = "rules/pdctl-alerts.yml"
+
+# Series pdctl's rules and dashboard read. The proxy's are pdctl.proxy.metrics' own; vLLM's are those of vLLM 0.32's
+# PrometheusStatLogger and NIXL connector (vllm/v1/metrics/loggers.py, .../kv_connector/v1/nixl/stats.py), as
+# exposed (counters end in _total, histograms in _bucket/_sum/_count); process_start_time_seconds comes from
+# prometheus_client's process collector (vLLM's default registry, the proxy's own); `up` from Prometheus.
+PROXY_SERIES = (
+    "pdctl_proxy_requests_total", "pdctl_proxy_pair_requests_total", "pdctl_proxy_upstream_errors_total",
+    "pdctl_proxy_kv_transfer_missing_total", "pdctl_decode_only_fallback_total", "pdctl_proxy_prefill_retries_total",
+    "pdctl_proxy_rejected_total", "pdctl_proxy_inflight", "pdctl_proxy_breaker_open", "pdctl_proxy_breaker_trips_total",
+    *(f"{h}_{s}" for h in ("pdctl_proxy_ttft_seconds", "pdctl_proxy_request_duration_seconds",
+                           "pdctl_proxy_prefill_seconds") for s in ("bucket", "sum", "count")),
+)
+VLLM_SERIES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prompt_tokens_by_source_total",
+    "vllm:request_success_total", "vllm:nixl_num_failed_transfers_total",
+    *(f"{h}_{s}" for h in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                           "vllm:e2e_request_latency_seconds", "vllm:nixl_xfer_time_seconds",
+                           "vllm:nixl_bytes_transferred") for s in ("bucket", "sum", "count")),
+)
+OTHER_SERIES = ("up", "process_start_time_seconds")
+KNOWN_SERIES = frozenset(PROXY_SERIES + VLLM_SERIES + OTHER_SERIES)
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration: 2 -> '2s', 7.5 -> '7500ms'."""
+    ms = round(seconds * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def window(plan: Plan) -> str:
+    """The recording rules' rate window: WINDOW_SCRAPES scrape intervals."""
+    return duration(WINDOW_SCRAPES * plan.topology.monitoring.scrape_interval_s)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prometheus.yml
+
+
+def _target(s: ProcessSpec) -> dict:
+    labels = {"instance_name": s.name, "role": s.role}
+    if s.role in SERVER_ROLES:
+        labels.update(pool=s.pool or s.role, block_size=str(s.block_size), tp=str(s.tp), platform=s.platform)
+    return {"targets": [f"{connect_host(s.host)}:{s.ports['http']}"], "labels": labels}
+
+
+def prometheus_config(plan: Plan) -> str:
+    m = plan.topology.monitoring
+    every = duration(m.scrape_interval_s)
+    rules = monitoring_dir(plan.state_dir)
+    servers = [_target(s) for s in plan.processes if s.role in SERVER_ROLES]
+    proxies = [_target(s) for s in plan.processes if s.role == "proxy"]
+    cfg = {
+        "global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": every,
+                   "external_labels": {"topology": plan.name}},
+        "rule_files": [str(rules / RECORDING_FILE), str(rules / ALERTING_FILE)],
+        "scrape_configs": [
+            {"job_name": VLLM_JOB, "metrics_path": "/metrics", "static_configs": servers},
+            # The proxy's per-instance series name the servers behind it (role, pool, instance): kept as they are.
+            {"job_name": PROXY_JOB, "metrics_path": "/metrics", "honor_labels": True, "static_configs": proxies},
+        ],
+    }
+    return f"# written by pdctl for topology {plan.name}; rewritten at every `pdctl up`\n" + _yaml(cfg)
+
+
+def _yaml(data: dict) -> str:
+    return yaml.safe_dump(data, sort_keys=False, width=120)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rules
+
+
+def _quantiles(name: str, by: str, bucket: str, w: str, where: str = "") -> list[dict]:
+    return [{"record": f"{name}:p{q}",
+             "expr": f"histogram_quantile(0.{q:02d}, sum by ({by}, le) (rate({bucket}{where}[{w}])))"}
+            for q in (50, 99)]
+
+
+def _zero_when_absent(expr: str, by: str | None = None) -> str:
+    """expr, or 0 until its counter exists: per `by` group of the counter's base when given, else one series."""
+    if by is None:
+        return f"({expr}) or on() vector(0)"
+    base = re.sub(r"\{[^}]*\}", "", expr, count=1)
+    return f"({expr}) or ({base} * 0)"
+
+
+def recording_rules(plan: Plan) -> dict:
+    w = window(plan)
+    pair, pool = "prefill_pool, decode_pool", "role, pool"
+    pair_rules = [
+        {"record": "pdctl:pair_requests:rate",
+         "expr": f"sum by ({pair}) (rate(pdctl_proxy_pair_requests_total[{w}]))"},
+        {"record": "pdctl:pair_errors:rate", "expr": _zero_when_absent(
+            f'sum by ({pair}) (rate(pdctl_proxy_pair_requests_total{{status!~"2.."}}[{w}]))', pair)},
+        *_quantiles("pdctl:pair_ttft_seconds", pair, "pdctl_proxy_ttft_seconds_bucket", w),
+        *_quantiles("pdctl:pair_duration_seconds", pair, "pdctl_proxy_request_duration_seconds_bucket", w),
+    ]
+    pool_rules = [
+        {"record": "pdctl:pool_instances_up", "expr": f'sum by ({pool}) (up{{job="{VLLM_JOB}"}})'},
+        *_quantiles("pdctl:pool_ttft_seconds", pool, "vllm:time_to_first_token_seconds_bucket", w),
+        *_quantiles("pdctl:pool_tpot_seconds", pool, "vllm:inter_token_latency_seconds_bucket", w,
+                    '{role="decode"}'),
+        {"record": "pdctl:pool_prompt_tokens:rate", "expr": f"sum by ({pool}) (rate(vllm:prompt_tokens_total[{w}]))"},
+        {"record": "pdctl:pool_generation_tokens:rate",
+         "expr": f"sum by ({pool}) (rate(vllm:generation_tokens_total[{w}]))"},
+        {"record": "pdctl:pool_prompt_tokens_by_source:rate",
+         "expr": f"sum by ({pool}, source) (rate(vllm:prompt_tokens_by_source_total[{w}]))"},
+        {"record": "pdctl:pool_requests_running", "expr": f"sum by ({pool}) (vllm:num_requests_running)"},
+        {"record": "pdctl:pool_requests_waiting", "expr": f"sum by ({pool}) (vllm:num_requests_waiting)"},
+        {"record": "pdctl:pool_kv_cache_usage:avg", "expr": f"avg by ({pool}) (vllm:kv_cache_usage_perc)"},
+        {"record": "pdctl:pool_kv_cache_usage:max", "expr": f"max by ({pool}) (vllm:kv_cache_usage_perc)"},
+        # NIXL's transfer series are the reader's: decode pools (pdctl's connector pulls the prefill's KV).
+        {"record": "pdctl:pool_kv_transfers:rate",
+         "expr": f"sum by ({pool}) (rate(vllm:nixl_xfer_time_seconds_count[{w}]))"},
+        {"record": "pdctl:pool_kv_transfer_bytes:rate",
+         "expr": f"sum by ({pool}) (rate(vllm:nixl_bytes_transferred_sum[{w}]))"},
+        *_quantiles("pdctl:pool_kv_transfer_seconds", pool, "vllm:nixl_xfer_time_seconds_bucket", w),
+        {"record": "pdctl:pool_kv_transfer_failures:rate",
+         "expr": f"sum by ({pool}) (rate(vllm:nixl_num_failed_transfers_total[{w}]))"},
+        *_quantiles("pdctl:pool_prefill_leg_seconds", "prefill_pool", "pdctl_proxy_prefill_seconds_bucket", w),
+        {"record": "pdctl:pool_proxy_inflight", "expr": f"sum by ({pool}) (pdctl_proxy_inflight)"},
+        {"record": "pdctl:pool_breakers_open", "expr": f"sum by ({pool}) (pdctl_proxy_breaker_open)"},
+    ]
+    proxy_rules = [
+        {"record": "pdctl:proxy_requests:rate",
+         "expr": f"sum by (route, status) (rate(pdctl_proxy_requests_total[{w}]))"},
+        {"record": "pdctl:decode_only_fallbacks:rate",
+         "expr": f"sum by (reason) (rate(pdctl_decode_only_fallback_total[{w}]))"},
+        {"record": "pdctl:proxy_kv_missing:rate", "expr": f"sum(rate(pdctl_proxy_kv_transfer_missing_total[{w}]))"},
+        {"record": "pdctl:proxy_prefill_retries:rate",
+         "expr": f"sum(rate(pdctl_proxy_prefill_retries_total[{w}]))"},
+        {"record": "pdctl:proxy_rejected:rate",
+         "expr": _zero_when_absent(f"sum by (reason) (rate(pdctl_proxy_rejected_total[{w}]))")},
+        {"record": "pdctl:proxy_upstream_errors:rate",
+         "expr": _zero_when_absent(f"sum by (instance) (rate(pdctl_proxy_upstream_errors_total[{w}]))")},
+    ]
+    instance_rules = [
+        # A restart is a new process: its start time changes (the supervisor's restarts, or anyone else's).
+        {"record": f"pdctl:instance_restarts:{RESTART_WINDOW}",
+         "expr": f'changes(process_start_time_seconds{{job=~"{JOBS}"}}[{RESTART_WINDOW}])'},
+    ]
+    return {"groups": [{"name": f"pdctl-{n}", "rules": r} for n, r in
+                       (("pairs", pair_rules), ("pools", pool_rules), ("proxy", proxy_rules),
+                        ("instances", instance_rules))]}
+
+
+def alerting_rules(plan: Plan) -> dict:
+    w = window(plan)
+
+    def alert(name: str, expr: str, for_: str, severity: str, summary: str) -> dict:
+        return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
+                "annotations": {"summary": summary}}
+
+    rules = [
+        alert("PdctlInstanceDown", f'up{{job=~"{JOBS}"}} == 0', "10s", "critical",
+              "{{ $labels.instance_name }} ({{ $labels.role }}) does not answer /metrics"),
+        alert("PdctlInstanceRestarted", f'changes(process_start_time_seconds{{job=~"{JOBS}"}}[{RESTART_WINDOW}]) > 0',
+              "0s", "warning", "{{ $labels.instance_name }} restarted {{ $value }} times in " + RESTART_WINDOW),
+        alert("PdctlDecodeOnlyFallbacks", f"sum by (reason) (rate(pdctl_decode_only_fallback_total[{w}])) > 0", "0s",
+              "warning", "decodes computing prompts themselves (no prefill answered with KV: {{ $labels.reason }})"),
+        alert("PdctlKvTransferFailures", f"sum by (role, pool) (rate(vllm:nixl_num_failed_transfers_total[{w}])) > 0",
+              "0s", "critical", "NIXL KV transfers failing in {{ $labels.role }} pool {{ $labels.pool }}"),
+        alert("PdctlKvTransferMissing", f"sum(rate(pdctl_proxy_kv_transfer_missing_total[{w}])) > 0", "0s",
+              "critical", "prefills answering without kv_transfer_params (their KV cannot travel)"),
+        alert("PdctlCircuitBreakerOpen", "pdctl_proxy_breaker_open == 1", "0s", "warning",
+              "the proxy took {{ $labels.name }} out of routing (circuit breaker open)"),
+    ]
+    return {"groups": [{"name": "pdctl-alerts", "rules": rules}]}
+
+
+def recorded_names(plan: Plan) -> list[str]:
+    return [r["record"] for g in recording_rules(plan)["groups"] for r in g["rules"]]
+
+
+def alert_names(plan: Plan) -> list[str]:
+    return [r["alert"] for g in alerting_rules(plan)["groups"] for r in g["rules"]]
+
+
+def files(plan: Plan) -> dict[str, str]:
+    """Every file Prometheus reads, relative to the monitoring dir (pdctl.plan.monitoring_dir)."""
+    return {CONFIG_FILE: prometheus_config(plan), RECORDING_FILE: _yaml(recording_rules(plan)),
+            ALERTING_FILE: _yaml(alerting_rules(plan))}
+
+
+def prometheus_url(plan: Plan) -> str | None:
+    """The Prometheus of a plan with monitoring on."""
+    spec = next((s for s in plan.processes if s.role == "monitor"), None)
+    return spec.http_url if spec else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PromQL: the metric names an expression reads (enough for pdctl's rules and dashboards, not a full parser)
+
+_FUNCTIONS_AND_KEYWORDS = frozenset("""
+    sum min max avg group stddev stdvar count count_values bottomk topk quantile limitk limit_ratio
+    by without on ignoring group_left group_right bool offset and or unless atan2 inf nan
+    """.split())
+_TOKEN = re.compile(r"""
+    "(?:\\.|[^"\\])*" | '(?:\\.|[^'\\])*' | `[^`]*`    # strings
+    | \$\{[^}]*\} | \$\w+ | \[\[[^\]]*\]\]          # Grafana variables
+    | \[[^\]]*\]                                   # range and subquery selectors
+    | [0-9][A-Za-z0-9_.]*                            # numbers and durations (0.99, 1e3, 5m)
+    | [A-Za-z_:][A-Za-z0-9_:]*                       # names
+    | \S""", re.VERBOSE)
+_GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+def series_names(expr: str) -> set[str]:
+    """Metric names an expression reads: names outside {...} matchers, strings, [ranges] and Grafana variables;
+    not a function (a name followed by '('), an aggregation or keyword, nor a label in the list after by,
+    without, on, ignoring, group_left or group_right."""
+    tokens = _TOKEN.findall(expr)
+    out: set[str] = set()
+    braces = 0
+    in_list = False  # inside the (...) after by, without, on, ...
+    list_open = -1  # index of that list's '(' (not a function call's)
+    for i, tok in enumerate(tokens):
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if tok == "{":
+            braces += 1
+        elif tok == "}":
+            braces = max(0, braces - 1)
+        elif braces:
+            continue
+        elif i == list_open:
+            in_list = True
+        elif in_list:
+            in_list = tok != ")"
+        elif tok in _GROUPING:
+            list_open = i + 1 if nxt == "(" else -1
+        elif _NAME.fullmatch(tok) and nxt != "(" and tok.lower() not in _FUNCTIONS_AND_KEYWORDS:
+            out.add(tok)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Grafana dashboard (configs/grafana/pdctl-fleet.json)
+
+GRAFANA_BUILTINS = ("__rate_interval", "__interval", "__range", "__range_s", "__interval_ms")
+
+
+def dashboard_panels(dashboard: dict) -> list[dict]:
+    """Every panel, rows' collapsed panels too."""
+    out = []
+    for p in dashboard.get("panels", []):
+        if p.get("type") == "row":
+            out += p.get("panels", [])
+        else:
+            out.append(p)
+    return out
+
+
+def load_dashboard(path: str | Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("panels"), list):
+        raise ValueError(f"{path}: not a Grafana dashboard (no panels)")
+    return data
+
+
+def dashboard_queries(path: str | Path) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query of every panel, as written (Grafana variables unexpanded)."""
+    return [(p.get("title", "?"), t["expr"]) for p in dashboard_panels(load_dashboard(path))
+            for t in p.get("targets", []) if t.get("expr")]
+
+
+def expand(expr: str, dashboard: dict | None = None, rate_interval: str = "30s", all_value: str = ".*") -> str:
+    """expr as Prometheus would receive it from Grafana with every template variable at All ($__rate_interval and
+    friends: rate_interval), so a check can run a panel's query against Prometheus directly."""
+    names = {v["name"]: v.get("allValue") or all_value for v in (dashboard or {}).get("templating", {}).get("list", [])
+             if v.get("type") == "query"}
+    builtin = dict.fromkeys(GRAFANA_BUILTINS, rate_interval) | {"__range_s": "300", "__interval_ms": "2000"}
+
+    def value(name: str) -> str:
+        return builtin.get(name) or names.get(name, all_value)
+
+    expr = re.sub(r"\$\{(\w+)(?::\w+)?\}", lambda m: value(m.group(1)), expr)
+    expr = re.sub(r"\[\[(\w+)\]\]", lambda m: value(m.group(1)), expr)
+    return re.sub(r"\$(\w+)", lambda m: value(m.group(1)), expr)
+
+
+def unknown_series(queries: list[tuple[str, str]], recorded: list[str] | set[str]) -> list[str]:
+    """'panel: name' for every metric a query reads that neither a recording rule nor a known series provides."""
+    known = KNOWN_SERIES | set(recorded)
+    return [f"{title}: {name}" for title, expr in queries for name in sorted(series_names(expr) - known)]
