@@ -27,7 +27,7 @@ demo: setup model
 cluster-tools:
 	bash scripts/install_slurm.sh
 
-# tmux for the 80-column terminal test.
+# tmux for the 80-column terminal test; prometheus and promtool for monitoring (pdctl up --monitoring).
 tools:
 	bash scripts/install_tools.sh
 
