@@ -954,11 +954,12 @@ def _collisions(t: Topology) -> list[Problem]:
     devices: dict[tuple[str, str, int], str] = {}
     out: list[Problem] = []
 
-    def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error") -> None:
+    def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error",
+              hint: str | None = None) -> None:
         if key in table and table[key] != owner:
-            hint = ("give each pool its own range (instance i uses base + i), or leave the ports out"
-                    if table is ports else "instances sharing a device slow each other down or run out of "
-                    "memory; give each its own devices where the host has them")
+            hint = hint or ("give each pool its own range (instance i uses base + i), or leave the ports out"
+                            if table is ports else "instances sharing a device slow each other down or run out of "
+                            "memory; give each its own devices where the host has them")
             out.append(Problem(path, f"{what} {key[-1]} of {owner} is also used by {table[key]}", hint,
                                severity=severity))
         table.setdefault(key, owner)
@@ -978,7 +979,7 @@ def _collisions(t: Topology) -> list[Problem]:
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
     if t.monitoring.enabled:
         claim(ports, (t.monitoring.host, t.monitoring.port), "Prometheus (monitoring)", ("monitoring", "port"),
-              "port")
+              "port", hint="give monitoring.port a port no instance and not the proxy uses")
     # One report per colliding field is enough.
     seen: set[Loc] = set()
     return [p for p in out if not (p.path in seen or seen.add(p.path))]

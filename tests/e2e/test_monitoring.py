@@ -83,13 +83,14 @@ def test_every_recording_rule_has_a_series_and_the_kv_travelled(loaded):
     assert [(r["name"], r["lastError"]) for r in loaded_rules if r["health"] != "ok"] == []
     assert {r["name"] for r in loaded_rules if r["type"] == "recording"} == set(monitoring.recorded_names(loaded.plan))
     assert prom.empty(url, monitoring.recorded_names(loaded.plan)) == []
-    # Not only series: the load shows in them (rates over the last 30 s, so right after the load).
+    # Not only series: the load shows in them (rates over 30 s: polled until the last scrapes and evaluations of
+    # the load are in, well within 30 s of its end).
     positive = ['pdctl:pair_requests:rate{prefill_pool="default", decode_pool="default"} > 0',
                 'pdctl:pool_kv_transfer_bytes:rate{role="decode"} > 0',
                 'pdctl:pool_prompt_tokens_by_source:rate{role="decode", source="external_kv_transfer"} > 0',
                 'pdctl:pool_generation_tokens:rate{role="decode"} > 0',
                 'pdctl:pair_ttft_seconds:p50 > 0', 'pdctl:pool_kv_transfer_seconds:p99{role="decode"} > 0']
-    assert prom.empty(url, positive) == []
+    assert prom.wait_until_all_answer(url, positive, 20) == []
     # Control: a misspelt series answers nothing, so the checks above can fail.
     assert prom.query(url, "pdctl:pair_request:rate") == []
 

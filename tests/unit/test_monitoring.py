@@ -23,10 +23,11 @@ from rich.console import Console
 from pdctl import monitoring, render
 from pdctl.api import DASHBOARD, StatusReport
 from pdctl.launch import run as run_mod
+from pdctl.launch.local import LocalBackend
 from pdctl.plan import Plan, build_plan, monitoring_dir
 from pdctl.topology import MONITORING_ON, Override, load_topology
 from tests import prom
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, processes_with_arg
 
 DASHBOARD_FILE = REPO / DASHBOARD
 VLLM_SNAPSHOT = Path(__file__).parent / "data" / "vllm-0.32-decode-metrics.txt"
@@ -461,3 +462,25 @@ def test_a_real_prometheus_scrapes_every_target_and_evaluates_every_rule_and_pan
         log.close()
         for s in servers:
             s.shutdown()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (bash scripts/install_tools.sh)")
+def test_the_local_backend_starts_prometheus_waits_for_it_and_down_stops_it(tmp_path):
+    """The launch path `pdctl up` takes (files, guard, readiness, status, down) with the plan's Prometheus alone:
+    no vLLM server is needed to start and stop it."""
+    (port,) = _free_ports(1)
+    full = _plan(tmp_path / "s", f"monitoring.port={port}")
+    p = full.with_processes(full.by_role("monitor"))
+    backend = LocalBackend()
+    assert backend.preflight(p) == []
+    state = run_mod.up(p, backend, attached=True, timeout_s=60)
+    try:
+        assert (monitoring_dir(p.state_dir) / "prometheus.yml").is_file()
+        (row,) = run_mod.status(state, backend)
+        assert (row.name, row.role, row.healthy, row.http_port) == ("prometheus", "monitor", True, port)
+        assert prom.api(f"http://127.0.0.1:{port}", "status/config")["yaml"]  # it read pdctl's config
+    finally:
+        report = run_mod.down(state, backend)
+    assert report.stopped == ["prometheus"] and not report.killed  # SIGTERM was enough
+    assert processes_with_arg(str(monitoring_dir(p.state_dir))) == []
+    assert (monitoring_dir(p.state_dir) / "data").is_dir()
