@@ -115,7 +115,10 @@ def live_progress(err: Console):
     try:
         yield on_progress
     finally:
+        started = live.is_started
         live.stop()
+        if started and not err.is_terminal:
+            err.file.write("\n")  # off a terminal, Live's last frame ends without one (the next line joined it)
 
 
 def launch_failed(err: Console, e) -> None:
