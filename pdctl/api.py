@@ -616,10 +616,11 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
     max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
     ref = p.get("reference")
-    if len(t.prefill) > 1 or len(t.decode) > 1:
+    if len(t.prefill) > 1 or len(t.decode) > 1 or t.proxy.kind == "vllm-router":
         if o.reference_first:
-            raise UserError("--reference-first is for one prefill and one decode pool; a fleet's check pins fresh "
-                            "prompts to every pair while it runs")
+            raise UserError("--reference-first is for one prefill and one decode pool behind pdctl's proxy; a "
+                            "fleet's check pins fresh prompts to every pair while it runs (vllm-router's check "
+                            "sends every pair's prompts at once)")
         with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name} and an aggregated reference") as d:
             report = _check_fleet(d.plan, d.proxy_url, ref.http_url, t.model.name,
                                   lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab),
@@ -658,6 +659,11 @@ def _ready_instances(proxy_url: str) -> list[dict]:
 def _check_fleet(p: Plan, proxy_url: str, reference: str, model: str, prompts_for, o: CheckOptions, progress: Say):
     from pdctl.gates import fleet
 
+    if p.topology.proxy.kind == "vllm-router":
+        progress("checking every pool pair's prompts through vllm-router (it cannot pin a pair: the transfer is "
+                 "proven per decode instance)")
+        return fleet.check_unpinned(p, proxy_url, reference, model, prompts_for, o.max_tokens, o.concurrency,
+                                    progress=lambda text: progress(f"checking {text}"))
     progress("checking every pool pair")
     return fleet.check_fleet(p, proxy_url, reference, model, prompts_for, o.max_tokens, o.concurrency,
                              o.mixed_prompts, o.mixed_concurrency, o.vocab, o.seed,

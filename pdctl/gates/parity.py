@@ -85,6 +85,7 @@ class PromptResult:
     request_id: str | None = None
     prefill: str | None = None  # the instances the proxy says served it (x-pdctl-prefill / x-pdctl-decode)
     decode: str | None = None
+    served_id: str | None = None  # the answer's id (vllm-router's names the instances it chose)
 
 
 @dataclass
@@ -272,7 +273,7 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
             complete(reference, model, p.body, max_tokens))
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
-                            seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"))
+                            seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"), resp.get("id"))
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]

@@ -125,6 +125,10 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
     px = plan.by_role("proxy")[0]
     argv = ["python3", *px.argv[1:]]
     argv[argv.index("--host") + 1] = "0.0.0.0"
+    router = t.proxy.kind == "vllm-router"
+    if router:  # its metrics listen apart, on their own port
+        argv[argv.index("--prometheus-host") + 1] = "0.0.0.0"
+    metrics_port = px.ports.get("metrics", px.ports["http"])
     # The plan's upstreams are host addresses; in the cluster they are the StatefulSets' stable pod names.
     kept = [a for k, a in enumerate(argv) if a not in ("--prefill", "--decode")
             and (k == 0 or argv[k - 1] not in ("--prefill", "--decode"))]
@@ -133,11 +137,13 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {**meta, "name": dns_name(name, "proxy"), "labels": labels},
         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels, "annotations": scrape_annotations(px.ports["http"])},
+                 "template": {"metadata": {"labels": labels, "annotations": scrape_annotations(metrics_port)},
                               "spec": {"containers": [{
                      "name": "proxy", "image": image, "command": kept + upstreams,
-                     "ports": [{"name": "http", "containerPort": px.ports["http"]}],
-                     "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+                     "ports": [{"name": "http", "containerPort": px.ports["http"]}] + (
+                         [{"name": "metrics", "containerPort": metrics_port}] if router else []),
+                     "readinessProbe": {"httpGet": {"path": "/readiness" if router else "/ready", "port": "http"},
+                                        "periodSeconds": 5},
                      "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
                      "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
                  }]}}},
