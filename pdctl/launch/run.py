@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdctl import auth
 from pdctl.launch import probe, supervisor
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
@@ -39,6 +40,7 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
         return [f"'{plan.name}' still has a {sup['mode']} supervisor (pid {sup['pid']}, state {plan.state_dir}); "
                 f"`pdctl down {plan.name}` first"]
     t = loaded.topology
+    problems += auth.problems(plan.processes)  # a missing key refuses here, before anything starts
     for role in ("prefill", "decode"):
         for g in t.pools(role):
             raw = t.model_path(g)
@@ -53,9 +55,9 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
     return problems + backend.preflight(plan)
 
 
-def _ready(spec: ProcessSpec) -> tuple[bool, bool]:
+def _ready(spec: ProcessSpec, headers: dict[str, str]) -> tuple[bool, bool]:
     """(ready, something answers): /health is 200 and, for NIXL instances, the side channel accepts."""
-    status, _ = probe.http_get(spec.readiness_url, timeout=1.0)
+    status, _ = probe.http_get(spec.readiness_url, timeout=1.0, headers=headers)
     side = spec.side_channel
     ok = status == 200 and (side is None or probe.port_open(*side))
     return ok, status != 0
@@ -94,6 +96,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
     t0 = time.monotonic()
     ready: dict[str, float] = {}
     answering: set[str] = set()
+    key = auth.open_route_headers(plan.topology)
     while True:
         for spec in plan.processes:
             if spec.name in ready:
@@ -102,7 +105,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
             if not live.alive:
                 code = f" with code {live.exit_code}" if live.exit_code is not None else ""
                 raise LaunchFailed(spec.name, f"exited{code} before it was ready", spec.log_path)
-            ok, answers = _ready(spec)
+            ok, answers = _ready(spec, key)
             if ok:
                 ready[spec.name] = time.monotonic() - t0
             elif answers:
@@ -135,9 +138,11 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
     proxy = next((p for p in plan.processes if p.role == "proxy"), None)
     if proxy is None:
         return
+    key = auth.headers(auth.api_key(plan.topology))
     # The proxy's routing must know every instance is up (its probe runs every 2 s): /ready probes them now.
     deadline = time.monotonic() + 60
-    while probe.http_get(proxy.http_url + "/ready", timeout=5.0)[0] != 200 and time.monotonic() < deadline:
+    while (probe.http_get(proxy.http_url + "/ready", timeout=5.0, headers=key)[0] != 200
+           and time.monotonic() < deadline):
         time.sleep(0.5)
     model = plan.topology.model.name
     blocks = [p.block_size for p in plan.processes if p.block_size]
@@ -148,7 +153,7 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
                 "prompt": [5 + (i * (k + 1) + k) % 50 for i in range(n)]}
         decodes = [p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool)]
         decode = decodes[0]
-        headers = {"Content-Type": "application/json", REJECT_HEADER: "reject"}  # a warm-up proves P/D, or fails
+        headers = {"Content-Type": "application/json", REJECT_HEADER: "reject", **key}  # proves P/D, or fails
         if pool_p is not None:
             headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
         for attempt in range(1, attempts + 1):
@@ -266,11 +271,12 @@ class InstanceStatus:
 
 def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
     out = []
+    key = auth.open_route_headers(state.plan.topology)
     for spec in state.plan.processes:
         rec = state.processes.get(spec.name)
         running = backend.liveness(state, spec.name).alive
-        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0)
-        m = probe.metrics(spec.http_url, timeout=1.0) if healthy and spec.role != "proxy" else None
+        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0, headers=key)
+        m = probe.metrics(spec.http_url, timeout=1.0, headers=key) if healthy and spec.role != "proxy" else None
         out.append(InstanceStatus(
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
