@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from pdctl.auth import PROXY_FLAG, VLLM_KEY_ENV, key_env
 from pdctl.topology import (
     DEFAULT_POOL,
     ROLES,
@@ -49,6 +50,15 @@ class ProcessSpec:
     tp: int | None = None
     kv_layout: str | None = None
     pool: str | None = None
+    # Variables set at spawn from pdctl's own environment: name in the process -> name in pdctl's environment
+    # (auth.spawn_env). Names only: a key's value is never in a plan, so never in state.json nor `pdctl plan`.
+    secret_env: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if not self.secret_env:
+            del d["secret_env"]  # a plan without auth reads as it did before the field existed
+        return d
 
     @property
     def http_url(self) -> str:
@@ -117,8 +127,9 @@ class Plan:
 
     def to_dict(self) -> dict:
         """Plain JSON data (state.json, `pdctl plan --json`): the topology as its JSON dump."""
-        return {"name": self.name, "state_dir": self.state_dir, "processes": [asdict(p) for p in self.processes],
-                "topology": self.topology.model_dump(mode="json")}
+        return {"name": self.name, "state_dir": self.state_dir, "processes": [p.to_dict() for p in self.processes],
+                "topology": self.topology.model_dump(mode="json", exclude={"auth"} if self.topology.auth is None
+                                                     else None)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -220,6 +231,13 @@ def _server_env(g: InstanceGroup, index: int, queue_spin: float | None = None) -
     return env
 
 
+def server_secret_env(t: Topology) -> dict[str, str]:
+    """A vLLM server's key, by name: VLLM_API_KEY from the topology's variable. Not `--api-key KEY`: argv is in
+    the plan and in /proc/*/cmdline; vLLM adds the same auth middleware for either."""
+    name = key_env(t)
+    return {VLLM_KEY_ENV: name} if name else {}
+
+
 def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
     """The proxy's command line: every instance as [POOL=]URL (a single-pool role's URLs stay bare), with the
     pools' weights and the excluded pairs."""
@@ -234,6 +252,8 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
         argv += [a for g in t.pools(role) if g.weight != 1.0 for a in ("--weight", f"{role}/{g.name}={g.weight:g}")]
     for p, d in px.exclude_pairs:
         argv += ["--exclude-pair", f"{p}/{d}"]
+    if key_env(t):  # the variable's name: the proxy reads the key from its environment (secret_env)
+        argv += [PROXY_FLAG, key_env(t)]
     if px.policy == "prefix_affinity":
         argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
                  str(px.affinity_prefix_chars)]
@@ -277,16 +297,18 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
                     log_path=str(logs / f"{name}.log"),
                     readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
                     platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
+                    secret_env=server_secret_env(t),
                 ))
     px = t.proxy
     router = px.kind == "vllm-router"
+    name = key_env(t)
     processes.append(ProcessSpec(
         name="proxy", role="proxy", index=0,
         argv=(router_argv if router else proxy_argv)(t, list(processes), python),
         env={"PYTHONUNBUFFERED": "1", **({"NO_COLOR": "1"} if router else {})}, host=px.host,
         ports={"http": px.port, **({"metrics": px.router_metrics_port} if router else {})},
         log_path=str(logs / "proxy.log"), readiness_url=f"http://{connect_host(px.host)}:{px.port}/health",
-        platform="cpu",
+        platform="cpu", secret_env={name: name} if name else {},
     ))
     return Plan(name=t.name, state_dir=str(state_dir), processes=processes, topology=t)
 
@@ -304,7 +326,7 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
-                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout)
+                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, secret_env=server_secret_env(t))
 
 
 def with_plain_reference(plan: Plan, port: int) -> Plan:

@@ -91,7 +91,9 @@ def plan(out: Console, p, output: Output = Output.default, batch: str | None = N
         out.print("\nSlurm batch script (pdctl up submits it; the proxy runs here):", highlight=False)
         out.print(batch, highlight=False, markup=False, soft_wrap=True)
     for s in p.processes:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
+        # A secret (the API key) as the shell reference it is resolved from at spawn: its name, never its value.
+        env = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in s.env.items()),
+                        *(f'{k}="${v}"' for k, v in s.secret_env.items())])
         out.print(f"\n[bold]{s.name}[/bold]  log: {s.log_path}", highlight=False)
         out.print(f"{env} {shlex.join(s.argv)}", highlight=False, markup=False, soft_wrap=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pdctl import yamlsrc
+from pdctl.auth import ENV_NAME_PATTERN
 
 Platform = Literal["cuda", "cpu", "xpu", "hpu"]
 Role = Literal["prefill", "decode"]
@@ -293,6 +295,16 @@ class EngineSpec(_Strict):
     time_limit: str = Field("UNLIMITED", min_length=1, description="Slurm job time limit")
 
 
+class AuthSpec(_Strict):
+    """API keys. The key itself is never in the topology, the plan, the state dir or a log: only the name of the
+    environment variable pdctl reads it from when it starts the servers and when it calls them."""
+
+    api_key_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="name of the environment variable that holds the API key: "
+        "every vLLM server and the proxy then require `Authorization: Bearer <key>` on /v1/* (401 otherwise), "
+        "and pdctl sends it on each of its own calls. `pdctl up` refuses to start when it is unset or empty")
+
+
 def _as_pools(v: Any) -> Any:
     """A role written as one mapping is one pool named 'default' (today's form); a list is several pools."""
     if isinstance(v, dict):
@@ -316,6 +328,8 @@ class Topology(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
+    # None (not an empty AuthSpec) when the YAML has no auth: a plan's JSON then stays as it was (Plan.to_dict).
+    auth: AuthSpec | None = Field(None, description="API keys (auth.api_key_env)")
     # Where it was loaded from (file, base dir, model facts, warnings): set by validate_data, never serialized.
     _origin: Any = PrivateAttr(default=None)
 
@@ -905,6 +919,7 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                            f"{info.max_position}", f"use at most {info.max_position}"))
     out += _engine_problems(t)
     out += _router_problems(t)
+    out += _exposure_problems(t)
     out += _collisions(t)
     # A rule that holds for a pool is met or broken once, whatever the pairs it is in.
     seen: set[tuple[Loc, str]] = set()
@@ -975,6 +990,43 @@ def _router_problems(t: Topology) -> list[Problem]:
             if g.weight != 1.0:
                 out.append(Problem((*pool_loc(t, role, g), "weight"), "vllm-router has no weights per pool: its "
                                    "policies treat every instance alike", hint))
+    if t.auth is not None and t.auth.api_key_env:
+        out.append(Problem(("auth", "api_key_env"), "vllm-router takes the key it sends to the servers only on "
+                           "its command line (--api-key), where pdctl never puts a key, and requires none from "
+                           "clients", "use proxy.kind: pdctl with auth"))
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it resolves to whatever the network says
+        return False
+
+
+def _exposure_problems(t: Topology) -> list[Problem]:
+    """A warning for every server or proxy that other machines can reach while no API key is required."""
+    if t.auth is not None and t.auth.api_key_env:
+        return []
+    hint = ("set auth.api_key_env: NAME (an environment variable holding the key) so every server and the proxy "
+            "require it, or listen on 127.0.0.1")
+    what = "and no API key is required (auth.api_key_env): anyone who reaches it can use the model"
+    out: list[Problem] = []
+    if t.engine.kind != "local":
+        out.append(Problem(("engine", "kind"), f"on the {t.engine.kind} engine every instance listens on its "
+                           f"node's address, {what}", hint, severity="warning"))
+    else:
+        for role in ROLES:
+            for g in t.pools(role):
+                if not is_loopback(g.host):
+                    out.append(Problem((*pool_loc(t, role, g), "host"), f"{g.host} is reachable from other "
+                                       f"machines, {what}", hint, severity="warning"))
+    if not is_loopback(t.proxy.host):
+        out.append(Problem(("proxy", "host"), f"{t.proxy.host} is reachable from other machines, {what}", hint,
+                           severity="warning"))
     return out
 
 

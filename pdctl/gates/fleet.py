@@ -118,8 +118,10 @@ def _wanted(pair: PairReport, r: PromptResult) -> tuple[str, str]:
 
 def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
                 concurrency: int = 1, mixed: int = 16, mixed_concurrency: int = 12, vocab: int = 1000,
-                seed: int | None = None, read_logs: bool = True, progress=lambda _: None) -> FleetReport:
-    """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides)."""
+                seed: int | None = None, read_logs: bool = True, progress=lambda _: None,
+                api_key: str | None = None) -> FleetReport:
+    """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides); `api_key`
+    goes with every call (auth.api_key_env)."""
     t = plan.topology
     blocks = {(role, g.name): g.block_size for role in ROLES for g in t.pools(role)}
     pairs = [(p.name, d.name) for p, d in t.pairs()]
@@ -128,7 +130,8 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
     for p, d in pairs:
         progress(f"pair {p} -> {d}")
         prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)])
-        rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}")
+        rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}",
+                         api_key)
         report.pairs.append(PairReport(p, d, rep))
     if mixed:
         progress(f"{mixed} prompts over every pair at once, {mixed_concurrency} in flight")
@@ -141,7 +144,8 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
             prompts.append(prompt)
             routes.append(f"{p}/{d}")
         all_decodes = [u for urls in decodes.values() for u in urls]
-        rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes)
+        rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes,
+                         api_key)
         report.mixed = PairReport("*", "*", rep)
     if read_logs and t.connector.kind == "pdctl":
         received = received_from([s.log_path for s in plan.by_role("decode")])

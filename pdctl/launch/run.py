@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdctl import auth
 from pdctl.launch import probe, supervisor
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
@@ -43,6 +44,7 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
         return [f"'{plan.name}' still has a {sup['mode']} supervisor (pid {sup['pid']}, state {plan.state_dir}); "
                 f"`pdctl down {plan.name}` first"]
     t = loaded.topology
+    problems += auth.problems(plan.processes)  # a missing key refuses here, before anything starts
     for role in ("prefill", "decode"):
         for g in t.pools(role):
             raw = t.model_path(g)
@@ -60,9 +62,9 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
     return problems + backend.preflight(plan)
 
 
-def _ready(spec: ProcessSpec) -> tuple[bool, bool]:
+def _ready(spec: ProcessSpec, headers: dict[str, str]) -> tuple[bool, bool]:
     """(ready, something answers): /health is 200 and, for NIXL instances, the side channel accepts."""
-    status, _ = probe.http_get(spec.readiness_url, timeout=1.0)
+    status, _ = probe.http_get(spec.readiness_url, timeout=1.0, headers=headers)
     side = spec.side_channel
     ok = status == 200 and (side is None or probe.port_open(*side))
     return ok, status != 0
@@ -101,6 +103,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
     t0 = time.monotonic()
     ready: dict[str, float] = {}
     answering: set[str] = set()
+    key = auth.open_route_headers(plan.topology)
     while True:
         for spec in plan.processes:
             if spec.name in ready:
@@ -109,7 +112,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
             if not live.alive:
                 code = f" with code {live.exit_code}" if live.exit_code is not None else ""
                 raise LaunchFailed(spec.name, f"exited{code} before it was ready", spec.log_path)
-            ok, answers = _ready(spec)
+            ok, answers = _ready(spec, key)
             if ok:
                 ready[spec.name] = time.monotonic() - t0
             elif answers:
@@ -140,10 +143,11 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
     if proxy is None:
         return
     router = plan.topology.proxy.kind == "vllm-router"
+    key = auth.headers(auth.api_key(plan.topology))
     # The proxy's routing must know every instance is up (its probe runs every 2 s): /ready probes them now.
     deadline = time.monotonic() + 60
     ready = proxy.http_url + ("/readiness" if router else "/ready")
-    while probe.http_get(ready, timeout=5.0)[0] != 200 and time.monotonic() < deadline:
+    while probe.http_get(ready, timeout=5.0, headers=key)[0] != 200 and time.monotonic() < deadline:
         time.sleep(0.5)
     model = plan.topology.model.name
     blocks = [p.block_size for p in plan.processes if p.block_size]
@@ -158,9 +162,9 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
         if router and pool_d is not None:
             prefill = next(p for p in plan.processes if p.role == "prefill" and p.pool == pool_p)
             decodes = decodes[:1]
-            send = functools.partial(_direct_pd, prefill.http_url, decodes[0].http_url, body, timeout_s)
+            send = functools.partial(_direct_pd, prefill.http_url, decodes[0].http_url, body, key, timeout_s)
         else:
-            headers = {} if router else {REJECT_HEADER: "reject"}  # through pdctl's proxy: P/D, or fail
+            headers = dict(key) if router else {REJECT_HEADER: "reject", **key}  # pdctl's proxy: P/D, or fail
             if pool_p is not None and not router:
                 headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
             send = functools.partial(_post, proxy.http_url, body, headers, timeout_s)
@@ -204,16 +208,17 @@ def _post(url: str, body: dict, headers: dict[str, str], timeout_s: float, rid: 
         return json.loads(r.read())
 
 
-def _direct_pd(prefill_url: str, decode_url: str, body: dict, timeout_s: float, rid: str) -> dict:
+def _direct_pd(prefill_url: str, decode_url: str, body: dict, key: dict[str, str], timeout_s: float, rid: str
+               ) -> dict:
     """vLLM's P/D protocol by hand (what a proxy does): the prefill computes the prompt and holds its KV, the
     decode reads it with the prefill's kv_transfer_params."""
     pre = _post(prefill_url, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-        "remote_host": None, "remote_port": None}}, {}, timeout_s, rid)
+        "remote_host": None, "remote_port": None}}, key, timeout_s, rid)
     params = pre.get("kv_transfer_params")
     if not params:
         raise OSError(f"the prefill {prefill_url} answered without kv_transfer_params (is its connector NIXL?)")
-    return _post(decode_url, {**body, "kv_transfer_params": params}, {}, timeout_s, rid)
+    return _post(decode_url, {**body, "kv_transfer_params": params}, key, timeout_s, rid)
 
 
 def _size(path: str) -> int:
@@ -299,11 +304,12 @@ class InstanceStatus:
 
 def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
     out = []
+    key = auth.open_route_headers(state.plan.topology)
     for spec in state.plan.processes:
         rec = state.processes.get(spec.name)
         running = backend.liveness(state, spec.name).alive
-        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0)
-        m = probe.metrics(spec.http_url, timeout=1.0) if healthy and spec.role != "proxy" else None
+        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0, headers=key)
+        m = probe.metrics(spec.http_url, timeout=1.0, headers=key) if healthy and spec.role != "proxy" else None
         out.append(InstanceStatus(
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
