@@ -27,7 +27,9 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "topology.json").write_text(json.dumps(plan.to_dict()["topology"], indent=2))
     p0, d0 = t.prefill[0], t.decode[0]
-    fleet_mode = len(t.prefill) > 1 or len(t.decode) > 1
+    # Per pair (pinned parity, a load pinned to each pair) needs pdctl's proxy; vllm-router cannot pin a pair.
+    router = t.proxy.kind == "vllm-router"
+    fleet_mode = (len(t.prefill) > 1 or len(t.decode) > 1) and not router
     summary: dict = {"name": t.name, "prefill_block": p0.block_size, "decode_block": d0.block_size,
                      "prefill_tp": p0.tp, "decode_tp": d0.tp, "decode_layout": d0.kv_layout,
                      "connector": t.connector.kind, "pools": summary_line(t)}
@@ -59,6 +61,13 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                                      "prompts": len(frep.results), "kv_travelled": all(
                                          p.report.proof and p.report.proof.ok for p in frep.all()),
                                      "pairs": [p.to_dict() for p in frep.pairs]}
+            elif router:  # every pair's prompts, unpinned; the transfer proven per decode instance
+                rep = fleet.check_unpinned(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.prompts_for(
+                    [pb, db], vocab, max_prompt, o.data_dir))
+                (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
+                summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
+                                     "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)
+                                     and not rep.problems, "pinned": False, "note": rep.note}
             else:
                 prompts = check.prompts_for([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
                 rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1, api_key=key)
