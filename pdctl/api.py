@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pdctl import auth
 from pdctl.bench.options import BenchOptions
 from pdctl.launch.errors import LaunchFailed
 from pdctl.plan import Plan, ProcessSpec, build_plan, reference_spec
@@ -533,10 +534,19 @@ def _check_url(flag: str, url: str | None) -> None:
         raise UserError(f"{flag} {url}: expected an http URL, e.g. http://127.0.0.1:8000")
 
 
-def _served_model(url: str) -> str:
+def _api_key(t: Topology | None) -> str | None:
+    """The key pdctl sends to a topology's servers and proxy (auth.api_key_env), None without auth; a UserError
+    naming the field and the variable when this environment lacks it."""
+    try:
+        return auth.api_key(t)
+    except auth.MissingKey as e:
+        raise UserError(str(e)) from None
+
+
+def _served_model(url: str, api_key: str | None = None) -> str:
     from pdctl.launch import probe
 
-    status, body = probe.http_get(url.rstrip("/") + "/v1/models")
+    status, body = probe.http_get(url.rstrip("/") + "/v1/models", headers=auth.headers(api_key))
     try:
         return json.loads(body)["data"][0]["id"]
     except (ValueError, TypeError, KeyError, IndexError):
@@ -600,10 +610,12 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
                             "aggregated server")
         say(_running_warning(d))
         t = d.topology
+        key = _api_key(t)
         vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
         max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
         report = _check_fleet(d.plan, d.proxy_url, ref, model or t.model.name,
-                              lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab), progress)
+                              lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab), progress,
+                              key)
         return _reported(report, o)
     if not isinstance(target, Topology):
         if target is not None and not isinstance(target, Deployment):
@@ -623,18 +635,20 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
 
     t = _gated(target, say)
     _local_engine(t)
+    key = _api_key(t)  # before anything starts
     vocab = origin(t).model_info.vocab_size or o.vocab
     max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
     ref = p.get("reference")
-    if len(t.prefill) > 1 or len(t.decode) > 1:
+    if len(t.prefill) > 1 or len(t.decode) > 1 or t.proxy.kind == "vllm-router":
         if o.reference_first:
-            raise UserError("--reference-first is for one prefill and one decode pool; a fleet's check pins fresh "
-                            "prompts to every pair while it runs")
+            raise UserError("--reference-first is for one prefill and one decode pool behind pdctl's proxy; a "
+                            "fleet's check pins fresh prompts to every pair while it runs (vllm-router's check "
+                            "sends every pair's prompts at once)")
         with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name} and an aggregated reference") as d:
             report = _check_fleet(d.plan, d.proxy_url, ref.http_url, t.model.name,
                                   lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab),
-                                  progress)
+                                  progress, key)
         return _reported(report, o)
     ps = prompts([t.prefill[0].block_size, t.decode[0].block_size], vocab, max_prompt)
     answers: str | list = ref.http_url
@@ -643,12 +657,12 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
         alone, p = p.with_processes([ref]), p.with_processes([s for s in p.processes if s is not ref])
         with _brought_up(alone, t, o.timeout_s, progress, "bringing up the aggregated reference alone"):
             progress(f"recording the reference's answers to {len(ps)} prompts")
-            answers = parity.reference_answers(ref.http_url, t.model.name, ps, o.max_tokens, o.concurrency)
+            answers = parity.reference_answers(ref.http_url, t.model.name, ps, o.max_tokens, o.concurrency, key)
     beside = "" if o.reference_first else " and an aggregated reference"
     with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name}{beside}") as d:
         progress(f"sending {len(ps)} prompts through P/D{'' if o.reference_first else ' and the reference'}")
         report = parity.run_parity(d.proxy_url, answers, [s.http_url for s in d.plan.by_role("decode")],
-                                   t.model.name, ps, o.max_tokens, o.concurrency)
+                                   t.model.name, ps, o.max_tokens, o.concurrency, api_key=key)
     return _reported(report, o)
 
 
@@ -666,13 +680,19 @@ def _ready_instances(proxy_url: str) -> list[dict]:
     return [i for i in got if isinstance(i, dict) and "url" in i] if isinstance(got, list) else []
 
 
-def _check_fleet(p: Plan, proxy_url: str, reference: str, model: str, prompts_for, o: CheckOptions, progress: Say):
+def _check_fleet(p: Plan, proxy_url: str, reference: str, model: str, prompts_for, o: CheckOptions, progress: Say,
+                 api_key: str | None = None):
     from pdctl.gates import fleet
 
+    if p.topology.proxy.kind == "vllm-router":
+        progress("checking every pool pair's prompts through vllm-router (it cannot pin a pair: the transfer is "
+                 "proven per decode instance)")
+        return fleet.check_unpinned(p, proxy_url, reference, model, prompts_for, o.max_tokens, o.concurrency,
+                                    progress=lambda text: progress(f"checking {text}"))
     progress("checking every pool pair")
     return fleet.check_fleet(p, proxy_url, reference, model, prompts_for, o.max_tokens, o.concurrency,
                              o.mixed_prompts, o.mixed_concurrency, o.vocab, o.seed,
-                             progress=lambda text: progress(f"checking {text}"))
+                             progress=lambda text: progress(f"checking {text}"), api_key=api_key)
 
 
 def _reported(report, o: CheckOptions):
@@ -771,19 +791,21 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     data_dir = gsm8k_source(o.data_dir, say)
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    def run(proxy_url: str, ref_url: str | None, name: str, tok: str | None, out_dir: Path) -> EvalResult:
+    def run(proxy_url: str, ref_url: str | None, name: str, tok: str | None, out_dir: Path,
+            key: str | None) -> EvalResult:
         progress(f"lm-eval gsm8k via P/D {proxy_url}" + (f" and the reference {ref_url}" if ref_url else "")
                  + f" (limit {o.limit})")
         s = accuracy.run_gate(proxy_url, ref_url, name, out_dir, table, tokenizer=tok, limit=o.limit,
                               num_fewshot=o.num_fewshot, concurrency=o.concurrency, data_dir=data_dir,
-                              min_agreement=o.min_agreement, tolerance=o.tolerance)
+                              min_agreement=o.min_agreement, tolerance=o.tolerance, api_key=key)
         return EvalResult(s["status"], name, s, out_dir)
 
     if not isinstance(target, Topology):
         d = target if isinstance(target, Deployment) else None
+        key = _api_key(d.topology if d else None)
         proxy_url = url or d.proxy_url
         baseline = baseline or (d.reference_url if d else None)
-        name = model or (d.topology.model.name if d else _served_model(proxy_url))
+        name = model or (d.topology.model.name if d else _served_model(proxy_url, key))
         if accuracy.needs_baseline(table, name) and not baseline:
             raise UserError(f"model '{name}' has a relative gsm8k gate in {o.expected} (per-sample agreement and "
                             "accuracy delta against an aggregated reference): give --baseline URL of an aggregated "
@@ -791,10 +813,11 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
         say(_running_warning(d, "eval"))
         local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
         return run(proxy_url, baseline, name, o.tokenizer or (_served_path(d) if local else None),
-                   o.results or Path("results") / f"eval-{stamp}")
+                   o.results or Path("results") / f"eval-{stamp}", key)
 
     t = _gated(target, say)
     _local_engine(t)
+    key = _api_key(t)  # before anything starts
     if accuracy.needs_baseline(table, t.model.name) and not baseline:
         baseline = "auto"  # the gate cannot be judged without it, and the topology says how to start one
         say(f"model '{t.model.name}' has a relative gsm8k gate in {o.expected}: starting an aggregated reference "
@@ -806,7 +829,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     with _brought_up(p, t, o.timeout_s, progress, label) as d:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "topology.json").write_text(json.dumps(p.to_dict()["topology"], indent=2))
-        return run(d.proxy_url, d.reference_url if baseline == "auto" else baseline, t.model.name, tok, out_dir)
+        return run(d.proxy_url, d.reference_url if baseline == "auto" else baseline, t.model.name, tok, out_dir, key)
 
 
 def _served_path(d: Deployment) -> str:
@@ -968,8 +991,17 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
 def serve_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1", port: int = 8000,
                 **settings) -> None:
     """Run the P/D proxy in this process until interrupted; every routing rule is checked before the port opens.
-    settings: ProxyConfig's fields (policy, on_prefill_down, timeouts, weights, exclude_pairs, ...)."""
+    settings: ProxyConfig's fields (policy, on_prefill_down, timeouts, weights, exclude_pairs, ...), and
+    api_key_env: the name of the environment variable holding the key clients must send (never the key itself:
+    a flag's value is in the process's command line)."""
     from pdctl.proxy.server import Proxy, ProxyConfig, serve
+
+    name = settings.pop("api_key_env", None)
+    if name:
+        try:
+            settings["api_key"] = auth.read(name, what=f"{auth.PROXY_FLAG} {name}")
+        except auth.MissingKey as e:
+            raise UserError(str(e)) from None
 
     flags = {"connect_timeout_s": "--connect-timeout", "first_byte_timeout_s": "--first-byte-timeout",
              "read_timeout_s": "--read-timeout", "breaker_open_s": "--breaker-open",

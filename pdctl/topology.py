@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pdctl import yamlsrc
+from pdctl.auth import ENV_NAME_PATTERN
 
 Platform = Literal["cuda", "cpu", "xpu", "hpu"]
 Role = Literal["prefill", "decode"]
@@ -164,9 +166,27 @@ class InstanceGroup(_Strict):
 Policy = Literal["least_outstanding", "round_robin", "prefix_affinity"]
 
 
+ProxyKind = Literal["pdctl", "vllm-router"]
+# pdctl's policies as vllm-router's (README, "vllm-router"): least_outstanding has no exact peer; power_of_two
+# (the less loaded of two random instances) is the closest.
+ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware", "least_outstanding": "power_of_two"}
+# Proxy fields vllm-router has no equivalent for: refused when the topology sets them.
+ROUTER_UNSUPPORTED = {
+    "exclude_pairs": "it pairs every prefill with every decode",
+    "affinity_epsilon": "its cache_aware policy has its own load balance thresholds",
+    "affinity_prefix_chars": "its cache_aware policy matches whole prompts in a radix tree",
+    "connect_timeout_s": "it has one whole-request timeout (first_byte_timeout_s maps to it)",
+    "read_timeout_s": "it has one whole-request timeout (first_byte_timeout_s maps to it)",
+}
+
+
 class ProxySpec(_Strict):
+    kind: ProxyKind = Field("pdctl", description="pdctl (pdctl's own proxy) or vllm-router (the vLLM project's "
+                            "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
     host: str = "127.0.0.1"
     port: Port = 8000
+    metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
+                                      "(default port + 1); pdctl's proxy serves /metrics on its own port")
     policy: Policy = Field("least_outstanding", description="least_outstanding (weighted, across pools), "
                            "round_robin, or prefix_affinity (same prompt head -> same prefill and decode)")
     exclude_pairs: list[tuple[str, str]] = Field(
@@ -188,6 +208,11 @@ class ProxySpec(_Strict):
                                   "routing (circuit breaker)")
     breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
                                   "trial request (half-open)")
+
+    @property
+    def router_metrics_port(self) -> int | None:
+        """Where vllm-router serves /metrics (None for pdctl's proxy, which serves it on its own port)."""
+        return (self.metrics_port or self.port + 1) if self.kind == "vllm-router" else None
 
     @model_validator(mode="after")
     def _strict_is_reject(self) -> ProxySpec:
@@ -284,6 +309,16 @@ class EngineSpec(_Strict):
     time_limit: str = Field("UNLIMITED", min_length=1, description="Slurm job time limit")
 
 
+class AuthSpec(_Strict):
+    """API keys. The key itself is never in the topology, the plan, the state dir or a log: only the name of the
+    environment variable pdctl reads it from when it starts the servers and when it calls them."""
+
+    api_key_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="name of the environment variable that holds the API key: "
+        "every vLLM server and the proxy then require `Authorization: Bearer <key>` on /v1/* (401 otherwise), "
+        "and pdctl sends it on each of its own calls. `pdctl up` refuses to start when it is unset or empty")
+
+
 def _as_pools(v: Any) -> Any:
     """A role written as one mapping is one pool named 'default' (today's form); a list is several pools."""
     if isinstance(v, dict):
@@ -308,6 +343,8 @@ class Topology(_Strict):
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    # None (not an empty AuthSpec) when the YAML has no auth: a plan's JSON then stays as it was (Plan.to_dict).
+    auth: AuthSpec | None = Field(None, description="API keys (auth.api_key_env)")
     # Where it was loaded from (file, base dir, model facts, warnings): set by validate_data, never serialized.
     _origin: Any = PrivateAttr(default=None)
 
@@ -320,7 +357,8 @@ class Topology(_Strict):
     def _assign_ports(self) -> Topology:
         """Ports a pool leaves out follow the role's base (8100/5600 prefill, 8200/5700 decode), skipping every
         port another pool claims explicitly or was given before: pools never collide unless told to."""
-        taken = {self.proxy.port} | ({self.monitoring.port} if self.monitoring.enabled else set())
+        taken = {self.proxy.port, self.proxy.router_metrics_port} | (
+            {self.monitoring.port} if self.monitoring.enabled else set())
         for role in ROLES:
             for g in self.pools(role):
                 for attr in ("http_port", "side_channel_port"):
@@ -896,6 +934,8 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
                            f"{info.max_position}", f"use at most {info.max_position}"))
     out += _engine_problems(t)
+    out += _router_problems(t)
+    out += _exposure_problems(t)
     out += _collisions(t)
     # A rule that holds for a pool is met or broken once, whatever the pairs it is in.
     seen: set[tuple[Loc, str]] = set()
@@ -948,6 +988,68 @@ def _engine_problems(t: Topology) -> list[Problem]:
     return out
 
 
+def _router_problems(t: Topology) -> list[Problem]:
+    """What vllm-router cannot do that the topology asks for (refused, never silently dropped)."""
+    px = t.proxy
+    out: list[Problem] = []
+    if px.kind != "vllm-router":
+        if px.metrics_port is not None:
+            out.append(Problem(("proxy", "metrics_port"), "is for proxy.kind: vllm-router; pdctl's proxy serves "
+                               "/metrics on its own port", "remove it"))
+        return out
+    hint = "remove it, or use proxy.kind: pdctl"
+    for name, why in ROUTER_UNSUPPORTED.items():
+        if name in px.model_fields_set and getattr(px, name) != ProxySpec.model_fields[name].get_default(
+                call_default_factory=True):
+            out.append(Problem(("proxy", name), f"vllm-router has no equivalent: {why}", hint))
+    if "on_prefill_down" in px.model_fields_set and px.on_prefill_down == "fallback":
+        out.append(Problem(("proxy", "on_prefill_down"), "vllm-router has no decode-only fallback: when no "
+                           "prefill answers, it answers an error (on_prefill_down: reject)", hint))
+    for role in ROLES:
+        for g in t.pools(role):
+            if g.weight != 1.0:
+                out.append(Problem((*pool_loc(t, role, g), "weight"), "vllm-router has no weights per pool: its "
+                                   "policies treat every instance alike", hint))
+    if t.auth is not None and t.auth.api_key_env:
+        out.append(Problem(("auth", "api_key_env"), "vllm-router takes the key it sends to the servers only on "
+                           "its command line (--api-key), where pdctl never puts a key, and requires none from "
+                           "clients", "use proxy.kind: pdctl with auth"))
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it resolves to whatever the network says
+        return False
+
+
+def _exposure_problems(t: Topology) -> list[Problem]:
+    """A warning for every server or proxy that other machines can reach while no API key is required."""
+    if t.auth is not None and t.auth.api_key_env:
+        return []
+    hint = ("set auth.api_key_env: NAME (an environment variable holding the key) so every server and the proxy "
+            "require it, or listen on 127.0.0.1")
+    what = "and no API key is required (auth.api_key_env): anyone who reaches it can use the model"
+    out: list[Problem] = []
+    if t.engine.kind != "local":
+        out.append(Problem(("engine", "kind"), f"on the {t.engine.kind} engine every instance listens on its "
+                           f"node's address, {what}", hint, severity="warning"))
+    else:
+        for role in ROLES:
+            for g in t.pools(role):
+                if not is_loopback(g.host):
+                    out.append(Problem((*pool_loc(t, role, g), "host"), f"{g.host} is reachable from other "
+                                       f"machines, {what}", hint, severity="warning"))
+    if not is_loopback(t.proxy.host):
+        out.append(Problem(("proxy", "host"), f"{t.proxy.host} is reachable from other machines, {what}", hint,
+                           severity="warning"))
+    return out
+
+
 def _collisions(t: Topology) -> list[Problem]:
     """Every (host, port) and (host, platform, device) is claimed by one process at most."""
     ports: dict[tuple[str, int], str] = {}
@@ -980,6 +1082,9 @@ def _collisions(t: Topology) -> list[Problem]:
     if t.monitoring.enabled:
         claim(ports, (t.monitoring.host, t.monitoring.port), "Prometheus (monitoring)", ("monitoring", "port"),
               "port", hint="give monitoring.port a port no instance and not the proxy uses")
+    if t.proxy.router_metrics_port is not None:
+        claim(ports, (t.proxy.host, t.proxy.router_metrics_port), "vllm-router's /metrics",
+              ("proxy", "metrics_port"), "port")
     # One report per colliding field is enough.
     seen: set[Loc] = set()
     return [p for p in out if not (p.path in seen or seen.add(p.path))]

@@ -310,10 +310,10 @@ def _benchmark(url: str, model: str, requests: list, concurrency: int, rate: flo
                            f"{printed.getvalue()[-3000:]}") from e
 
 
-def _nixl(decode_urls: list[str]) -> tuple[float, float]:
+def _nixl(decode_urls: list[str], headers: dict[str, str] | None = None) -> tuple[float, float]:
     xfer = nbytes = 0.0
     for u in decode_urls:
-        m = probe.metrics(u) or {}
+        m = probe.metrics(u, headers=headers) or {}
         xfer += m.get("vllm:nixl_xfer_time_seconds_sum", 0.0)
         nbytes += m.get("vllm:nixl_bytes_transferred_sum", 0.0)
     return xfer, nbytes
@@ -341,16 +341,17 @@ def run_load(target: str, url: str, model: str, prompts: Workload | list, max_to
              decode_urls: list[str] = (), request_rate: float | None = None, seed: int = 0,
              headers: dict[str, str] | None = None) -> LoadResult:
     """The workload's prompts through vLLM's benchmark(): `concurrency` requests in flight, or with `request_rate`
-    seeded Poisson arrivals (one seed, one schedule); `headers` go with every request (e.g. the proxy's pair pin);
+    seeded Poisson arrivals (one seed, one schedule); `headers` go with every request (the proxy's pair pin, the
+    API key's Authorization: vLLM's client sends OPENAI_API_KEY's unless extra_headers, merged last, replace it);
     `max_tokens` (None: the workload's) per request. `decode_urls`: the decodes whose NIXL counters are read
     before and after. A workload whose prompts repeat is refused (ValueError) before anything is sent."""
     w = _as_workload(prompts, max_tokens, seed)
     _refuse_repeats(w)
     requests = [replace(r, request_id=None, expected_output_len=max_tokens or r.expected_output_len)
                 for r in w.requests]
-    before = _nixl(list(decode_urls)) if decode_urls else None
+    before = _nixl(list(decode_urls), headers) if decode_urls else None
     r = _benchmark(url, model, requests, concurrency, request_rate, seed, headers, w.tokenizer)
-    after = _nixl(list(decode_urls)) if decode_urls else None
+    after = _nixl(list(decode_urls), headers) if decode_urls else None
     kv = (after[0] - before[0], after[1] - before[1]) if before and after else None
     return _result(target, r, w, request_rate, kv)
 

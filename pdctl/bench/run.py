@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pdctl import auth
 from pdctl.bench import breakdown, load
 from pdctl.bench.options import BenchOptions
 from pdctl.gates import accuracy, check, fleet, parity
@@ -26,7 +27,9 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "topology.json").write_text(json.dumps(plan.to_dict()["topology"], indent=2))
     p0, d0 = t.prefill[0], t.decode[0]
-    fleet_mode = len(t.prefill) > 1 or len(t.decode) > 1
+    # Per pair (pinned parity, a load pinned to each pair) needs pdctl's proxy; vllm-router cannot pin a pair.
+    router = t.proxy.kind == "vllm-router"
+    fleet_mode = (len(t.prefill) > 1 or len(t.decode) > 1) and not router
     summary: dict = {"name": t.name, "prefill_block": p0.block_size, "decode_block": d0.block_size,
                      "prefill_tp": p0.tp, "decode_tp": d0.tp, "decode_layout": d0.kv_layout,
                      "connector": t.connector.kind, "pools": summary_line(t)}
@@ -44,21 +47,30 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     summary["time_to_ready_s"] = time.perf_counter() - t0
     proxy = plan.get("proxy").http_url
     decodes = [s.http_url for s in plan.by_role("decode")]
+    key = auth.api_key(t)  # every call below sends it (auth.api_key_env); pre-flight made sure it is set
+    key_h = auth.headers(key)
     try:
         if not o.skip_check:
             phase("parity check")
             max_prompt = (t.model.max_model_len or 2048) - 17
             if fleet_mode:
                 frep = fleet.check_fleet(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.prompts_for(
-                    [pb, db], vocab, max_prompt, o.data_dir), vocab=vocab)
+                    [pb, db], vocab, max_prompt, o.data_dir), vocab=vocab, api_key=key)
                 (out_dir / "parity.json").write_text(json.dumps(frep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if frep.passed else "FAIL", "pass_rate": frep.pass_rate,
                                      "prompts": len(frep.results), "kv_travelled": all(
                                          p.report.proof and p.report.proof.ok for p in frep.all()),
                                      "pairs": [p.to_dict() for p in frep.pairs]}
+            elif router:  # every pair's prompts, unpinned; the transfer proven per decode instance
+                rep = fleet.check_unpinned(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.prompts_for(
+                    [pb, db], vocab, max_prompt, o.data_dir))
+                (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
+                summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
+                                     "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)
+                                     and not rep.problems, "pinned": False, "note": rep.note}
             else:
                 prompts = check.prompts_for([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
-                rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1)
+                rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1, api_key=key)
                 (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
                                      "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)}
@@ -68,7 +80,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
             summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
                                                     expected, tokenizer=tok, limit=o.limit,
                                                     num_fewshot=o.num_fewshot, concurrency=o.eval_concurrency,
-                                                    data_dir=o.data_dir)
+                                                    data_dir=o.data_dir, api_key=key)
         if not o.skip_perf:
             how = f"{o.request_rate:g} req/s (Poisson)" if o.request_rate else f"concurrency {o.concurrency}"
             size = f" x {o.prompt_len}" if o.dataset in ("random", "prefix_repetition") else ""
@@ -78,10 +90,10 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
             # The same prompts to both (different servers: neither answers from its prefix cache), the same arrivals.
             since = time.time()
             pd = load.run_load("P/D", proxy, t.model.name, works[0], o.max_tokens, o.concurrency, decodes,
-                               o.request_rate, seed)
-            followed = follow(plan, proxy, since) if o.breakdown else None
+                               o.request_rate, seed, key_h or None)
+            followed = follow(plan, proxy, since, key_h) if o.breakdown else None
             agg = load.run_load("aggregated", ref.http_url, t.model.name, works[0], o.max_tokens, o.concurrency,
-                                request_rate=o.request_rate, seed=seed)
+                                request_rate=o.request_rate, seed=seed, headers=key_h or None)
             (out_dir / "load" / "pd.vllm.json").write_text(pd.vllm_json())  # vLLM's own result, as it gave it
             (out_dir / "load" / "aggregated.vllm.json").write_text(agg.vllm_json())
             summary["perf"] = {"pd": pd.to_dict(), "aggregated": agg.to_dict(), "ratio": load.ratios(pd, agg),
@@ -96,7 +108,8 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                     phase(f"load: pair {pp.name} -> {dp.name}")
                     urls = [s.http_url for s in plan.by_role("decode") if s.pool == dp.name]
                     r = load.run_load(f"{pp.name}->{dp.name}", proxy, t.model.name, work, o.max_tokens,
-                                      o.concurrency, urls, o.request_rate, seed, {ROUTE_HEADER: f"{pp.name}/{dp.name}"})
+                                      o.concurrency, urls, o.request_rate, seed,
+                                      {ROUTE_HEADER: f"{pp.name}/{dp.name}", **key_h})
                     (out_dir / "load" / f"pair-{pp.name}-{dp.name}.vllm.json").write_text(r.vllm_json())
                     per_pair.append({"prefill_pool": pp.name, "decode_pool": dp.name, **r.to_dict(),
                                      "ratio": load.ratios(r, agg)})
@@ -130,10 +143,10 @@ def _workloads(loaded: Loaded, o: BenchOptions, seed: int, vocab: int, count: in
             for i in range(count)]
 
 
-def follow(plan: Plan, proxy: str, since: float) -> dict:
+def follow(plan: Plan, proxy: str, since: float, headers: dict[str, str] | None = None) -> dict:
     """The proxy's P/D requests received after `since`, stage by stage: its timestamps joined with the decodes'
     timing lines (connector.trace); requests seen, followed, logs not readable here, stage stats."""
-    status, text = probe.http_get(f"{proxy}/debug/timings?since={since}", timeout=30)
+    status, text = probe.http_get(f"{proxy}/debug/timings?since={since}", timeout=30, headers=headers)
     records = json.loads(text) if status == 200 else []
     stamps: dict = {}
     unread = []

@@ -202,8 +202,11 @@ class EvalRun:
 
 
 def run_lm_eval(base_url: str, model: str, out_dir: Path, *, tokenizer: str | None, limit: int | None,
-                num_fewshot: int, concurrency: int, data_dir: Path | None, timeout_s: float = 3600) -> EvalRun:
-    """lm-eval's gsm8k with the local-completions model against an OpenAI-compatible URL (the P/D proxy)."""
+                num_fewshot: int, concurrency: int, data_dir: Path | None, timeout_s: float = 3600,
+                api_key: str | None = None) -> EvalRun:
+    """lm-eval's gsm8k with the local-completions model against an OpenAI-compatible URL (the P/D proxy).
+    `api_key` reaches lm-eval as OPENAI_API_KEY (its local-completions model sends it as a Bearer token): not in
+    model_args, which lm-eval writes into its results and log."""
     out_dir.mkdir(parents=True, exist_ok=True)
     task = "gsm8k"
     args = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--output_path", str(out_dir),
@@ -221,7 +224,7 @@ def run_lm_eval(base_url: str, model: str, out_dir: Path, *, tokenizer: str | No
     if limit:
         args += ["--limit", str(limit)]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1" if data_dir else os.environ.get("HF_DATASETS_OFFLINE", "0"),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **({"OPENAI_API_KEY": api_key} if api_key else {})}
     with open(out_dir / "lm_eval.log", "w") as log:
         proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
     if proc.returncode != 0:
@@ -272,25 +275,28 @@ def agreement(a: list[dict], b: list[dict]) -> tuple[float, int, list[dict]]:
 
 def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path, expected: dict, *,
              tokenizer: str | None, limit: int | None, num_fewshot: int, concurrency: int, data_dir: Path | None,
-             min_agreement: float | None = None, tolerance: float | None = None) -> dict:
+             min_agreement: float | None = None, tolerance: float | None = None, api_key: str | None = None) -> dict:
     """lm-eval through P/D (and the baseline), judged: the summary that `pdctl eval` and `pdctl bench` report.
 
     The gates are expected.yaml's for the model: absolute (accuracy within rtol of a known value) and/or relative
     (per-sample agreement and accuracy delta against the baseline, an aggregated reference). A baseline adds the
     relative gate for any model; min_agreement / tolerance (the command line) override expected.yaml's values,
     else 1.0 / 0.0. A relative gate without a baseline is an error (raised before lm-eval runs). The proxy's
-    fallback counter must not grow over the P/D run: a request served by a decode alone is not P/D.
+    fallback counter must not grow over the P/D run: a request served by a decode alone is not P/D. `api_key`
+    goes with every call (auth.api_key_env).
     """
     spec = gate_spec(expected, model, "gsm8k")
     if spec and spec.relative is not None and not baseline_url:
         raise ValueError(f"model '{model}' has a relative gsm8k gate in expected.yaml: it needs a baseline (an "
                          "aggregated reference to compare with)")
+    from pdctl import auth
     from pdctl.gates.parity import proxy_fallbacks
 
-    fallbacks_before = proxy_fallbacks(proxy_url)
+    key = auth.headers(api_key)
+    fallbacks_before = proxy_fallbacks(proxy_url, key)
     pd = run_lm_eval(proxy_url, model, out_dir / "pd", tokenizer=tokenizer, limit=limit, num_fewshot=num_fewshot,
-                     concurrency=concurrency, data_dir=data_dir)
-    fallbacks_after = proxy_fallbacks(proxy_url)
+                     concurrency=concurrency, data_dir=data_dir, api_key=api_key)
+    fallbacks_after = proxy_fallbacks(proxy_url, key)
     task = pd.results["pdctl_task"]
     values, errs = pd.metrics(task)
     verdicts = judge(model, "gsm8k", values, errs, expected)
@@ -309,7 +315,7 @@ def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path
         if tolerance is not None:
             rel["max_delta"], source = float(tolerance), "command line"
         ref = run_lm_eval(baseline_url, model, out_dir / "baseline", tokenizer=tokenizer, limit=limit,
-                          num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir)
+                          num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir, api_key=api_key)
         ref_values, _ = ref.metrics(task)
         rate, n, diverged = agreement(pd.samples, ref.samples)
         agreed = round(rate * n)

@@ -118,8 +118,10 @@ def _wanted(pair: PairReport, r: PromptResult) -> tuple[str, str]:
 
 def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
                 concurrency: int = 1, mixed: int = 16, mixed_concurrency: int = 12, vocab: int = 1000,
-                seed: int | None = None, read_logs: bool = True, progress=lambda _: None) -> FleetReport:
-    """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides)."""
+                seed: int | None = None, read_logs: bool = True, progress=lambda _: None,
+                api_key: str | None = None) -> FleetReport:
+    """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides); `api_key`
+    goes with every call (auth.api_key_env)."""
     t = plan.topology
     blocks = {(role, g.name): g.block_size for role in ROLES for g in t.pools(role)}
     pairs = [(p.name, d.name) for p, d in t.pairs()]
@@ -128,7 +130,8 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
     for p, d in pairs:
         progress(f"pair {p} -> {d}")
         prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)])
-        rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}")
+        rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}",
+                         api_key)
         report.pairs.append(PairReport(p, d, rep))
     if mixed:
         progress(f"{mixed} prompts over every pair at once, {mixed_concurrency} in flight")
@@ -141,7 +144,8 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
             prompts.append(prompt)
             routes.append(f"{p}/{d}")
         all_decodes = [u for urls in decodes.values() for u in urls]
-        rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes)
+        rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes,
+                         api_key)
         report.mixed = PairReport("*", "*", rep)
     if read_logs and t.connector.kind == "pdctl":
         received = received_from([s.log_path for s in plan.by_role("decode")])
@@ -150,3 +154,60 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
             attribute(pair, plan, received, pools)
         report.logs_checked = True
     return report
+
+
+# vllm-router's request id names the instances it chose: "cmpl-___prefill_addr_H:P___decode_addr_H:P_<uuid>".
+ROUTER_ID = re.compile(r"___prefill_addr_(\S+?)___decode_addr_(\S+?)_[0-9a-f]{32}")
+
+
+@dataclass
+class UnpinnedReport(ParityReport):
+    """A parity run through a proxy that cannot pin a pool pair (vllm-router): the transfer is proven per decode
+    instance, from its own counters, instead of per pair."""
+
+    per_decode: dict[str, dict] = field(default_factory=dict)  # decode instance -> its counters' growth
+    problems: list[str] = field(default_factory=list)
+    note: str = ("the proxy cannot pin a pool pair: the KV transfer is proven per decode instance (its own "
+                 "counters), not per pair")
+
+    @property
+    def passed(self) -> bool:
+        return super().passed and not self.problems
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "passed": self.passed, "pinned": False, "note": self.note,
+                "per_decode": self.per_decode, "problems": self.problems}
+
+
+def per_decode_problems(grown: dict[str, dict[str, float]]) -> list[str]:
+    """Every decode instance that computed or received prompt tokens in the run received some by transfer."""
+    out = []
+    for name, g in grown.items():
+        served = g["external"] + g["local"] + g["cache_hit"]
+        if served > 0 and g["external"] <= 0:
+            out.append(f"{name}: served {served:.0f} prompt tokens, none by KV transfer")
+        if g["failed"] > 0:
+            out.append(f"{name}: {g['failed']:.0f} NIXL transfers failed")
+    return out
+
+
+def check_unpinned(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
+                   concurrency: int = 1, progress=lambda _: None) -> UnpinnedReport:
+    """Every pool pair's prompts (prompts_for(prefill_block, decode_block)), sent through the proxy unpinned."""
+    from pdctl.gates.parity import decode_counters
+
+    t = plan.topology
+    prompts = [pr for p, d in t.pairs() for pr in prompts_for(p.block_size, d.block_size)]
+    decodes = {s.name: s.http_url for s in plan.by_role("decode")}
+    before = {n: decode_counters([u]) for n, u in decodes.items()}
+    progress(f"{len(prompts)} prompts for {len(t.pairs())} pool pair(s), unpinned")
+    rep = run_parity(proxy_url, reference, list(decodes.values()), model, prompts, max_tokens, concurrency)
+    grown = {n: {k: v - before[n][k] for k, v in decode_counters([u]).items()} for n, u in decodes.items()}
+    by_addr = {s.http_url.removeprefix("http://"): s.name for s in plan.processes}
+    for r in rep.results:
+        m = ROUTER_ID.search(r.served_id or "")
+        if m:
+            r.prefill, r.decode = by_addr.get(m.group(1), m.group(1)), by_addr.get(m.group(2), m.group(2))
+    for n in decodes:
+        grown[n]["requests"] = sum(r.decode == n for r in rep.results)
+    return UnpinnedReport(rep.results, rep.proof, grown, per_decode_problems(grown))

@@ -15,6 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from pdctl import auth
 from pdctl.launch import probe
 from pdctl.proxy.routing import ROUTE_HEADER
 
@@ -85,6 +86,7 @@ class PromptResult:
     request_id: str | None = None
     prefill: str | None = None  # the instances the proxy says served it (x-pdctl-prefill / x-pdctl-decode)
     decode: str | None = None
+    served_id: str | None = None  # the answer's id (vllm-router's names the instances it chose)
 
 
 @dataclass
@@ -190,12 +192,13 @@ NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
 PROXY_FALLBACKS = "pdctl_decode_only_fallback_total"
 
 
-def decode_counters(decode_urls: list[str], missing: list[str] | None = None) -> dict[str, float]:
+def decode_counters(decode_urls: list[str], missing: list[str] | None = None,
+                    headers: dict[str, str] | None = None) -> dict[str, float]:
     """Prompt tokens by source, NIXL bytes and failed transfers, summed over the decode instances (vLLM's own
     /metrics). What a proof needs and a decode does not expose is named in `missing` (when given)."""
     total = {"external": 0.0, "local": 0.0, "cache_hit": 0.0, "bytes": 0.0, "failed": 0.0}
     for url in decode_urls:
-        m = probe.metrics(url)
+        m = probe.metrics(url, headers=headers)
         if m is None:
             if missing is not None:
                 missing.append(f"decode {url}: /metrics did not answer")
@@ -213,9 +216,9 @@ def decode_counters(decode_urls: list[str], missing: list[str] | None = None) ->
     return total
 
 
-def proxy_fallbacks(proxy_url: str) -> float | None:
+def proxy_fallbacks(proxy_url: str, headers: dict[str, str] | None = None) -> float | None:
     """Requests pdctl's proxy sent to a decode alone so far; None when the proxy does not count them."""
-    m = probe.metrics(proxy_url)
+    m = probe.metrics(proxy_url, headers=headers)
     return None if m is None or PROXY_FALLBACKS not in m else m[PROXY_FALLBACKS]
 
 
@@ -233,33 +236,36 @@ def _in_cache_order(prompts: list[Prompt]) -> tuple[list[int], list[int]]:
 
 
 def reference_answers(url: str, model: str, prompts: list[Prompt], max_tokens: int = 16,
-                      concurrency: int = 1) -> list:
+                      concurrency: int = 1, api_key: str | None = None) -> list:
     """The reference's token ids per prompt, recorded ahead (`pdctl check --reference-first`: on a host too
     small to run the reference beside the P/D topology)."""
     out: list = [None] * len(prompts)
+    key = auth.headers(api_key)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         for wave in _in_cache_order(prompts):
-            for i, ids in zip(wave, pool.map(lambda i: _token_ids(complete(url, model, prompts[i].body, max_tokens)),
-                                             wave), strict=True):
+            for i, ids in zip(wave, pool.map(lambda i: _token_ids(complete(url, model, prompts[i].body, max_tokens,
+                                                                           headers=key)), wave), strict=True):
                 out[i] = ids
     return out
 
 
 def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], model: str, prompts: list[Prompt],
-               max_tokens: int = 16, concurrency: int = 1, route: str | list[str | None] | None = None
-               ) -> ParityReport:
+               max_tokens: int = 16, concurrency: int = 1, route: str | list[str | None] | None = None,
+               api_key: str | None = None) -> ParityReport:
     """Send every prompt through the P/D proxy and to the reference (a URL, or its answers recorded ahead);
     compare token ids; prove the transfer. Shared-prefix prompts run after the others (_in_cache_order).
-    `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL".
+    `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL". `api_key` goes
+    with every call (auth.api_key_env).
     """
-    before = decode_counters(decode_urls)
-    fallbacks_before = proxy_fallbacks(proxy_url)
+    key = auth.headers(api_key)
+    before = decode_counters(decode_urls, headers=key)
+    fallbacks_before = proxy_fallbacks(proxy_url, key)
     routes = route if isinstance(route, list) else [route] * len(prompts)
 
     def one(i: int) -> PromptResult:
         p = prompts[i]
         rid = f"pdctl-check-{uuid.uuid4().hex[:16]}"
-        headers = {"X-Request-Id": rid, **({ROUTE_HEADER: routes[i]} if routes[i] else {})}
+        headers = {"X-Request-Id": rid, **({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}
         seen: dict[str, str] = {}
         try:
             resp = complete(proxy_url, model, p.body, max_tokens, headers=headers, seen=seen)
@@ -269,16 +275,16 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
                                 rid)
         pd = _token_ids(resp)
         ref = reference[i] if isinstance(reference, list) else _token_ids(
-            complete(reference, model, p.body, max_tokens))
+            complete(reference, model, p.body, max_tokens, headers=key))
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
-                            seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"))
+                            seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"), resp.get("id"))
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]
     missing: list[str] = []
-    after = decode_counters(decode_urls, missing)
-    fallbacks_after = proxy_fallbacks(proxy_url)
+    after = decode_counters(decode_urls, missing, key)
+    fallbacks_after = proxy_fallbacks(proxy_url, key)
     return ParityReport(results, transfer_proof(results, before, after, missing, fallbacks_before, fallbacks_after))
 
 

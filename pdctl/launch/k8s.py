@@ -6,6 +6,9 @@ the accelerators (a resource request per platform, not device ids), every pod li
 and the NIXL side-channel host is the pod's IP. Validated offline (kubernetes-validate --strict); no cluster runs
 here to apply them. `monitoring:` renders no Prometheus: every pod carries prometheus.io scrape annotations for the
 cluster's own.
+
+With `auth.api_key_env`, every server's VLLM_API_KEY and the proxy's variable come from the Secret
+`<topology name>-api-key` (key `api-key`), which the user creates; the manifests hold only the reference.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ MODELS_MOUNT = "/models"
 MODELS_CLAIM = "pdctl-models"
 # Set by the plan for one host; in a pod the device plugin and the kubelet decide these.
 HOST_ONLY_ENV = {"VLLM_CPU_OMP_THREADS_BIND", "UCX_NET_DEVICES", *DEVICE_ENV.values()}
+SECRET_KEY = "api-key"  # the key within the topology's Secret (secret_name) that holds the API key
 
 
 def scrape_annotations(port: int) -> dict[str, str]:
@@ -31,6 +35,17 @@ def scrape_annotations(port: int) -> dict[str, str]:
     server and the proxy serve Prometheus text on /metrics. (ServiceMonitor/PodMonitor need the operator's CRDs,
     whose schema kubernetes-validate cannot check offline.)"""
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
+def secret_name(t: Topology) -> str:
+    """The Secret the user creates for a topology with auth (key `api-key`): pdctl never renders its value."""
+    return dns_name(t.name, "api-key")
+
+
+def secret_env(t: Topology, spec: ProcessSpec) -> list[dict]:
+    """A process's secret variables (its key, auth.api_key_env) as references to that Secret, never values."""
+    ref = {"secretKeyRef": {"name": secret_name(t), "key": SECRET_KEY}}
+    return [{"name": target, "valueFrom": ref} for target in spec.secret_env]
 
 
 def dns_name(*parts: str) -> str:
@@ -60,6 +75,7 @@ def _server_container(t: Topology, g: InstanceGroup, spec: ProcessSpec, image: s
     env = [{"name": k, "value": v} for k, v in spec.env.items()
            if k not in HOST_ONLY_ENV and k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
     env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    env += secret_env(t, spec)
     if g.platform in DEVICE_RESOURCE:
         n = str(g.tp)
         resources = {"requests": {DEVICE_RESOURCE[g.platform]: n}, "limits": {DEVICE_RESOURCE[g.platform]: n}}
@@ -88,7 +104,7 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
     out["00-topology-configmap.yaml"] = {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {**meta, "name": dns_name(name, "topology"), "labels": _labels(t, "topology")},
-        "data": {"topology.json": json.dumps(plan.topology.model_dump(mode="json"), indent=2)},
+        "data": {"topology.json": json.dumps(plan.to_dict()["topology"], indent=2)},
     }
     upstreams: list[str] = []
     for i, role in enumerate(ROLES, start=1):
@@ -126,22 +142,31 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
     px = plan.by_role("proxy")[0]
     argv = ["python3", *px.argv[1:]]
     argv[argv.index("--host") + 1] = "0.0.0.0"
+    router = t.proxy.kind == "vllm-router"
+    if router:  # its metrics listen apart, on their own port
+        argv[argv.index("--prometheus-host") + 1] = "0.0.0.0"
+    metrics_port = px.ports.get("metrics", px.ports["http"])
     # The plan's upstreams are host addresses; in the cluster they are the StatefulSets' stable pod names.
     kept = [a for k, a in enumerate(argv) if a not in ("--prefill", "--decode")
             and (k == 0 or argv[k - 1] not in ("--prefill", "--decode"))]
     labels = _labels(t, "proxy")
+    proxy_container: dict = {
+        "name": "proxy", "image": image, "command": kept + upstreams,
+        "ports": [{"name": "http", "containerPort": px.ports["http"]}] + (
+            [{"name": "metrics", "containerPort": metrics_port}] if router else []),
+        "readinessProbe": {"httpGet": {"path": "/readiness" if router else "/ready", "port": "http"},
+                           "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
+    }
+    if px.secret_env:  # its argv names the variable (--api-key-env NAME); the Secret fills it
+        proxy_container["env"] = secret_env(t, px)
     out["30-proxy-deployment.yaml"] = {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {**meta, "name": dns_name(name, "proxy"), "labels": labels},
         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                 "template": {"metadata": {"labels": labels, "annotations": scrape_annotations(px.ports["http"])},
-                              "spec": {"containers": [{
-                     "name": "proxy", "image": image, "command": kept + upstreams,
-                     "ports": [{"name": "http", "containerPort": px.ports["http"]}],
-                     "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
-                     "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
-                     "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
-                 }]}}},
+                 "template": {"metadata": {"labels": labels, "annotations": scrape_annotations(metrics_port)},
+                              "spec": {"containers": [proxy_container]}}},
     }
     out["31-proxy-service.yaml"] = {
         "apiVersion": "v1", "kind": "Service",

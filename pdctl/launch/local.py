@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdctl import auth
 from pdctl.launch import probe
 from pdctl.launch.backend import Liveness, RestartableBackend, StopReport
 from pdctl.launch.state import LaunchState, ProcessRecord
@@ -68,8 +69,9 @@ def group_members(pgid: int) -> list[int]:
 
 
 # pdctl's settings for vLLM (the queue plugin's) come from the plan only: one exported in pdctl's own shell must not
-# reach a server the plan leaves plain (a reference with reference.calm_queues: false, a GPU server).
-PLAN_ONLY_ENV = ("PDCTL_QUEUE_SPIN_S",)
+# reach a server the plan leaves plain (a reference with reference.calm_queues: false, a GPU server). Nor may a
+# VLLM_API_KEY exported there lock the servers of a topology without auth (pdctl would not send it).
+PLAN_ONLY_ENV = ("PDCTL_QUEUE_SPIN_S", auth.VLLM_KEY_ENV)
 
 
 def _inherited() -> dict[str, str]:
@@ -96,8 +98,9 @@ class LocalBackend(RestartableBackend):
             log.write(f"--- pdctl: starting {spec.name} at {time.strftime('%F %T')}\n".encode())
             log.flush()
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
+            # The key (auth.api_key_env) is read here, at spawn, into the child's environment only.
             proc = subprocess.Popen(
-                guarded(spec.argv, orphan=not attached), env={**_inherited(), **spec.env},
+                guarded(spec.argv, orphan=not attached), env={**_inherited(), **spec.env, **auth.spawn_env(spec)},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent if attached else None,
             )

@@ -10,12 +10,12 @@ import urllib.parse
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*(\d+)?$")
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
-    """(status, body); status 0 when nothing answered."""
+def http_get(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """(status, body); status 0 when nothing answered. `headers`: e.g. the API key's (pdctl.auth.headers)."""
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
     try:
-        conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""))
+        conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""), headers=headers or {})
         resp = conn.getresponse()
         return resp.status, resp.read().decode("utf-8", "replace")
     except (OSError, http.client.HTTPException):
@@ -24,8 +24,8 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         conn.close()
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    return http_get(url, timeout)[0] == 200
+def healthy(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> bool:
+    return http_get(url, timeout, headers)[0] == 200
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -65,6 +65,6 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def metrics(base_url: str, timeout: float = 2.0) -> dict[str, float] | None:
-    status, body = http_get(base_url.rstrip("/") + "/metrics", timeout)
+def metrics(base_url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> dict[str, float] | None:
+    status, body = http_get(base_url.rstrip("/") + "/metrics", timeout, headers)
     return parse_metrics(body) if status == 200 else None

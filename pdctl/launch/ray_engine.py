@@ -18,6 +18,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from pdctl import auth
 from pdctl.launch.backend import Liveness, StopReport
 from pdctl.launch.cluster import ClusterBackend, is_this_host
 from pdctl.launch.errors import PlacementFailed
@@ -47,7 +48,9 @@ class InstanceActor:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         # Ray's own variables would tell a vLLM server it runs inside this Ray job,
         # and Ray's OMP_NUM_THREADS=1 would cap the server's CPU threads (its cores come from the plan).
-        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "OMP_NUM_THREADS"}
+        # Whether a server requires a key is the plan's to say (env), not the node's (as LocalBackend's).
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")
+                and k not in ("OMP_NUM_THREADS", auth.VLLM_KEY_ENV)}
         with open(log_path, "ab") as log:
             log.write(f"--- pdctl: starting {self.name} on {self.node_ip()} at {time.strftime('%F %T')}\n".encode())
             log.flush()
@@ -161,8 +164,9 @@ class RayBackend(ClusterBackend):
         state.plan = plan
         for spec in plan.processes:
             if spec.name in self._actors:
-                got = ray.get(self._actors[spec.name].start.remote(spec.argv, spec.env, spec.log_path),
-                              timeout=60)
+                # The key travels to the node as a task argument, not in the plan (which the state dir keeps).
+                env = {**spec.env, **auth.spawn_env(spec)}
+                got = ray.get(self._actors[spec.name].start.remote(spec.argv, env, spec.log_path), timeout=60)
                 state.processes[spec.name] = ProcessRecord(spec.name, got["pid"], got["pid"], got["start_ticks"],
                                                            time.time(), where=f"ray:{hosts[spec.name]}")
             else:

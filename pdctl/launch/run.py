@@ -5,14 +5,18 @@ Rendering is the caller's: progress arrives through a callback, failures as Laun
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import shutil
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdctl import monitoring
+from pdctl import auth, monitoring
 from pdctl.launch import probe, supervisor
 from pdctl.launch import state as state_mod
 from pdctl.launch.backend import Backend, StopReport
@@ -41,6 +45,7 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
         return [f"'{plan.name}' still has a {sup['mode']} supervisor (pid {sup['pid']}, state {plan.state_dir}); "
                 f"`pdctl down {plan.name}` first"]
     t = loaded.topology
+    problems += auth.problems(plan.processes)  # a missing key refuses here, before anything starts
     for role in ("prefill", "decode"):
         for g in t.pools(role):
             raw = t.model_path(g)
@@ -56,12 +61,15 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
         if shutil.which(spec.argv[0]) is None:
             problems.append(f"monitoring: '{spec.argv[0]}' is not on PATH; install the Debian package prometheus "
                             "(bash scripts/install_tools.sh, or apt-get install --no-install-recommends prometheus)")
+    if t.proxy.kind == "vllm-router" and importlib.util.find_spec("vllm_router") is None:
+        problems.append("proxy.kind: vllm-router: Python package 'vllm_router' is not importable; install "
+                        "pdctl[router] (pip install vllm-router)")
     return problems + backend.preflight(plan)
 
 
-def _ready(spec: ProcessSpec) -> tuple[bool, bool]:
+def _ready(spec: ProcessSpec, headers: dict[str, str]) -> tuple[bool, bool]:
     """(ready, something answers): /health is 200 and, for NIXL instances, the side channel accepts."""
-    status, _ = probe.http_get(spec.readiness_url, timeout=1.0)
+    status, _ = probe.http_get(spec.readiness_url, timeout=1.0, headers=headers)
     side = spec.side_channel
     ok = status == 200 and (side is None or probe.port_open(*side))
     return ok, status != 0
@@ -115,6 +123,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
     t0 = time.monotonic()
     ready: dict[str, float] = {}
     answering: set[str] = set()
+    key = auth.open_route_headers(plan.topology)
     while True:
         for spec in plan.processes:
             if spec.name in ready:
@@ -123,7 +132,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
             if not live.alive:
                 code = f" with code {live.exit_code}" if live.exit_code is not None else ""
                 raise LaunchFailed(spec.name, f"exited{code} before it was ready", spec.log_path)
-            ok, answers = _ready(spec)
+            ok, answers = _ready(spec, key)
             if ok:
                 ready[spec.name] = time.monotonic() - t0
             elif answers:
@@ -145,63 +154,91 @@ def pool_pairs(plan: Plan) -> list[tuple[str, str]]:
 
 
 def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
-    """One P/D request per pool pair through the proxy before `ready`: a pair the connector refuses fails here,
-    at start, with its decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that
-    timed out (vLLM waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is
-    tried again; a refusal is final."""
-    import json
-    import urllib.error
-    import urllib.request
-
+    """One P/D request per pool pair before `ready`: a pair the connector refuses fails here, at start, with its
+    decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that timed out (vLLM
+    waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is tried again; a
+    refusal is final. Through pdctl's proxy, pinned to each pair; vllm-router cannot pin a pair, so each pair
+    gets one request in vLLM's P/D protocol straight to its first instances, then one goes through the router."""
     proxy = next((p for p in plan.processes if p.role == "proxy"), None)
     if proxy is None:
         return
+    router = plan.topology.proxy.kind == "vllm-router"
+    key = auth.headers(auth.api_key(plan.topology))
     # The proxy's routing must know every instance is up (its probe runs every 2 s): /ready probes them now.
     deadline = time.monotonic() + 60
-    while probe.http_get(proxy.http_url + "/ready", timeout=5.0)[0] != 200 and time.monotonic() < deadline:
+    ready = proxy.http_url + ("/readiness" if router else "/ready")
+    while probe.http_get(ready, timeout=5.0, headers=key)[0] != 200 and time.monotonic() < deadline:
         time.sleep(0.5)
     model = plan.topology.model.name
     blocks = [p.block_size for p in plan.processes if p.block_size]
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
-    for k, (pool_p, pool_d) in enumerate(pool_pairs(plan) or [(None, None)]):
+    pairs: list[tuple[str | None, str | None]] = list(pool_pairs(plan)) or [(None, None)]
+    for k, (pool_p, pool_d) in enumerate(pairs + ([(None, None)] if router else [])):
         # Each pair its own prompt: a decode's prefix cache must not answer another pair's warm-up.
         body = {"model": model, "max_tokens": 2, "temperature": 0,
                 "prompt": [5 + (i * (k + 1) + k) % 50 for i in range(n)]}
         decodes = [p for p in plan.processes if p.role == "decode" and pool_d in (None, p.pool)]
-        decode = decodes[0]
-        headers = {"Content-Type": "application/json", REJECT_HEADER: "reject"}  # a warm-up proves P/D, or fails
-        if pool_p is not None:
-            headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
-        for attempt in range(1, attempts + 1):
-            req = urllib.request.Request(proxy.http_url + "/v1/completions", json.dumps(body).encode(),
-                                         {**headers, "X-Request-Id": f"pdctl-warm-up-{pool_p}-{pool_d}-{attempt}"})
-            offsets = {d.log_path: _size(d.log_path) for d in decodes}
-            try:
-                with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                    r.read()
-                # An answer is not proof: under kv_load_failure_policy: recompute a decode that refused the pair,
-                # or whose read failed, computes the prompt itself and answers 200. Its log says which.
-                refused, failed = _transfer_trouble(offsets)
-                if refused or (failed and attempt == attempts):
-                    pair = f" (pool pair {pool_p} -> {pool_d})" if len(pool_pairs(plan)) > 1 else ""
-                    raise LaunchFailed(decode.name, f"warm-up P/D request failed{pair}: {refused or failed}",
-                                       decode.log_path)
-                if failed:
-                    time.sleep(2)
-                    continue
-                break
-            except (urllib.error.URLError, OSError) as e:
-                # A fleet's first read from a newly handshaken prefill was seen to stall for ~30 s, once for
-                # more than 120 s, then pass: worth another try, like a handshake that timed out.
-                stalled = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
-                if attempt < attempts and (stalled or _handshake_timed_out(decode.log_path)):
-                    time.sleep(2)
-                    continue
-                detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
-                cause = _connector_error(decode.log_path)
-                pair = f" (pool pair {pool_p} -> {pool_d})" if len(pool_pairs(plan)) > 1 else ""
-                raise LaunchFailed(decode.name, f"warm-up P/D request failed{pair}: {cause or detail}",
-                                   decode.log_path) from None
+        rid = f"pdctl-warm-up-{pool_p}-{pool_d}"
+        if router and pool_d is not None:
+            prefill = next(p for p in plan.processes if p.role == "prefill" and p.pool == pool_p)
+            decodes = decodes[:1]
+            send = functools.partial(_direct_pd, prefill.http_url, decodes[0].http_url, body, key, timeout_s)
+        else:
+            headers = dict(key) if router else {REJECT_HEADER: "reject", **key}  # pdctl's proxy: P/D, or fail
+            if pool_p is not None and not router:
+                headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
+            send = functools.partial(_post, proxy.http_url, body, headers, timeout_s)
+        label = f" (pool pair {pool_p} -> {pool_d})" if pool_p is not None and len(pool_pairs(plan)) > 1 else ""
+        _warm_one(send, rid, decodes, label, attempts)
+
+
+def _warm_one(send, rid: str, decodes: list[ProcessSpec], label: str, attempts: int) -> None:
+    decode = decodes[0]
+    for attempt in range(1, attempts + 1):
+        offsets = {d.log_path: _size(d.log_path) for d in decodes}
+        try:
+            send(f"{rid}-{attempt}")
+            # An answer is not proof: under kv_load_failure_policy: recompute a decode that refused the pair,
+            # or whose read failed, computes the prompt itself and answers 200. Its log says which.
+            refused, failed = _transfer_trouble(offsets)
+            if refused or (failed and attempt == attempts):
+                raise LaunchFailed(decode.name, f"warm-up P/D request failed{label}: {refused or failed}",
+                                   decode.log_path)
+            if failed:
+                time.sleep(2)
+                continue
+            return
+        except (urllib.error.URLError, OSError) as e:
+            # A fleet's first read from a newly handshaken prefill was seen to stall for ~30 s, once for
+            # more than 120 s, then pass: worth another try, like a handshake that timed out.
+            stalled = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+            if attempt < attempts and (stalled or _handshake_timed_out(decode.log_path)):
+                time.sleep(2)
+                continue
+            detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
+            cause = _connector_error(decode.log_path)
+            raise LaunchFailed(decode.name, f"warm-up P/D request failed{label}: {cause or detail}",
+                               decode.log_path) from None
+
+
+def _post(url: str, body: dict, headers: dict[str, str], timeout_s: float, rid: str) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **headers, "X-Request-Id": rid})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def _direct_pd(prefill_url: str, decode_url: str, body: dict, key: dict[str, str], timeout_s: float, rid: str
+               ) -> dict:
+    """vLLM's P/D protocol by hand (what a proxy does): the prefill computes the prompt and holds its KV, the
+    decode reads it with the prefill's kv_transfer_params."""
+    pre = _post(prefill_url, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}}, key, timeout_s, rid)
+    params = pre.get("kv_transfer_params")
+    if not params:
+        raise OSError(f"the prefill {prefill_url} answered without kv_transfer_params (is its connector NIXL?)")
+    return _post(decode_url, {**body, "kv_transfer_params": params}, key, timeout_s, rid)
 
 
 def _size(path: str) -> int:
@@ -287,13 +324,14 @@ class InstanceStatus:
 
 def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
     out = []
+    key = auth.open_route_headers(state.plan.topology)
     for spec in state.plan.processes:
         rec = state.processes.get(spec.name)
         running = backend.liveness(state, spec.name).alive
-        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0)
+        healthy = running and probe.healthy(spec.readiness_url, timeout=1.0, headers=key)
         # vLLM's series, from the servers (the proxy and Prometheus have none of them).
         server = spec.role in ("prefill", "decode", "reference")
-        m = probe.metrics(spec.http_url, timeout=1.0) if healthy and server else None
+        m = probe.metrics(spec.http_url, timeout=1.0, headers=key) if healthy and server else None
         out.append(InstanceStatus(
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,

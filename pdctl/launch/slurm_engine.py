@@ -52,6 +52,13 @@ def render_batch(plan: Plan, engine: EngineSpec, python: str = sys.executable) -
     if len(gres) == 1:
         lines.append(f"#SBATCH --gres={gres.pop()}")
     lines.append("")
+    # A key (auth.api_key_env) by reference only: sbatch hands the job pdctl's environment, every step inherits
+    # what the script exports (srun --export=ALL), and a shell builtin puts no value in any argv or in this file.
+    secrets = dict(kv for s in servers for kv in s.secret_env.items())
+    for target, source in secrets.items():
+        lines.append(f'export {target}="${{{source}:?pdctl: {source} (auth.api_key_env) is not set}}"')
+    if secrets:
+        lines.append("")
     for s in placed.processes:
         if s.role not in ("prefill", "decode"):
             continue

@@ -117,8 +117,8 @@ class Metrics:
                        "because no prefill answered with usable KV", ["reason"], self.fallbacks)
         yield CounterMetricFamily("pdctl_proxy_prefill_retries", "prefill calls tried again on another prefill",
                                   value=self.retries)
-        yield _counter("pdctl_proxy_rejected", "requests refused (on_prefill_down: reject)", ["reason"],
-                       self.rejected)
+        yield _counter("pdctl_proxy_rejected", "requests refused: on_prefill_down: reject's reasons, and "
+                       "unauthorized (no or a wrong API key)", ["reason"], self.rejected)
         yield from (h.family() for h in (self.ttft, self.duration, self.prefill_latency))
         inflight = GaugeMetricFamily("pdctl_proxy_inflight", "requests in flight per instance",
                                      labels=["role", "pool", "name", "instance"])

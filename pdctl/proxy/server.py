@@ -12,6 +12,8 @@ them, the prefill may free its blocks as soon as they are read. Every instance h
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from pdctl import auth
 from pdctl.proxy.metrics import Metrics
 from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
@@ -32,6 +35,16 @@ PASS_HEADERS = ("Authorization",)
 TIMINGS_KEPT = 4096
 REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def _refusal(message: str) -> bytes:
+    """A 401's body in OpenAI's shape (what its clients parse), built once."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_api_key"}}).encode()
+
+
+NO_KEY = _refusal("missing API key: send the header 'Authorization: Bearer <key>'")
+WRONG_KEY = _refusal("incorrect API key provided")
 
 
 @dataclass
@@ -51,6 +64,9 @@ class ProxyConfig:
     affinity_epsilon: float = 0.25
     affinity_prefix_chars: int = 256
     access_log: bool = True
+    # Clients must send it on /v1/* and the proxy sends it to the instances; None: no auth. The value, read from
+    # the environment by whoever builds the config (never argv); kept out of repr.
+    api_key: str | None = field(default=None, repr=False)
 
 
 def parse_upstream(text: str) -> tuple[str, str]:
@@ -92,6 +108,14 @@ class Proxy:
         for inst in self.router.instances:
             inst.breaker.threshold, inst.breaker.open_s = cfg.breaker_failures, cfg.breaker_open_s
         self.metrics = Metrics(lambda: self.router.instances)
+        key = cfg.api_key
+        if key is not None and not auth.is_token(key):
+            raise ValueError("api_key: use printable ASCII without spaces (it goes into an HTTP header)")
+        # Only the key's digest is compared, in constant time (vLLM's own check does the same); None: auth off,
+        # and a request pays one attribute test for it.
+        self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        # Clients authenticate to the proxy, the proxy to the instances: their header is replaced, not passed on.
+        self._upstream_auth = f"Bearer {key}" if key else None
         self._upstreams: dict[str, Upstream] = {}
         # The last requests' timestamps (GET /debug/timings): a few clock reads per request, always on.
         self.timings: deque[dict] = deque(maxlen=TIMINGS_KEPT)
@@ -170,7 +194,21 @@ class Proxy:
         return web.json_response({"ready": ready, "instances": instances, "pairs": pairs},
                                  status=200 if ready else 503)
 
+    def _authorized(self, req: web.Request) -> bool:
+        """The request's `Authorization: Bearer <key>` is the key (parsed as vLLM parses it)."""
+        scheme, _, token = req.headers.get("Authorization", "").partition(" ")
+        # surrogatepass: whatever the header held encodes (and mismatches) instead of raising.
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        return hmac.compare_digest(digest, self._key_digest) and scheme.lower() == "bearer"
+
+    def _refuse(self, req: web.Request) -> web.Response:
+        self.metrics.reject("unauthorized")
+        return web.Response(status=401, body=WRONG_KEY if "Authorization" in req.headers else NO_KEY,
+                            content_type="application/json", headers={"WWW-Authenticate": "Bearer"})
+
     async def models(self, req: web.Request) -> web.Response:
+        if self._key_digest is not None and not self._authorized(req):
+            return self._refuse(req)
         decodes = [i for i in self.router.instances if i.role == "decode"]
         inst = next((i for i in decodes if i.healthy), decodes[0])
         try:
@@ -195,14 +233,23 @@ class Proxy:
 
     # -- P/D -------------------------------------------------------------------------------------------------
 
+    # Every /v1 route checks the key (like vLLM's middleware, which guards /v1 and leaves /health and /metrics
+    # open); a check in the handler, not a middleware, costs nothing when auth is off.
     async def completions(self, req: web.Request) -> web.StreamResponse:
+        if self._key_digest is not None and not self._authorized(req):
+            return self._refuse(req)
         return await self._pd(req, "/v1/completions")
 
     async def chat_completions(self, req: web.Request) -> web.StreamResponse:
+        if self._key_digest is not None and not self._authorized(req):
+            return self._refuse(req)
         return await self._pd(req, "/v1/chat/completions")
 
     def _headers(self, req: web.Request, request_id: str) -> dict[str, str]:
-        h = {k: req.headers[k] for k in PASS_HEADERS if k in req.headers}
+        if self._upstream_auth is not None:
+            h = {"Authorization": self._upstream_auth}
+        else:
+            h = {k: req.headers[k] for k in PASS_HEADERS if k in req.headers}
         if request_id:
             h["X-Request-Id"] = request_id
         for k, v in h.items():  # HTTP/1.1 header values are latin-1; refuse what cannot be passed on
@@ -493,5 +540,5 @@ def serve(cfg: ProxyConfig, host: str, port: int) -> None:
     log.info("pdctl proxy on %s:%d: %s; pairs %s; policy %s%s", host, port,
              ", ".join(f"{i.name} {i.url}" for i in proxy.router.instances),
              ", ".join(f"{p}/{d}" for p, d in proxy.router.pairs), cfg.policy,
-             f", on_prefill_down {cfg.on_prefill_down}")
+             f", on_prefill_down {cfg.on_prefill_down}" + (", API key required on /v1" if cfg.api_key else ""))
     web.run_app(proxy.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)

@@ -97,11 +97,11 @@ def wait_for(cond, timeout: float, interval: float = 0.5) -> bool:
 class Reference:
     """An aggregated vLLM server (no connector) for a topology, started and stopped by its process group."""
 
-    def __init__(self, config: str, state_dir: Path, port: int):
+    def __init__(self, config: str, state_dir: Path, port: int, sets: tuple[str, ...] = ()):
         from pdctl.plan import reference_spec
-        from pdctl.topology import load_topology
+        from pdctl.topology import Override, load_topology
 
-        loaded = load_topology(CONFIGS / config)
+        loaded = load_topology(CONFIGS / config, [Override.parse_set(x) for x in sets])
         self.spec = reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=state_dir, port=port,
                                    python=sys.executable)
         self.url = self.spec.http_url
@@ -109,8 +109,12 @@ class Reference:
     def __enter__(self):
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.spec.log_path, "ab")
-        self.proc = subprocess.Popen(self.spec.argv, env={**os.environ, **self.spec.env}, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        from pdctl import auth
+
+        # As the launch backends do: the key (auth.api_key_env, when set) is read at spawn, never in argv.
+        env = {k: v for k, v in os.environ.items() if k != auth.VLLM_KEY_ENV}
+        self.proc = subprocess.Popen(self.spec.argv, env={**env, **self.spec.env, **auth.spawn_env(self.spec)},
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         from pdctl.launch import probe
 
         if not wait_for(lambda: probe.healthy(self.spec.readiness_url) or self.proc.poll() is not None, 240):

@@ -130,7 +130,7 @@ def _fake_lm_eval(monkeypatch, pd: dict, ref: dict, pd_texts=None, fallbacks=(No
 
     counts = iter(fallbacks)
     monkeypatch.setattr(accuracy, "run_lm_eval", run)
-    monkeypatch.setattr("pdctl.gates.parity.proxy_fallbacks", lambda url: next(counts))
+    monkeypatch.setattr("pdctl.gates.parity.proxy_fallbacks", lambda url, headers=None: next(counts))
     return calls
 
 

@@ -64,6 +64,7 @@ class Backend:
         self.mode = "ok"  # ok | error500 | error400 | no_kvp | slow | cut_stream | slow_stream
         self.healthy = True
         self.cancelled = asyncio.Event()
+        self.model_headers: list[dict] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -73,7 +74,8 @@ class Backend:
         app.router.add_get("/v1/models", self.models)
         return app
 
-    async def models(self, _req):
+    async def models(self, req):
+        self.model_headers.append(req.headers.copy())
         return web.json_response({"data": [{"id": "m"}]})
 
     async def health(self, _req):
@@ -135,9 +137,9 @@ def post(url: str, body: dict, headers: dict | None = None, timeout: float = 10)
         return e.code, e.read().decode(), dict(e.headers)
 
 
-def get(url: str):
+def get(url: str, headers: dict | None = None):
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -686,3 +688,46 @@ def test_histograms_count_each_observation_in_its_le_bucket():
     assert (le("0.005"), le("0.01"), le("0.25"), le("0.5"), le("60.0"), le("+Inf")) == (1, 2, 2, 3, 3, 4)
     assert sample(text, "pdctl_proxy_prefill_seconds_count", prefill_pool="p32") == 4
     assert sample(text, "pdctl_proxy_prefill_seconds_sum", prefill_pool="p32") == pytest.approx(100.3101)
+
+
+# -- API keys ------------------------------------------------------------------------------------------------
+
+
+def test_api_key_refuses_requests_without_it_in_openais_shape_and_sends_its_own_upstream(pd):
+    _, url = pd.make(api_key="s3cret-key")
+    for headers, said in (({}, "missing API key"), ({"Authorization": "Bearer wrong"}, "incorrect API key"),
+                          ({"Authorization": "Basic s3cret-key"}, "incorrect API key"),
+                          ({"Authorization": "Bearer s3cret-key2"}, "incorrect API key"),
+                          ({"Authorization": "Bearer  s3cret-key"}, "incorrect API key")):
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            status, text, h = post(url + route, BODY, headers)
+            assert status == 401 and h["WWW-Authenticate"] == "Bearer", (headers, text)
+            err = json.loads(text)["error"]
+            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+            assert err["param"] is None and err["message"].startswith(said) and "s3cret" not in text
+    assert pd.prefill.requests == [] and pd.decode.requests == []  # nothing refused reached an instance
+    assert get(url + "/v1/models")[0] == 401 and pd.decode.model_headers == []
+    # The client's key is checked, then replaced by the proxy's own (a lower-case scheme passes, as at vLLM).
+    status, text, _ = post(url + "/v1/completions", BODY, {"authorization": "bearer s3cret-key"})
+    assert status == 200, text
+    assert [h["Authorization"] for _, h in pd.prefill.requests + pd.decode.requests] == ["Bearer s3cret-key"] * 2
+    status, _ = get(url + "/v1/models", {"Authorization": "Bearer s3cret-key"})
+    assert status == 200 and pd.decode.model_headers[-1]["Authorization"] == "Bearer s3cret-key"
+    # /health, /ready and /metrics stay open (vLLM guards /v1 only); refusals are counted.
+    assert get(url + "/health")[0] == 200 and get(url + "/ready")[0] == 200
+    metrics = get(url + "/metrics")[1]
+    assert sample(metrics, "pdctl_proxy_rejected_total", reason="unauthorized") == 11
+
+
+def test_without_a_key_the_proxy_asks_for_none(pd):
+    """The negative control: auth off, a request with no key is served and a client's header passes on."""
+    assert post(pd.url + "/v1/completions", BODY)[0] == 200
+    assert "Authorization" not in pd.decode.requests[-1][1]
+    assert get(pd.url + "/v1/models")[0] == 200
+
+
+def test_a_key_that_cannot_be_a_header_is_refused_at_start_and_never_shown():
+    for bad in ("two words", "caf\u00e9", ""):  # an empty key would be auth silently off: refused too
+        with pytest.raises(ValueError, match="printable ASCII"):
+            Proxy(ProxyConfig(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], api_key=bad))
+    assert "hunter2" not in repr(ProxyConfig([], [], api_key="hunter2"))

