@@ -413,12 +413,13 @@ def summary(t: Topology) -> str:
     def pool(g: InstanceGroup) -> str:
         return f"{g.count}x {g.platform} block {g.block_size} TP {g.tp} {g.kv_layout}"
 
+    proxy = "" if t.proxy.kind == "pdctl" else f", proxy {t.proxy.kind}"
     if len(t.prefill) == 1 and len(t.decode) == 1:
         return (f"{t.name}: prefill {pool(t.prefill[0])} -> decode {pool(t.decode[0])}, connector "
-                f"{t.connector.kind}")
+                f"{t.connector.kind}{proxy}")
     sides = [f"{role} pools " + ", ".join(f"{g.name} ({pool(g)})" for g in t.pools(role)) for role in ROLES]
     pairs = ", ".join(f"{p.name}->{d.name}" for p, d in t.pairs())
-    return f"{t.name}: {sides[0]} -> {sides[1]}; pairs {pairs}; connector {t.connector.kind}"
+    return f"{t.name}: {sides[0]} -> {sides[1]}; pairs {pairs}; connector {t.connector.kind}{proxy}"
 
 
 # --------------------------------------------------------------------------------------------------------------
