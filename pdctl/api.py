@@ -194,21 +194,24 @@ def render_k8s(t: Topology, out_dir: str | Path, *, image: str | None = None, na
     return written
 
 
-def tiny_model(out_dir: str | Path, *, seed: int = 0, force: bool = False, say: Say = _quiet) -> str | None:
-    """Build the tiny random-weight Llama for tests and demos; its fingerprint, or None when out_dir holds this
-    seed's model already (kept unless force)."""
+def tiny_model(out_dir: str | Path, *, seed: int = 0, force: bool = False, say: Say = _quiet,
+               window: int | None = None) -> str | None:
+    """Build the tiny random-weight Llama for tests and demos (`window`: the hybrid one, sliding-window and full
+    attention layers in turn); its fingerprint, or None when out_dir holds this model already (kept unless
+    force)."""
     from pdctl import tinymodel
 
     out = Path(out_dir)
     marker = out / "pdctl-tiny.json"
     try:
-        kept = not force and marker.is_file() and json.loads(marker.read_text()).get("seed") == seed
+        made = json.loads(marker.read_text()) if marker.is_file() else {}
+        kept = not force and made.get("seed") == seed and made.get("sliding_window") == window
     except (ValueError, OSError, AttributeError):
         kept = False  # a marker that is not ours: rebuild
     if kept:
         return None
     say(f"building tiny model in {out} ...")
-    tinymodel.build_tiny_model(out, seed=seed)
+    tinymodel.build_tiny_model(out, seed=seed, window=window)
     return tinymodel.fingerprint(out)
 
 

@@ -190,6 +190,8 @@ def model_tiny(
     out_dir: Annotated[Path, typer.Argument(help="directory to write the model to")],
     seed: Annotated[int, typer.Option(help="same seed, same weights and tokenizer")] = 0,
     force: Annotated[bool, typer.Option(help="rebuild even if DIR already holds this seed's model")] = False,
+    hybrid: Annotated[bool, typer.Option(help="4 layers: sliding-window and full attention in turn")] = False,
+    window: Annotated[int, typer.Option(min=1, help="with --hybrid: the sliding window, in tokens")] = 96,
 ) -> None:
     """Build a tiny random-weight Llama (2 layers, 2 KV heads, ~2k BPE vocab) offline, in seconds.
 
@@ -197,9 +199,9 @@ def model_tiny(
 
       pdctl model tiny .pdctl/models/tiny
 
-      pdctl model tiny /tmp/tiny --seed 7
+      pdctl model tiny .pdctl/models/tiny-hybrid --hybrid --window 96
     """
-    fingerprint = api.tiny_model(out_dir, seed=seed, force=force, say=say)
+    fingerprint = api.tiny_model(out_dir, seed=seed, force=force, say=say, window=window if hybrid else None)
     out.print(f"built {out_dir} (seed {seed}, fingerprint {fingerprint})" if fingerprint else
               f"tiny model already at {out_dir} (seed {seed}); --force rebuilds", highlight=False)
 
@@ -248,8 +250,7 @@ def up(
                 (out.print if note.startswith(("supervisor", "monitoring")) else say)(note)
             if detach:
                 return
-            out.print("attached: supervising (restarts instances that fail); Ctrl-C stops everything",
-                      highlight=False)
+            out.print("attached: supervising (restarts failed instances); Ctrl-C stops everything", highlight=False)
             how = d.supervise(say=lambda msg: err.print(msg, markup=False, highlight=False))
     except KeyboardInterrupt:
         err.print("interrupted: " + ("the topology stays up (pdctl down stops it)" if d and not d.attached else

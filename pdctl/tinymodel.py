@@ -39,8 +39,13 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2048) -> Path:
-    """Write config, bf16 safetensors weights, tokenizer and chat template to out_dir; returns it."""
+def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2048, window: int | None = None) -> Path:
+    """Write config, bf16 safetensors weights, tokenizer and chat template to out_dir; returns it.
+
+    `window`: a hybrid-attention model instead, 4 layers with sliding-window (`window` tokens) and full attention
+    in turn. vLLM's Llama reads `layer_types` per layer (vllm/model_executor/models/llama.py), so its hybrid KV
+    cache manager keeps one KV cache group per kind (docs/notes/19-hybrid-attention-research.md); transformers'
+    own Llama ignores the field, which no gate relies on (the reference is an aggregated vLLM server)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -60,15 +65,16 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2048)
     fast.save_pretrained(out)
 
     config = LlamaConfig(
-        vocab_size=len(fast), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        vocab_size=len(fast), hidden_size=256, intermediate_size=512, num_hidden_layers=4 if window else 2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
         initializer_range=0.2, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+        **({"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": window} if window else {}),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "pdctl-tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": len(fast),
+    (out / "pdctl-tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": len(fast), "sliding_window": window,
                                                      "fingerprint": fingerprint(out)}, indent=2))
     return out
 

@@ -22,3 +22,17 @@ def test_tiny_model_tokenizer_and_chat_template(tmp_path):
     assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat.endswith("<|assistant|>\n")
+
+
+def test_the_hybrid_tiny_model_alternates_sliding_window_and_full_attention(tmp_path):
+    from pdctl import api
+
+    d = tmp_path / "h"
+    assert api.tiny_model(d, seed=0, window=96)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 and cfg["sliding_window"] == 96
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert api.tiny_model(d, seed=0, window=96) is None  # this model is there: kept
+    # Another window (or the plain model) in that directory is not this model: rebuilt.
+    assert api.tiny_model(d, seed=0, window=64) and json.loads((d / "config.json").read_text())["sliding_window"] == 64
+    assert api.tiny_model(d, seed=0) and "layer_types" not in json.loads((d / "config.json").read_text())
