@@ -101,7 +101,7 @@ def plan(out: Console, p, output: Output = Output.default, batch: str | None = N
 def progress(rows: list) -> Table:
     table = Table(show_header=True, header_style="bold")
     for col in ("instance", "state", "elapsed"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     colors = {"ready": "green", "loading": "yellow", "starting": "cyan"}
     for r in rows:
         table.add_row(r.name, f"[{colors.get(r.phase, 'red')}]{r.phase}[/]", f"{r.elapsed_s:5.1f} s")
@@ -224,7 +224,7 @@ def watch(out: Console, view: Callable[[], RenderableType], interval_s: float) -
 def parity(out: Console, report) -> None:
     table = Table(box=boxed(out), title="parity: P/D vs aggregated reference (greedy, token ids)")
     for col in ("prompt", "tokens", "result", "first divergent token"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in report.results:
         table.add_row(r.label, str(r.prompt_tokens), "[green]pass[/]" if r.passed else "[red]FAIL[/]",
                       "-" if r.first_divergence is None else str(r.first_divergence) + (f" ({r.error})" if r.error
@@ -242,7 +242,7 @@ def parity(out: Console, report) -> None:
 def fleet(out: Console, report) -> None:
     table = Table(box=boxed(out), title="parity per pool pair: P/D vs aggregated reference (greedy, token ids)")
     for col in ("prefill", "decode", "prompts", "passed", "by transfer", "computed", "KV from", "result"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for pair in report.all():
         d = pair.to_dict()
         name = ("all pairs", "at once") if pair.prefill_pool == "*" else (pair.prefill_pool, pair.decode_pool)
@@ -285,7 +285,7 @@ def accuracy(out: Console, err: Console, summary: dict, expected_file: str) -> N
     task, shots = summary["task"], summary["num_fewshot"]
     t = Table(box=boxed(out), title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
     for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Gate", "Expected", "Status"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for v in summary["verdicts"]:
         metric, _, filt = v["metric"].partition(",")
         gate = v.get("gate", "absolute")
@@ -320,7 +320,7 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
         t = Table(box=boxed(out),
                   title=f"load ({s['perf'].get('dataset', 'random')} prompts): P/D vs aggregated (ms; p50 / p99)")
         for col in ("", "TTFT", "TPOT", "ITL", "end-to-end", "req/s", "out tok/s", "errors"):
-            t.add_column(col)
+            t.add_column(col, overflow="fold")
         rows = [("P/D", pd), ("aggregated", agg)] + [(f"pair {x['prefill_pool']} -> {x['decode_pool']}", x)
                                                        for x in s["perf"].get("pairs", [])]
         for name, x in rows:
@@ -344,7 +344,7 @@ def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path
                 err.print(f"breakdown: could not read the logs of {', '.join(bd['unread_logs'])} on this host")
     summary = Table(box=boxed(out), title=f"bench {s['pools']}")
     for col in ("gate", "result", "detail"):
-        summary.add_column(col)
+        summary.add_column(col, overflow="fold")
     if "parity" in s:
         pz = s["parity"]
         summary.add_row("parity", pz["status"], f"{100 * pz['pass_rate']:.0f}% of {pz['prompts']} prompts, KV "
@@ -370,7 +370,7 @@ def sweep(out: Console, result, matrix: Path) -> None:
     rows = result.table()
     t = Table(box=boxed(out), title=f"sweep {matrix} ({result.out_dir})")
     for col in (c for c in rows[0] if c != "error"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for r in rows:
         t.add_row(*("-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
                     for k, v in r.items() if k != "error"))
