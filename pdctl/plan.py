@@ -165,6 +165,8 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
         staging = t.staging_blocks(g) if role == "decode" else 0
         if staging:
             extra["pdctl"]["staging_blocks"] = staging
+        if role == "decode":
+            extra["pdctl"]["read_wait_s"] = c.read_wait_s
         if c.trace:
             extra["pdctl"]["trace"] = True
     if role == "decode":

@@ -242,6 +242,12 @@ class ConnectorSpec(_Strict):
         "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
         "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
         "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
+    read_wait_s: float = Field(
+        0.002, ge=0, le=1, description="pdctl's connector: how long a decode waits, in the step that issued a KV "
+        "read, for it to finish before answering the step (0: not at all, vLLM's behaviour). vLLM notices a "
+        "finished read only at the next step's poll and schedules the first token a step later; a read of a few "
+        "hundred KiB takes ~0.1-0.3 ms, so a short bounded wait saves a whole step of TTFT (it delays that step's "
+        "other tokens by at most this much)")
     trace: bool = Field(
         False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
         "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "

@@ -101,6 +101,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                         "queues are calmed by pdctl's vLLM plugin (PDCTL_QUEUE_SPIN_S, set by pdctl's plan from "
                         "connector.worker_spin_s)")
         self._trace = bool(s.get("trace", False))
+        # A read issued in this step is polled again (bounded) before the step's answer leaves: vLLM would see
+        # it done only at the next step's poll, and schedule its first token a step after that.
+        self._read_wait_s = float(s.get("read_wait_s", 0.002))
+        self._fresh_reads: list[str] = []  # requests whose read this step issued
         self._staging_blocks = int(s.get("staging_blocks", 0))
         self._staging: StagingPool | None = None  # the last staging_blocks ids of the cache, once first needed
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
@@ -229,6 +233,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             return super()._read_blocks_for_req(req_id, meta)
         finally:
             self._prefix_hit = ()
+            if self._read_wait_s:
+                self._fresh_reads.append(req_id)
 
     def _log_received(self, req_id: str, ok: bool) -> None:
         """One line per request: which prefill engine its KV came from. vLLM's decode metrics count tokens by
@@ -280,6 +286,9 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             self._staging_pool().release(staging)
 
     def get_transfer_results(self):
+        if self._fresh_reads:
+            seam.await_reads(self, self._fresh_reads, self._read_wait_s)
+            self._fresh_reads.clear()
         polled = time.time() if self._trace else 0.0
         results = super().get_transfer_results()  # polls the reads, then converts P < D blocks
         failed = set(results.failed_recving or ())
