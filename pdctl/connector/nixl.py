@@ -12,6 +12,11 @@ A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is p
   decode's scheduler reserved at start (withheld from the allocator, never borrowed from it); on completion each
   prefill block is reassembled and split into decode blocks in the real layout (pdctl.kv.split_in_place);
 - vLLM's sub-block pairing when the decode already holds prefix-cached blocks (P < D) is corrected;
+- hybrid models (sliding-window + full-attention KV groups under vLLM's hybrid KV cache manager): each side keeps
+  only the window's tail of a sliding-window group, cut by its own block size; those blocks are paired by absolute
+  token position (pdctl.kv.window) in both directions, what the prefill no longer holds is zeroed, and the
+  prefill stops one token short (vLLM's `_prefill_backoff`) so both sides keep the window of the token the
+  decode computes (vLLM keeps the next token's window: one key short, silently, for some prompt lengths);
 - each side's exact CPU cache layout travels in the handshake (the CPU attention ISA, appended to the backend name
   vLLM already sends): a prefill on another ISA is converted from (P < D) or refused, never misread;
 - pairs it cannot serve fail at handshake with one message naming both sides.
@@ -38,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.logger import init_logger
 
 from pdctl.connector import seam
-from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_mask
+from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask
 from pdctl.kv.index import (
     SplitPlan,
     StagingPool,
@@ -49,6 +54,7 @@ from pdctl.kv.index import (
     split_tail,
 )
 from pdctl.kv.layouts import BlockShape, layout
+from pdctl.kv.window import WindowFill, WindowMerge, window_pairs, window_split_plan, window_staging_needed
 
 __all__ = ["NixlConnector"]
 
@@ -112,6 +118,13 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         # The decode's prefix hit of the read in progress (set only around vLLM's _read_blocks_for_req, which
         # calls _map_block_ids_for_block_size_ratio without the request).
         self._prefix_hit: tuple[int, ...] = ()
+        # Sliding-window groups (hybrid models): group -> window, once the caches are known.
+        self._windows: dict[int, int] | None = None
+        self._window_now: dict[int, WindowMerge] = {}  # P < D: the read in progress's pairs, per window group
+        self._window_fills: dict[tuple[int, int], tuple[WindowFill, ...]] = {}  # (group, first block) -> fills
+        self._window_keys: dict[str, list[tuple[int, int]]] = {}  # req -> its keys above, until it is done
+        self._split_fills: dict[str, dict[int, tuple[WindowFill, ...]]] = {}  # P > D: req -> group -> fills
+        self._window_logged: set[str] = set()  # remote engines whose per-group read was logged
         self._received_isa: dict[int, str] = {}  # block-size ratio -> the CPU attention ISA those prefills use
         self._remote_block: dict[str, int] = {}  # remote engine -> its block size (as it said at handshake)
         self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
@@ -160,6 +173,12 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): {why}")
 
         self._remote_block[nixl_agent_meta.engine_id] = nixl_agent_meta.block_size
+        if self._window_groups() and nixl_agent_meta.block_size != self.block_size:
+            uneven = sorted({seam.group_block_size(self, g) for g in range(len(self.kv_cache_config.transfer_groups))})
+            if len(uneven) > 1:
+                refuse(f"hybrid model whose KV cache groups have different block sizes {uneven} on the decode")
+            if seam.kernel_blocks_per_block(self) != 1:
+                refuse("hybrid model with kernel blocks smaller than logical blocks")
         if self._cpu_attn and backend != self.backend_name:
             refuse("CPU_ATTN decode receiving from another attention backend")
         if self._cpu_attn:
@@ -223,6 +242,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             if not self._plan_split(req_id, meta, ratio, prefix_hit):
                 seam.fail_recv(self, req_id)
                 return None
+        if ratio == 0 and remote and seam.has_remote_agent(self, remote.engine_id) and self._window_groups():
+            if not self._plan_window_merge(req_id, meta):
+                seam.fail_recv(self, req_id)
+                return None
         if remote and seam.has_remote_agent(self, remote.engine_id):
             read = sum(len(g) for g in meta.local_block_ids)
             self._receiving[req_id] = (remote.engine_id, remote.host, remote.port, read, remote.num_tokens)
@@ -233,8 +256,79 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             return super()._read_blocks_for_req(req_id, meta)
         finally:
             self._prefix_hit = ()
+            self._window_now = {}
             if self._read_wait_s:
                 self._fresh_reads.append(req_id)
+
+    # -- sliding-window groups (hybrid models) ----------------------------------------------------------------
+
+    def _window_groups(self) -> dict[int, int]:
+        """KV transfer group -> sliding window (tokens), for the groups that are sliding-window ones."""
+        if self._windows is None:
+            groups = range(len(self.kv_cache_config.transfer_groups))
+            self._windows = {g: w for g in groups if (w := seam.group_window(self, g))}
+        return self._windows
+
+    def _window_tails(self, meta, group: int, window: int, prefill_block: int) -> dict[str, Any] | None:
+        """Where the two tails of a sliding-window group lie, as pdctl.kv.window's arguments; None when the
+        lists are not the tails vLLM cuts (then the load fails and vLLM recomputes, never a silent misread).
+
+        Both sides hold the request's first `tokens` tokens (the prefill stopped one short: `_prefill_backoff`),
+        so the decode's first query is token `tokens` and needs keys from tokens - window + 1. Each list ends
+        with the block holding the last token; the prefill's first entries are vLLM's null block where the
+        window had already left them."""
+        tokens = meta.remote.num_tokens
+        remote = list(meta.remote.block_ids[group])
+        local = list(meta.local_physical_block_ids[group])
+        if tokens is None:
+            return None
+        remote_first = -(-tokens // prefill_block) - len(remote)
+        local_first = -(-tokens // self.block_size) - len(local)
+        if remote_first < 0 or local_first < 0:
+            return None
+        held = max(remote_first, max(0, tokens - window + 1) // prefill_block)  # past the null entries
+        return dict(local=local, remote=remote[held - remote_first:], local_first=local_first, remote_first=held,
+                    prefill_block=prefill_block, decode_block=self.block_size, tokens=tokens,
+                    need_from=max(0, tokens - window + 1, local_first * self.block_size))
+
+    def _plan_window_merge(self, req_id: str, meta) -> bool:
+        """P <= D: pair each sliding-window group's sub-blocks by absolute tokens (vLLM pairs the tails from
+        their starts); False: a needed token is on neither list."""
+        prefill_block = self._remote_block.get(meta.remote.engine_id, self.block_size)
+        if prefill_block == self.block_size:
+            return True  # equal tails end at the same block: vLLM's end-trim pairs them right
+        for g, window in self._window_groups().items():
+            tails = self._window_tails(meta, g, window, prefill_block)
+            plan = window_pairs(**tails) if tails else None
+            if plan is None:
+                log.warning("pdctl connector: request %s: the sliding-window tails of group %d do not hold the "
+                            "window (%s); its KV load fails", req_id, g, tails and {
+                                k: v for k, v in tails.items() if k not in ("local", "remote")})
+                return False
+            self._window_now[g] = plan
+            if tails["local"]:
+                key = (g, tails["local"][0])
+                self._window_fills[key] = plan.fills
+                self._window_keys.setdefault(req_id, []).append(key)
+        self._log_window_read(meta, {g: len(p.remote) for g, p in self._window_now.items()}, prefill_block)
+        return True
+
+    def _log_window_read(self, meta, window_reads: dict[int, int], prefill_block: int) -> None:
+        """Once per prefill engine: what each KV group of a hybrid model reads (prefill blocks, bytes)."""
+        engine = meta.remote.engine_id
+        if engine in self._window_logged:
+            return
+        self._window_logged.add(engine)
+        parts = []
+        for g in range(len(meta.local_physical_block_ids)):
+            names = seam.group_layer_names(self, g)
+            cache = self.device_kv_caches[names[0]]
+            block_bytes = cache[0].numel() * cache.element_size() * prefill_block // self.block_size * len(names)
+            n = window_reads.get(g, len(meta.remote.block_ids[g]))
+            kind = f"sliding window {self._window_groups()[g]}" if g in self._window_groups() else "full attention"
+            parts.append(f"group {g} ({kind}, {len(names)} layers): {n} prefill blocks, {n * block_bytes} bytes")
+        log.info("pdctl connector: hybrid model, prefill engine %s (block %d -> decode block %d), first request "
+                 "of %s tokens: %s", engine, prefill_block, self.block_size, meta.remote.num_tokens, "; ".join(parts))
 
     def _log_received(self, req_id: str, ok: bool) -> None:
         """One line per request: which prefill engine its KV came from. vLLM's decode metrics count tokens by
@@ -262,10 +356,19 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
     def _plan_split(self, req_id: str, meta, ratio: int, prefix_hit: tuple[int, ...]) -> bool:
         """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks (pdctl.kv.index);
         False: the staging area cannot hold the chunks no decode block takes."""
-        local = [list(g) for g in meta.local_physical_block_ids]
+        windows = self._window_groups()
+        # Full-attention groups: pdctl.kv.index, from the start; sliding-window groups: pdctl.kv.window, by tokens.
+        local = [[] if g in windows else list(ids) for g, ids in enumerate(meta.local_physical_block_ids)]
         remote = [list(g) for g in meta.remote.block_ids]
         shape = dict(ratio=ratio, block_size=self.block_size, tokens=meta.remote.num_tokens, cached=prefix_hit)
         need = split_staging_needed(local, remote, **shape)
+        tails = {g: self._window_tails(meta, g, w, ratio * self.block_size) for g, w in windows.items()}
+        window_need = {g: window_staging_needed(**t) if t else None for g, t in tails.items()}
+        if None in window_need.values():
+            log.warning("pdctl connector: request %s: the sliding-window tails do not hold the window; its KV "
+                        "load fails", req_id)
+            return False
+        need += sum(window_need.values())
         staging = self._staging_pool().take(need) if need else []
         if staging is None:
             log.warning("pdctl connector: staging area full (%d blocks): request %s's KV load fails "
@@ -273,7 +376,17 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                         self._failure_policy, "the decode computes the prompt itself"
                         if self._failure_policy == "recompute" else "the request ends with an error")
             return False
-        plan = split_plan(local, remote, staging=staging, **shape)
+        taken = need - sum(window_need.values())
+        plan = split_plan(local, remote, staging=staging[:taken], **shape)
+        if windows:
+            groups, fills = list(plan.groups), {}
+            for g, t in tails.items():
+                window = window_split_plan(**t, staging=staging[taken:taken + window_need[g]])
+                taken += window_need[g]
+                groups[g], fills[g] = window.chunks, window.fills
+            plan = dataclasses.replace(plan, groups=tuple(groups))
+            self._split_fills[req_id] = fills
+            self._log_window_read(meta, {g: len(groups[g]) // ratio for g in tails}, ratio * self.block_size)
         meta.local_physical_block_ids = plan.local_ids()
         meta.remote.block_ids = plan.remote_ids()
         if any(plan.groups):  # a read of nothing is never reported done: a kept plan would outlive its request
@@ -295,11 +408,14 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         done = list(results.finished_recving or ()) + list(failed)
         for req_id in done:
             self._log_received(req_id, req_id not in failed)
+            for key in self._window_keys.pop(req_id, ()):  # normally used up by the post-process already
+                self._window_fills.pop(key, None)
+            fills = self._split_fills.pop(req_id, {})
             plan = self._split_plans.pop(req_id, None)
             if plan is None:
                 continue
             if req_id not in failed:
-                self._split_received(plan)
+                self._split_received(plan, fills)
             self._release(plan)
         if self._trace:
             for req_id in done:
@@ -307,9 +423,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                 trace("converted", req_id)
         return results
 
-    def _split_received(self, plan: SplitPlan) -> None:
+    def _split_received(self, plan: SplitPlan, window_fills: dict[int, tuple[WindowFill, ...]]) -> None:
         """Reassemble each prefill block read and split it into decode blocks in the real layout; keep the
-        request's decode blocks (not the staging chunks) and zero the slots past the prompt."""
+        request's decode blocks (not the staging chunks) and zero the slots past the prompt (sliding-window
+        groups: every slot of their blocks that received nothing)."""
         n = self.block_size
         for g, chunks in enumerate(plan.groups):
             if not chunks:
@@ -317,7 +434,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             names = seam.group_layer_names(self, g)
             ids = torch.tensor([c.dest for c in chunks], dtype=torch.long)
             real = torch.tensor([c.real for c in chunks], dtype=torch.bool)
-            tail = split_tail([c.block for c in chunks], n, plan.tokens)
+            fills = window_fills.get(g)
+            tail = None if fills is not None else split_tail([c.block for c in chunks], n, plan.tokens)
             for name in names:
                 cache = self.device_kv_caches[name]
                 local = self._side(cache, n)
@@ -329,12 +447,22 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                     blocks[at].masked_fill_(zero_mask(local, first), 0)
                 keep = real.nonzero().reshape(-1)
                 cache.index_copy_(0, ids[keep], blocks[keep].reshape(-1, *cache.shape[1:]))
+                if fills:
+                    self._zero_fills(cache, local, fills)
 
     def _map_block_ids_for_block_size_ratio(self, local_block_ids, remote_block_ids, block_size_ratio: int):
         local, remote = super()._map_block_ids_for_block_size_ratio(local_block_ids, remote_block_ids,
                                                                     block_size_ratio)
-        return pair_past_prefix_hit(local, remote, getattr(self, "_prefix_hit", ()),
-                                    block_size_ratio * seam.kernel_blocks_per_block(self))
+        local, remote = pair_past_prefix_hit(local, remote, getattr(self, "_prefix_hit", ()),
+                                             block_size_ratio * seam.kernel_blocks_per_block(self))
+        if self._window_now:  # sliding-window groups: the pairs pdctl.kv.window chose by tokens
+            local = [list(g) for g in local] if local else [[] for _ in remote]
+            remote = [list(g) for g in remote]
+            for g, plan in self._window_now.items():
+                local[g], remote[g] = list(plan.local), list(plan.remote)
+            if not any(local):
+                local = []
+        return local, remote
 
     # -- receive ---------------------------------------------------------------------------------------------
 
@@ -354,6 +482,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         # CPU_ATTN: merge sub-blocks and zero the uncovered tail in the ISA's real layout.
         for group, block_ids, covered_sub_blocks in block_ids_list:
             names = seam.group_layer_names(self, group)
+            fills = self._window_fills.pop((group, block_ids[0]), None) if block_ids else None
+            if fills is not None:
+                self._merge_window(names, block_ids, block_size_ratio, fills, convert)
+                continue
             written, zero_from = merge_tail(covered_sub_blocks, block_size_ratio, self.block_size)
             idx = torch.tensor(block_ids[:written], dtype=torch.long)
             stale = torch.tensor(block_ids[written:], dtype=torch.long)
@@ -372,6 +504,31 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                     cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
                 if stale.numel():
                     cache.index_fill_(0, stale, 0)
+
+    def _merge_window(self, names: list[str], block_ids, ratio: int, fills: tuple[WindowFill, ...],
+                      convert: bool) -> None:
+        """A sliding-window group's decode blocks after a P < D read paired by tokens: merge every block's
+        sub-blocks, then zero what the prefill did not send (the window's head, the slots past the prompt)."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        for name in names:
+            cache = self.device_kv_caches[name]
+            local = self._side(cache, self.block_size)
+            blocks = cache.index_select(0, idx).reshape(len(block_ids), -1)
+            if convert and ratio > 1:
+                received = self._side(cache, self.block_size // ratio, self._received_isa.get(ratio))
+                blocks = merge_in_place(blocks, ratio, received, local)
+            for row, fill in zip(blocks, fills, strict=True):
+                for start, stop in fill.zero:
+                    row.masked_fill_(slots_mask(local, start, stop), 0)
+            cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
+
+    def _zero_fills(self, cache: torch.Tensor, local: Side, fills: tuple[WindowFill, ...]) -> None:
+        """Zero the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
+        for fill in fills:
+            if fill.zero:
+                block = cache[fill.id].view(-1)
+                for start, stop in fill.zero:
+                    block.masked_fill_(slots_mask(local, start, stop), 0)
 
 
 def _as_decode_sized(meta, ratio: int):
@@ -399,6 +556,14 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
         self._kv_ready: set[str] = set()  # ... then until the step that computes their first token
         super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    def _prefill_backoff(self) -> int:
+        # vLLM's decode recomputes the prompt's last token, whose window starts one key before the window both
+        # sides keep (that of the token after it): with a sliding-window group the prefill stops one token
+        # short, as vLLM already does for Mamba, so both lay the window out for the token the decode computes.
+        # Both sides run this connector (the topology requires it), so the two agree.
+        windows = any(seam.group_window(self, g) for g in range(len(self.kv_cache_config.transfer_groups)))
+        return max(super()._prefill_backoff(), 1 if windows else 0)
 
     # Timing lines (connector setting `trace`): when the decode's scheduler first saw a remote-KV request,
     # gave it blocks (its read goes to the worker with this step), learnt that its KV had arrived, and scheduled

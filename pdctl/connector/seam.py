@@ -58,6 +58,7 @@ _N = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 BASE_WORKER = f"{_N}.base_worker:NixlBaseConnectorWorker"
 PULL_WORKER = f"{_N}.pull_worker:NixlPullConnectorWorker"
 PULL_SCHEDULER = f"{_N}.pull_scheduler:NixlPullConnectorScheduler"
+BASE_SCHEDULER = f"{_N}.base_scheduler:NixlBaseConnectorScheduler"
 BASE_CONNECTOR = f"{_N}.connector:NixlBaseConnector"
 PULL_CONNECTOR = f"{_N}.connector:NixlPullConnector"
 AGENT_META = f"{_N}.metadata:NixlAgentMetadata"
@@ -141,7 +142,16 @@ INTERNALS: tuple[Internal, ...] = (
             "the KV cache groups NIXL transfers, in the order of the block-id lists"),
     *_attrs("field", "vllm.v1.kv_cache_interface:KVCacheConfig", "num_blocks",
             "written by PdctlNixlScheduler: staging blocks are withheld from the block pool"),
-    *_attrs("field", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "layer_names", "a group's layers"),
+    *_attrs("field", "vllm.v1.kv_cache_interface:KVCacheGroupSpec", "layer_names kv_cache_spec",
+            "a group's layers and its attention kind"),
+    Internal("class", "vllm.v1.kv_cache_interface", "SlidingWindowSpec",
+             why="a hybrid model's sliding-window group: both sides keep only the window's tail of blocks"),
+    *_attrs("field", "vllm.v1.kv_cache_interface:SlidingWindowSpec", "sliding_window block_size",
+            "the window and block size the tails are cut by"),
+    *_attrs("attr", BASE_SCHEDULER, "kv_cache_config", "the scheduler's groups (is any a sliding window)"),
+    *_hooks(BASE_SCHEDULER, ("_prefill_backoff", ()),
+            why="sliding-window groups: the prefill stops one token short so both sides keep the window of the "
+            "token the decode computes (vLLM keeps the next token's: one key short for the token it recomputes)"),
     *_attrs("attr", BASE_CONNECTOR, "engine_id connector_scheduler connector_worker",
             "NixlConnector assigns its own parts, as NixlPullConnector.__init__ does"),
     *_attrs("field", "vllm.config.kv_transfer:KVTransferConfig", "kv_role kv_load_failure_policy",
@@ -225,6 +235,20 @@ def kernel_blocks_per_block(worker: Any) -> int:
 def permutes_local_kv(worker: Any) -> bool:
     """vLLM permutes the received KV into the local layout itself (`enable_permute_local_kv`)."""
     return bool(worker.enable_permute_local_kv)
+
+
+def group_window(spec_holder: Any, group: int) -> int | None:
+    """The sliding window (tokens) of KV transfer group `group`, None for any other attention kind; the
+    holder is a connector worker or scheduler (both keep vLLM's `kv_cache_config`)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = spec_holder.kv_cache_config.transfer_groups[group].kv_cache_spec
+    return int(spec.sliding_window) if isinstance(spec, SlidingWindowSpec) else None
+
+
+def group_block_size(worker: Any, group: int) -> int:
+    """The block size (tokens) of KV transfer group `group` (under HMA it can differ from the worker's)."""
+    return int(worker.kv_cache_config.transfer_groups[group].kv_cache_spec.block_size)
 
 
 def group_layer_names(worker: Any, group: int) -> list[str]:

@@ -126,6 +126,13 @@ def zero_mask(side: Side, first: int) -> torch.Tensor:
     return zero_tokens_from(torch.ones(1, side.shape.elems, dtype=torch.int16), side, first).reshape(-1) == 0
 
 
+@functools.lru_cache(maxsize=1024)
+def slots_mask(side: Side, start: int, stop: int) -> torch.Tensor:
+    """True at the elements of token slots [start, stop) of a block (a sliding-window block's head that the
+    prefill no longer held, or its tail past the prompt)."""
+    return zero_mask(side, start) & ~zero_mask(side, stop)
+
+
 def zero_tokens_from(raw: torch.Tensor, side: Side, first: int) -> torch.Tensor:
     """Blocks [B, E] with every token slot >= first (within each block) zeroed, in the block's own layout."""
     k, v = side.layout.unpack(raw, side.shape)

@@ -40,6 +40,7 @@ def isa_worker(monkeypatch, block_size, host_isa):
     w.block_size, w.world_size, w.kv_cache_layout, w.backend_name = block_size, 1, "HND", "CPU_ATTN"
     w._cpu_attn, w._received_isa, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
     w._physical_blocks_per_logical_kv_block, w._split_ratio, w._remote_block = 1, {}, {}
+    w._windows = {}  # not a hybrid model
     monkeypatch.setattr(PdctlNixlWorker, "_isa", lambda self, n: host_isa)
     seen = []
     monkeypatch.setattr(NixlPullConnectorWorker, "add_remote_agent",
@@ -77,3 +78,62 @@ def test_same_layout_isas_and_untagged_prefills_pass(monkeypatch):
     w2.add_remote_agent(remote_meta(32, "CPU_ATTN"))  # stock prefill: this host's ISA is assumed
     assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {2: "vec"}
 
+
+
+# -- hybrid models: sliding-window tails -------------------------------------------------------------------
+
+
+def window_worker(block_size, windows):
+    from types import SimpleNamespace
+
+    w = object.__new__(PdctlNixlWorker)
+    w.block_size, w._windows = block_size, windows
+    w.kv_cache_config = SimpleNamespace(transfer_groups=[SimpleNamespace(kv_cache_spec=None)] * 2)
+    return w
+
+
+def window_meta(tokens, remote, local):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(remote=SimpleNamespace(num_tokens=tokens, block_ids=remote, engine_id="p"),
+                           local_physical_block_ids=local)
+
+
+def test_window_tails_skip_the_prefills_null_entries_and_start_at_the_window():
+    from pdctl.kv.window import window_pairs
+
+    # 479 tokens, window 96: the decode's first query (token 479) needs keys 384..478. The prefill (block 32)
+    # sent the last cdiv(96, 32) + 1 = 4 blocks, #11-14, #11 already vLLM's null block (id 0); the decode
+    # (block 64) holds #6-7.
+    w = window_worker(64, {0: 96})
+    tails = w._window_tails(window_meta(479, [[0, 21, 22, 23], [1, 2]], [[50, 51], [60]]), 0, 96, 32)
+    assert tails == dict(local=[50, 51], remote=[21, 22, 23], local_first=6, remote_first=12, prefill_block=32,
+                         decode_block=64, tokens=479, need_from=384)
+    plan = window_pairs(**tails)
+    # decode #6 = tokens 384..447 = prefill #12, #13; decode #7 = #14 (tokens 448..479) and nothing past 479
+    assert (plan.local, plan.remote) == ((100, 101, 102), (21, 22, 23))
+    assert [f.zero for f in plan.fills] == [(), ((31, 64),)]
+
+
+def test_window_tails_that_are_not_tails_are_refused():
+    w = window_worker(64, {0: 96})
+    assert w._window_tails(window_meta(100, [[1, 2, 3, 4, 5]], [[7]]), 0, 96, 32) is None  # 5 blocks > cdiv
+    assert w._window_tails(window_meta(None, [[1]], [[7]]), 0, 96, 32) is None  # no prompt length
+
+
+def test_prefill_backoff_only_for_sliding_window_groups(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from pdctl.connector.nixl import PdctlNixlScheduler
+
+    monkeypatch.setattr(NixlBaseConnectorScheduler, "_prefill_backoff", lambda self: 0)
+    s = object.__new__(PdctlNixlScheduler)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=None)
+    sliding = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=None, sliding_window=96)
+    s.kv_cache_config = SimpleNamespace(transfer_groups=[SimpleNamespace(kv_cache_spec=full)])
+    assert s._prefill_backoff() == 0
+    s.kv_cache_config.transfer_groups.append(SimpleNamespace(kv_cache_spec=sliding))
+    assert s._prefill_backoff() == 1
