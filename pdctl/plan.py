@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pdctl.auth import PROXY_FLAG, VLLM_KEY_ENV, key_env
 from pdctl.topology import (
@@ -129,10 +129,15 @@ class Plan:
         """Plain JSON data (state.json, `pdctl plan --json`): the topology as its JSON dump."""
         # Sections left out while at their default (monitoring off, no auth): plans and state files without them
         # read the same as before.
-        off = ({"monitoring"} if not self.topology.monitoring.enabled else set()) | (
-            {"auth"} if self.topology.auth is None else set())
+        t = self.topology
+        off: dict[str, Any] = {s: True for s, unset in (("monitoring", not t.monitoring.enabled),
+                                                         ("auth", t.auth is None)) if unset}
+        # Fields left out while at their default (#19's hybrid attention), for the same reason.
+        for section, name in (("model", "attention"), ("connector", "allow_unsafe_hybrid")):
+            if getattr(getattr(t, section), name) == type(getattr(t, section)).model_fields[name].default:
+                off.setdefault(section, set()).add(name)
         return {"name": self.name, "state_dir": self.state_dir, "processes": [p.to_dict() for p in self.processes],
-                "topology": self.topology.model_dump(mode="json", exclude=off or None)}
+                "topology": t.model_dump(mode="json", exclude=off or None)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)

@@ -10,6 +10,7 @@ import copy
 import difflib
 import ipaddress
 import json
+import math
 import os
 import re
 import typing
@@ -36,7 +37,12 @@ DEFAULT_BLOCK_SIZE: dict[str, int] = {"cuda": 16, "cpu": 32, "xpu": 64, "hpu": 1
 CPU_BLOCK_MULTIPLE = 32  # CPU_ATTN kernel: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
 
 # KV heads of hub models that example topologies use, so TP rules work without downloading config.json.
-KNOWN_MODEL_KV_HEADS: dict[str, int] = {"Qwen/Qwen3-0.6B": 8, "Qwen/Qwen3-8B": 8, "meta-llama/Llama-3.1-8B-Instruct": 8}
+KNOWN_MODEL_KV_HEADS: dict[str, int] = {"Qwen/Qwen3-0.6B": 8, "Qwen/Qwen3-8B": 8, "meta-llama/Llama-3.1-8B-Instruct": 8,
+                                        "openai/gpt-oss-20b": 8}
+
+# vLLM's switch for its hybrid KV cache manager (HMA), a BooleanOptionalAction: the last of the two forms wins.
+HMA_OFF_FLAG = "--disable-hybrid-kv-cache-manager"
+HMA_ON_FLAG = "--no-disable-hybrid-kv-cache-manager"
 
 
 def _layout(v: Any) -> Any:
@@ -86,6 +92,11 @@ class ModelSpec(_Strict):
     max_model_len: int | None = Field(None, ge=16)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     kv_heads: int | None = Field(None, ge=1, le=2**16, description="KV heads, when config.json is not local")
+    attention: Literal["full", "hybrid"] | None = Field(
+        None, description="the model's attention, when config.json is not local: full, or hybrid (sliding-window "
+        "and full-attention layers, e.g. gpt-oss, Gemma 2/3), which vLLM's hybrid KV cache manager keeps in one KV "
+        "cache group per kind and the connector rules treat apart. A local config.json decides; this field must "
+        "then agree with it")
     seed: int = 0
 
     @property
@@ -254,6 +265,11 @@ class ConnectorSpec(_Strict):
         "converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined with "
         "the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
     extra_config: dict[str, Any] = Field(default_factory=dict)
+    allow_unsafe_hybrid: bool = Field(
+        False, description="negative controls only: let vLLM's stock connector (kind: nixl) pair a hybrid "
+        "(sliding-window + full attention) model's KV across different prefill and decode block sizes with the "
+        "hybrid KV cache manager on, which pdctl otherwise refuses (a warning instead). It exists to prove the "
+        "gates catch the stock connector's silent KV corruption there; never for serving")
 
     @model_validator(mode="after")
     def _trace_needs_pdctl(self) -> ConnectorSpec:
@@ -414,18 +430,39 @@ class Topology(_Strict):
         return 32 * (ratio - 1) if ratio > 1 else 0
 
 
-def summary(t: Topology) -> str:
-    """One line: what runs where, for `pdctl validate`."""
+def summary(t: Topology, info: ModelInfo | None = None) -> str:
+    """One line: what runs where, for `pdctl validate` (`info`: the model's facts, by default those the topology
+    was loaded with); a model with sliding-window layers says so, with its window and whether HMA is on."""
     def pool(g: InstanceGroup) -> str:
         return f"{g.count}x {g.platform} block {g.block_size} TP {g.tp} {g.kv_layout}"
 
+    if info is None:
+        info = t.origin.model_info if t.origin is not None else ModelInfo()
     proxy = "" if t.proxy.kind == "pdctl" else f", proxy {t.proxy.kind}"
+    attention = attention_summary(t, info)
+    attention = f"; {attention}" if attention else ""
     if len(t.prefill) == 1 and len(t.decode) == 1:
         return (f"{t.name}: prefill {pool(t.prefill[0])} -> decode {pool(t.decode[0])}, connector "
-                f"{t.connector.kind}{proxy}")
+                f"{t.connector.kind}{proxy}{attention}")
     sides = [f"{role} pools " + ", ".join(f"{g.name} ({pool(g)})" for g in t.pools(role)) for role in ROLES]
     pairs = ", ".join(f"{p.name}->{d.name}" for p, d in t.pairs())
-    return f"{t.name}: {sides[0]} -> {sides[1]}; pairs {pairs}; connector {t.connector.kind}{proxy}"
+    return f"{t.name}: {sides[0]} -> {sides[1]}; pairs {pairs}; connector {t.connector.kind}{proxy}{attention}"
+
+
+def attention_summary(t: Topology, info: ModelInfo) -> str | None:
+    """'model hybrid (sliding-window + full attention), sliding window 96, HMA on' for a model with sliding-window
+    layers; None for the others."""
+    attention = model_attention(t, info)
+    if attention not in ("hybrid", "sliding"):
+        return None
+    window = (f"sliding window {info.sliding_window}" if info.sliding_window else
+              "sliding window unknown: no local config.json")
+    hma = {hma_enabled(g) for role in ROLES for g in t.pools(role)}
+    on = ("HMA on" if hma == {True} else "HMA off" if hma == {False} else
+          "HMA on in " + ", ".join(f"{role} pool {g.name}" for role in ROLES for g in t.pools(role) if hma_enabled(g))
+          + ", off in the others")
+    what = "hybrid (sliding-window + full attention)" if attention == "hybrid" else "sliding-window attention"
+    return f"model {what}, {window}, {on}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -570,6 +607,13 @@ class ModelInfo:
     max_len: int | None = None  # what vLLM serves without --max-model-len: the smallest of its length keys
     config: str | None = None  # the config.json these came from
     capacity_unknown: str | None = None  # why the config's attention is not plain (sliding window, MLA, ...)
+    # What config.json says of the attention (None without a local config.json, or when its layer kinds are
+    # others, e.g. Mamba or linear attention): full; hybrid, sliding-window and full-attention layers (vLLM's
+    # hybrid KV cache manager keeps a KV cache group per kind); sliding, every layer windowed. The topology's
+    # model.attention stands in when this is None (model_attention).
+    attention: Literal["full", "hybrid", "sliding"] | None = None
+    attention_why: str | None = None  # what in config.json says so, for messages
+    sliding_window: int | None = None  # the window, in tokens
 
 
 _MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KiB
@@ -600,12 +644,55 @@ def _read_config(cfg_file: Path) -> dict[str, Any] | None:
     return cfg
 
 
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+# Model types whose config classes alternate sliding and full layers when config.json has no layer_types.
+_ALTERNATING = {"gemma2": "Gemma 2", "gpt_oss": "gpt-oss"}
+
+
+def _attention_kind(cfg: dict[str, Any]) -> tuple[Literal["full", "hybrid", "sliding"] | None, str]:
+    """What config.json says of the attention, and what in it says so. vLLM windows a layer when layer_types
+    names it sliding_attention (Llama, Gemma 2/3, gpt-oss: the model's sliding_window), else every layer when
+    the config has a sliding_window and no layer_types (engine/arg_utils.py); older Gemma/Cohere configs give a
+    pattern instead of layer_types, and Qwen2's max_window_layers splits the layers."""
+    window = _count(cfg.get("sliding_window"))
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        if not all(isinstance(x, str) for x in layer_types):
+            return None, "layer_types holds something other than names"
+        kinds = set(layer_types)
+        if kinds == {_FULL}:
+            return "full", "layer_types: every layer full_attention"
+        if not kinds <= {_SLIDING, _FULL}:
+            return None, f"layer_types names {', '.join(sorted(kinds - {_SLIDING, _FULL}))[:200]}"
+        if not window:
+            return None, "layer_types names sliding_attention layers but sliding_window is no window"
+        if kinds == {_SLIDING}:
+            return "sliding", f"layer_types: every layer sliding_attention (window {window})"
+        n = layer_types.count(_SLIDING)
+        return "hybrid", (f"layer_types: {n} sliding_attention (window {window}) and {len(layer_types) - n} "
+                          "full_attention layers")
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return "full", "no sliding_window and no sliding_attention layers"
+    pattern, layers, split = (_count(cfg.get(k)) for k in ("sliding_window_pattern", "num_hidden_layers",
+                                                             "max_window_layers"))
+    if pattern and pattern > 1:
+        return "hybrid", f"sliding_window_pattern {pattern}: one layer in {pattern} is full attention"
+    if cfg.get("model_type") in _ALTERNATING:
+        return "hybrid", f"{_ALTERNATING[cfg['model_type']]} alternates sliding-window and full-attention layers"
+    if split and layers and split < layers:
+        return "hybrid", f"max_window_layers {split} of {layers} layers"
+    return "sliding", f"sliding_window {window} for every layer (no layer_types)"
+
+
 def _irregular_attention(cfg: dict[str, Any]) -> str | None:
     """Why layers x 2 x KV heads x head_dim does not describe this model's KV cache, if it does not."""
     if cfg.get("kv_lora_rank") is not None:
         return "the model uses MLA (compressed KV)"
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and any(x != "full_attention" for x in layer_types):
+        if _attention_kind(cfg)[0] == "hybrid":
+            return ("the model mixes sliding-window and full attention (layer_types): vLLM keeps one KV cache "
+                    "group per kind")
         return "the model mixes attention kinds (layer_types)"
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) is not False:
         return "the model uses sliding-window attention"
@@ -635,6 +722,9 @@ def read_model_info(topo_model: ModelSpec, base_dir: Path) -> ModelInfo:
                                                      else None),
             config=str(cfg_file),
             capacity_unknown=_irregular_attention(cfg),
+            attention=(kind := _attention_kind(cfg))[0],
+            attention_why=kind[1],
+            sliding_window=_count(cfg.get("sliding_window")) if kind[0] in ("hybrid", "sliding") else None,
         )
     return ModelInfo(kv_heads=topo_model.kv_heads or KNOWN_MODEL_KV_HEADS.get(topo_model.path))
 
@@ -665,6 +755,59 @@ def pool_loc(t: Topology, role: Role, pool: InstanceGroup) -> Loc:
     return (role, next(i for i, g in enumerate(t.pools(role)) if g is pool))
 
 
+def model_attention(t: Topology, info: ModelInfo) -> str | None:
+    """full, hybrid or sliding: what the local config.json says, else the topology's model.attention; None when
+    neither says (a hub id without model.attention)."""
+    return info.attention or t.model.attention
+
+
+def _hma_flag(g: InstanceGroup) -> tuple[int, bool] | None:
+    """The last of vLLM's HMA switches in a pool's extra_args (vLLM also reads --x_y as --x-y): its index, and
+    whether it leaves HMA on."""
+    found = None
+    for i, a in enumerate(g.extra_args):
+        name = a.split("=", 1)[0]
+        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        if name in (HMA_OFF_FLAG, HMA_ON_FLAG):
+            found = (i, name == HMA_ON_FLAG)
+    return found
+
+
+def hma_enabled(g: InstanceGroup) -> bool:
+    """Whether a pool's servers run vLLM's hybrid KV cache manager (HMA): on unless its extra_args pass
+    --disable-hybrid-kv-cache-manager. (vLLM would also turn it off for a connector without HMA support; vLLM's
+    NixlConnector and pdctl's both have it.)"""
+    flag = _hma_flag(g)
+    return flag is None or flag[1]
+
+
+def _pool_field(t: Topology, role: Role, g: InstanceGroup, name: str) -> str:
+    """A pool's field as the user reads it: decode.extra_args, or decode pool d64's extra_args in a fleet."""
+    single = len(t.pools(role)) == 1 and g.name == DEFAULT_POOL
+    return f"{role}.{name}" if single else f"{role} pool {g.name}'s {name}"
+
+
+def _hybrid_cpu_blocks(block: int) -> tuple[int, int, int]:
+    """What vLLM makes of a CPU pool's --block-size for a hybrid model with HMA on: the sliding-window group's
+    block, the full-attention group's, and the lcm NIXL advertises. The sliding-window layers pick the largest
+    kernel block within it (CPU_ATTN: multiples of 32, at least 32; attention.py); when one group's page divides
+    the other's, the smaller group is raised to the larger block, else pages are padded
+    (kv_cache_utils.unify_kv_cache_spec_page_size); NIXL's block is the lcm of the groups' (nixl base_worker)."""
+    sw = max(CPU_BLOCK_MULTIPLE, block // CPU_BLOCK_MULTIPLE * CPU_BLOCK_MULTIPLE)
+    big, small = max(sw, block), min(sw, block)
+    if big % small == 0:
+        return big, big, big
+    return sw, block, math.lcm(sw, block)
+
+
+def _unsafe_stock_hybrid(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: str | None) -> bool:
+    """vLLM's NixlConnector, a hybrid model with HMA on both sides and different block sizes: each side keeps the
+    tail of its sliding-window block list, sized by its own block size, and vLLM pairs the two lists from the
+    start (docs/notes/19-hybrid-attention-research.md, Q3)."""
+    return (t.connector.kind == "nixl" and attention == "hybrid" and hma_enabled(p) and hma_enabled(d)
+            and p.block_size != d.block_size)
+
+
 def _pair_label(t: Topology, p: InstanceGroup, d: InstanceGroup) -> str:
     """'prefill pool p128 -> decode pool d32: ' in a fleet; nothing when each role is one pool (today's text)."""
     if len(t.prefill) == 1 and len(t.decode) == 1:
@@ -672,8 +815,8 @@ def _pair_label(t: Topology, p: InstanceGroup, d: InstanceGroup) -> str:
     return f"prefill pool {p.name} -> decode pool {d.name}: "
 
 
-def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup) -> list[Problem]:
-    """Every rule that holds between one prefill pool and one decode pool."""
+def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: str | None = None) -> list[Problem]:
+    """Every rule that holds between one prefill pool and one decode pool (`attention`: model_attention)."""
     out: list[Problem] = []
     pl, dl = pool_loc(t, "prefill", p), pool_loc(t, "decode", d)
     label = _pair_label(t, p, d)
@@ -715,6 +858,30 @@ def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup) -> list[Prob
                 f"assumes token rows",
                 "use connector.kind: pdctl, or equal block sizes",
                 related=((*pl, "block_size"), (*dl, "block_size")), severity="warning")
+        if _unsafe_stock_hybrid(t, p, d, attention):
+            allowed = t.connector.allow_unsafe_hybrid
+            add(("connector", "kind"),
+                f"the model is hybrid (sliding-window + full attention) and vLLM's hybrid KV cache manager is on: "
+                f"vLLM's NixlConnector pairs sliding-window blocks start-aligned across block sizes (prefill "
+                f"{pb} -> decode {db}): silent KV corruption"
+                + ("; allowed by connector.allow_unsafe_hybrid (negative controls only)" if allowed else ""),
+                None if allowed else f"use kind: pdctl or {HMA_OFF_FLAG} on every pool (extra_args), or equal "
+                "block sizes",
+                related=((*pl, "block_size"), (*dl, "block_size")), severity="warning" if allowed else "error")
+
+    # vLLM hashes whether HMA is on into NIXL's compatibility hash: a handshake between pools that differ fails.
+    if hma_enabled(p) != hma_enabled(d):
+        off, off_role, on, on_role = (p, "prefill", d, "decode") if hma_enabled(d) else (d, "decode", p, "prefill")
+        flag = _hma_flag(off)
+        assert flag is not None
+        on_flag = _hma_flag(on)
+        add((*pool_loc(t, off_role, off), "extra_args", flag[0]),
+            f"{_pool_field(t, off_role, off, 'extra_args')} turns vLLM's hybrid KV cache manager off "
+            f"({HMA_OFF_FLAG}) and {_pool_field(t, on_role, on, 'extra_args')} "
+            + ("turns it on" if on_flag else "leaves it on")
+            + ": vLLM puts the setting in NIXL's compatibility hash, so every handshake between them fails",
+            f"pass {HMA_OFF_FLAG} in both pools' extra_args, or in neither",
+            related=((*pool_loc(t, on_role, on), "extra_args") + ((on_flag[0],) if on_flag else ()),))
 
     # TP between the roles.
     if p.tp != d.tp:
@@ -758,10 +925,20 @@ def _pool_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -
     assert g.block_size is not None
     if g.platform == "cpu" and g.block_size % CPU_BLOCK_MULTIPLE:
         up = -(-g.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
-        out.append(Problem((*loc, "block_size"),
-                           f"the CPU attention backend needs a block size that is a multiple of "
-                           f"{CPU_BLOCK_MULTIPLE} (got {g.block_size})",
-                           f"use {up}"))
+        if model_attention(t, info) == "hybrid" and hma_enabled(g):
+            sw, full, nixl = _hybrid_cpu_blocks(g.block_size)
+            out.append(Problem((*loc, "block_size"),
+                               f"a hybrid model (sliding-window + full attention) with vLLM's hybrid KV cache "
+                               f"manager on needs a block size that is a multiple of {CPU_BLOCK_MULTIPLE} on CPU (got "
+                               f"{g.block_size}): vLLM gives the sliding-window layers a block that is a multiple of "
+                               f"{CPU_BLOCK_MULTIPLE} ({sw} here; the full-attention layers {full}), and NIXL's "
+                               f"block becomes {'their lcm, ' if sw != full else ''}{nixl}, not {g.block_size}",
+                               f"use {up}"))
+        else:
+            out.append(Problem((*loc, "block_size"),
+                               f"the CPU attention backend needs a block size that is a multiple of "
+                               f"{CPU_BLOCK_MULTIPLE} (got {g.block_size})",
+                               f"use {up}"))
     if info.kv_heads and info.kv_heads % g.tp:
         # TP is at most 64: the hint lists the divisors a pool can use (a huge head count stays cheap).
         divisors = [n for n in range(1, min(info.kv_heads, 64) + 1) if info.kv_heads % n == 0]
@@ -927,10 +1104,29 @@ def _pool_set_problems(t: Topology) -> list[Problem]:
     return out
 
 
+def _attention_problems(t: Topology, info: ModelInfo) -> list[Problem]:
+    """model.attention against the local config.json, and connector.allow_unsafe_hybrid where it does nothing."""
+    out: list[Problem] = []
+    said = t.model.attention
+    if said and info.attention and said != info.attention:
+        out.append(Problem(("model", "attention"), f"says {said}, but {info.config} says {info.attention} "
+                           f"({info.attention_why})",
+                           "remove model.attention (a local config.json decides), or point model.path at the model "
+                           "you mean"))
+    attention = model_attention(t, info)
+    if t.connector.allow_unsafe_hybrid and not any(_unsafe_stock_hybrid(t, p, d, attention) for p, d in t.pairs()):
+        out.append(Problem(("connector", "allow_unsafe_hybrid"),
+                           "has no effect here: it only lets vLLM's stock connector (kind: nixl) pair a hybrid "
+                           "model's KV across different block sizes with the hybrid KV cache manager on",
+                           "remove it", severity="warning"))
+    return out
+
+
 def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[Problem]:
-    out = _pool_set_problems(t)
+    out = _pool_set_problems(t) + _attention_problems(t, info)
+    attention = model_attention(t, info)
     for p, d in t.pairs():
-        out += _pair_problems(t, p, d)
+        out += _pair_problems(t, p, d, attention)
     for role in ROLES:
         for g in t.pools(role):
             out += _pool_problems(t, role, g, info)

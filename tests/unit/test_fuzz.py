@@ -36,6 +36,7 @@ from pdctl.topology import (
 from tests.conftest import CONFIGS, REPO
 
 TINY_CONFIG = Path(__file__).parent / "bad" / "models" / "tiny"  # a config.json only: the rules read nothing else
+TINY_HYBRID_CONFIG = TINY_CONFIG.with_name("tiny-hybrid")
 # PDCTL_FUZZ_EXAMPLES=5000 for a long hunt; the default keeps the unit tests quick.
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -49,7 +50,9 @@ def _topologies() -> dict[str, dict]:
     for f in sorted(CONFIGS.glob("*.yaml")):
         data = yaml.safe_load(f.read_text())
         if isinstance(data, dict) and "prefill" in data:
-            if "tiny" in str(data["model"].get("path")):
+            if "tiny-hybrid" in str(data["model"].get("path")):
+                data["model"]["path"] = str(TINY_HYBRID_CONFIG)
+            elif "tiny" in str(data["model"].get("path")):
                 data["model"]["path"] = str(TINY_CONFIG)
             out[f.name] = data
     return out
@@ -173,10 +176,14 @@ def test_real_configs_with_a_random_field_set_to_a_random_value(data):
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
                     max_leaves=20),
-       st.fixed_dictionaries({}, optional={k: st.integers(-3, 2**41) | st.text(max_size=5) | st.none()
-                                           for k in ("num_hidden_layers", "num_key_value_heads", "head_dim",
-                                                     "num_attention_heads", "hidden_size", "max_position_embeddings",
-                                                     "sliding_window", "kv_lora_rank")}),
+       st.fixed_dictionaries({}, optional={
+           **{k: st.integers(-3, 2**41) | st.text(max_size=5) | st.none()
+              for k in ("num_hidden_layers", "num_key_value_heads", "head_dim", "num_attention_heads", "hidden_size",
+                        "max_position_embeddings", "sliding_window", "kv_lora_rank", "sliding_window_pattern",
+                        "max_window_layers")},
+           "layer_types": st.lists(st.sampled_from(["sliding_attention", "full_attention", "linear_attention", 1,
+                                                    None]), max_size=6) | st.text(max_size=5),
+           "model_type": st.sampled_from(["llama", "gemma2", "qwen2"])}),
        st.sampled_from(["1KiB", "2MiB", "256MiB", 1, 2**40]), st.integers(1, 8))
 def test_random_model_config(extra, cfg, memory, tp):
     """config.json feeds the TP and capacity rules: any content, any numbers."""
@@ -223,7 +230,7 @@ def test_parse_set(text):
 @FUZZ
 @given(st.fixed_dictionaries({}, optional={k: flag_text for k in OVERRIDE_FLAGS}),
        st.lists(st.builds(lambda k, v: f"{k}={v}", set_key, flag_text), max_size=3),
-       st.sampled_from(["cpu-demo.yaml", "cpu-fleet.yaml", "qwen3-0.6b-cuda-d64.yaml"]))
+       st.sampled_from(["cpu-demo.yaml", "cpu-fleet.yaml", "qwen3-0.6b-cuda-d64.yaml", "cpu-hybrid.yaml"]))
 def test_overrides_on_real_configs(flags, sets, name):
     names = [f"{OVERRIDE_FLAGS[k][0]} {v}" for k, v in flags.items()] + [f"--set {s}" for s in sets]
     overrides = _check(lambda: overrides_from_flags(flags, sets), *names)

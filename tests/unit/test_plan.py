@@ -12,6 +12,8 @@ from pdctl.topology import load_topology
 from tests.conftest import CONFIGS, REPO
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+GOLDEN_CONFIGS = ["cpu-demo", "cpu-router", "qwen3-0.6b-cuda-d64-tp2", "cuda-to-gaudi", "cpu-hybrid",
+                  "gpt-oss-20b-cuda-hybrid"]
 
 
 def _normalized(text: str) -> dict:
@@ -19,7 +21,7 @@ def _normalized(text: str) -> dict:
     return json.loads(text)
 
 
-@pytest.mark.parametrize("config", ["cpu-demo", "cpu-router", "qwen3-0.6b-cuda-d64-tp2", "cuda-to-gaudi"])
+@pytest.mark.parametrize("config", GOLDEN_CONFIGS)
 def test_plan_json_golden(run_cli, config):
     code, out, err = run_cli("plan", CONFIGS / f"{config}.yaml", "--json", "--state-dir", "/tmp/pdctl-golden")
     assert code == 0, err
@@ -33,7 +35,7 @@ def test_plan_json_golden(run_cli, config):
         assert got == json.load(f), f"plan changed; rerun with UPDATE_GOLDEN=1 if intended ({path})"
 
 
-@pytest.mark.parametrize("config", ["cpu-demo", "cpu-router", "qwen3-0.6b-cuda-d64-tp2", "cuda-to-gaudi"])
+@pytest.mark.parametrize("config", GOLDEN_CONFIGS)
 def test_the_typed_plan_writes_the_golden_json_and_reads_it_back(config):
     """The plan holds the typed topology; its JSON (state.json, `plan --json`) is the topology's JSON dump, and
     reading it back gives the same plan (the model is re-validated, the file-reading rules are not re-run)."""
