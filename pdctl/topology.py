@@ -267,8 +267,8 @@ class ConnectorSpec(_Strict):
     extra_config: dict[str, Any] = Field(default_factory=dict)
     allow_unsafe_hybrid: bool = Field(
         False, description="negative controls only: let vLLM's stock connector (kind: nixl) pair a hybrid "
-        "(sliding-window + full attention) model's KV across different prefill and decode block sizes with the "
-        "hybrid KV cache manager on, which pdctl otherwise refuses (a warning instead). It exists to prove the "
+        "(sliding-window + full attention) model's KV with the hybrid KV cache manager on, which pdctl otherwise "
+        "refuses (a warning instead). It exists to prove the "
         "gates catch the stock connector's silent KV corruption there; never for serving")
 
     @model_validator(mode="after")
@@ -801,11 +801,12 @@ def _hybrid_cpu_blocks(block: int) -> tuple[int, int, int]:
 
 
 def _unsafe_stock_hybrid(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: str | None) -> bool:
-    """vLLM's NixlConnector, a hybrid model with HMA on both sides and different block sizes: each side keeps the
-    tail of its sliding-window block list, sized by its own block size, and vLLM pairs the two lists from the
-    start (docs/notes/19-hybrid-attention-research.md, Q3)."""
-    return (t.connector.kind == "nixl" and attention == "hybrid" and hma_enabled(p) and hma_enabled(d)
-            and p.block_size != d.block_size)
+    """vLLM's NixlConnector, a hybrid model with HMA on both sides: each side keeps the tail of its sliding-window
+    block list, cut for the window of the token after the prompt, while the decode recomputes the prompt's last
+    token, whose window starts one key earlier (a null block for some prompt lengths, at any block sizes:
+    docs/notes/19-hma-pairing.md); across block sizes vLLM also pairs the two tails from their starts
+    (docs/notes/19-hybrid-attention-research.md, Q3)."""
+    return t.connector.kind == "nixl" and attention == "hybrid" and hma_enabled(p) and hma_enabled(d)
 
 
 def _pair_label(t: Topology, p: InstanceGroup, d: InstanceGroup) -> str:
@@ -861,12 +862,14 @@ def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: s
         if _unsafe_stock_hybrid(t, p, d, attention):
             allowed = t.connector.allow_unsafe_hybrid
             add(("connector", "kind"),
-                f"the model is hybrid (sliding-window + full attention) and vLLM's hybrid KV cache manager is on: "
-                f"vLLM's NixlConnector pairs sliding-window blocks start-aligned across block sizes (prefill "
-                f"{pb} -> decode {db}): silent KV corruption"
+                "the model is hybrid (sliding-window + full attention) and vLLM's hybrid KV cache manager is on: "
+                "vLLM's NixlConnector keeps the sliding-window blocks of the token after the prompt, one key short "
+                "of what the decode reads for the prompt's last token (at any block sizes; measured: greedy "
+                "mismatches at 32 -> 32)"
+                + (f", and pairs them start-aligned across block sizes ({pb} -> {db})" if pb != db else "")
+                + ": silent KV corruption"
                 + ("; allowed by connector.allow_unsafe_hybrid (negative controls only)" if allowed else ""),
-                None if allowed else f"use kind: pdctl or {HMA_OFF_FLAG} on every pool (extra_args), or equal "
-                "block sizes",
+                None if allowed else f"use kind: pdctl, or {HMA_OFF_FLAG} on every pool (extra_args)",
                 related=((*pl, "block_size"), (*dl, "block_size")), severity="warning" if allowed else "error")
 
     # vLLM hashes whether HMA is on into NIXL's compatibility hash: a handshake between pools that differ fails.
