@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PDCTL := $(VENV)/bin/pdctl
 TINY := .pdctl/models/tiny
+TINY_HYBRID := .pdctl/models/tiny-hybrid
 STAMP := $(VENV)/.pdctl-installed
 
 .PHONY: setup model demo test unit e2e lint clean cluster-tools tools
@@ -15,10 +16,14 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
 	touch $@
 
-model: $(TINY)/pdctl-tiny.json
+model: $(TINY)/pdctl-tiny.json $(TINY_HYBRID)/pdctl-tiny.json
 
 $(TINY)/pdctl-tiny.json: | $(STAMP)
 	$(PDCTL) model tiny $(TINY)
+
+# Sliding-window and full-attention layers in turn (configs/cpu-hybrid*.yaml).
+$(TINY_HYBRID)/pdctl-tiny.json: | $(STAMP)
+	$(PDCTL) model tiny $(TINY_HYBRID) --hybrid
 
 demo: setup model
 	bash scripts/demo.sh $(PDCTL)

@@ -596,8 +596,10 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
         except gsm8k.DataError as e:
             raise UserError(str(e)) from None
 
+    window: list[int | None] = [None]  # a hybrid model's sliding window, once the topology is known
+
     def prompts(blocks: list[int], vocab: int, max_prompt: int) -> list:
-        return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, o.seed, o.lengths)
+        return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, o.seed, o.lengths, window[0])
 
     for flag, url in (("--proxy", proxy), ("--reference", reference), *(("--decode", u) for u in decodes or ())):
         _check_url(flag, url)
@@ -613,6 +615,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
                             "aggregated server")
         say(_running_warning(d))
         t = d.topology
+        window[0] = t.origin.model_info.sliding_window if t.origin else None
         key = _api_key(t)
         vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
         max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
@@ -640,6 +643,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
     _local_engine(t)
     key = _api_key(t)  # before anything starts
     vocab = origin(t).model_info.vocab_size or o.vocab
+    window[0] = origin(t).model_info.sliding_window
     max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
     ref = p.get("reference")

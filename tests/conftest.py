@@ -8,6 +8,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 CONFIGS = REPO / "configs"
 TINY = REPO / ".pdctl" / "models" / "tiny"
+TINY_HYBRID = REPO / ".pdctl" / "models" / "tiny-hybrid"  # `pdctl model tiny DIR --hybrid` (window 96)
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ def gsm8k_prompts(data_dir: Path, n: int, shots: int = 5, seed: int = 1234) -> l
 
 
 def default_prompts(block_sizes: list[int], vocab: int, max_prompt: int, gsm8k_dir: Path | None = None,
-                    seed: int | None = None) -> list[Prompt]:
-    lengths = boundary_lengths(block_sizes, max_prompt)
+                    seed: int | None = None, window: int | None = None) -> list[Prompt]:
+    lengths = boundary_lengths(block_sizes, max_prompt, window)
     prompts = random_prompts(lengths, vocab, seed)
     # Shared prefixes: the decode serves the head of these from its own prefix cache (sent after their base).
     base = prompts[lengths.index(max(n for n in lengths if n <= 130))] if lengths else None
@@ -35,11 +35,12 @@ def default_prompts(block_sizes: list[int], vocab: int, max_prompt: int, gsm8k_d
 
 
 def prompts_for(block_sizes: list[int], vocab: int, max_prompt: int, gsm8k_dir: Path | None = None,
-                seed: int | None = None, lengths: list[int] | None = None) -> list[Prompt]:
-    """The check's prompts for one pair of block sizes: the defaults, or only random prompts of `lengths`."""
+                seed: int | None = None, lengths: list[int] | None = None, window: int | None = None) -> list[Prompt]:
+    """The check's prompts for one pair of block sizes: the defaults (with a hybrid model's sliding `window`, also
+    around it), or only random prompts of `lengths`."""
     if lengths:
         return random_prompts(lengths, vocab, seed)
-    return default_prompts(block_sizes, vocab, min(max_prompt, 1024), gsm8k_dir, seed)
+    return default_prompts(block_sizes, vocab, min(max_prompt, 1024), gsm8k_dir, seed, window)
 
 
 def with_nonce(prompts: list[Prompt], seed: int | None = None) -> list[Prompt]:

@@ -22,12 +22,20 @@ from pdctl.proxy.routing import ROUTE_HEADER
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
 
 
-def boundary_lengths(block_sizes: list[int], max_len: int = 1024) -> list[int]:
-    """Lengths straddling each block boundary of both sides (n-1, n, n+1 for n = k*block), plus a few long ones."""
+def boundary_lengths(block_sizes: list[int], max_len: int = 1024, window: int | None = None) -> list[int]:
+    """Lengths straddling each block boundary of both sides (n-1, n, n+1 for n = k*block), plus a few long ones.
+
+    window: a hybrid model's sliding window: prompts around it, several times longer than it, and those whose
+    window starts a block after the prompt's last token's does (n - window + 1 a multiple of a block: where
+    vLLM's stock connector leaves the decode's recomputed last token one key short)."""
     out = set(DEFAULT_LENGTHS)
     for b in block_sizes:
         for k in (1, 2, 4):
             out.update({k * b - 1, k * b, k * b + 1})
+    if window:
+        out.update({window - 1, window, window + 1, 3 * window, 5 * window + 7})
+        for b in block_sizes:
+            out.update(window - 1 + k * b for k in (1, 2, 5))
     return sorted(n for n in out if 0 < n <= max_len)
 
 

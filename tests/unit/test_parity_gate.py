@@ -293,3 +293,15 @@ def test_parity_gate_fails_when_the_decode_metrics_do_not_answer():
         fake.server.shutdown()
     assert not report.passed
     assert report.proof.message == f"cannot prove the transfer: decode {fake.url}/nowhere: /metrics did not answer"
+
+
+def test_a_hybrid_models_window_adds_prompts_around_it():
+    from pdctl.gates.parity import boundary_lengths
+
+    plain = boundary_lengths([32, 64], 1024)
+    hybrid = boundary_lengths([32, 64], 1024, window=96)
+    assert set(plain) < set(hybrid)
+    assert {95, 96, 97, 288} <= set(hybrid)  # around the window, 3x longer
+    # n - 96 + 1 a multiple of a block: where vLLM's stock connector leaves the recomputed token one key short
+    assert {127, 159, 255} <= set(hybrid) and all((n - 95) % 32 == 0 for n in (127, 159, 255))
+    assert max(boundary_lengths([32], 200, window=96)) <= 200
