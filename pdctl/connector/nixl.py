@@ -242,7 +242,9 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             if not self._plan_split(req_id, meta, ratio, prefix_hit):
                 seam.fail_recv(self, req_id)
                 return None
-        if ratio == 0 and remote and seam.has_remote_agent(self, remote.engine_id) and self._window_groups():
+        reading = any(meta.local_physical_block_ids or ())  # empty: a full prefix hit, vLLM only notifies
+        if ratio == 0 and reading and remote and seam.has_remote_agent(self, remote.engine_id) and \
+                self._window_groups():
             if not self._plan_window_merge(req_id, meta):
                 seam.fail_recv(self, req_id)
                 return None
@@ -301,6 +303,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             tails = self._window_tails(meta, g, window, prefill_block)
             plan = window_pairs(**tails) if tails else None
             if plan is None:
+                self._window_now = {}
                 log.warning("pdctl connector: request %s: the sliding-window tails of group %d do not hold the "
                             "window (%s); its KV load fails", req_id, g, tails and {
                                 k: v for k, v in tails.items() if k not in ("local", "remote")})
@@ -356,7 +359,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
     def _plan_split(self, req_id: str, meta, ratio: int, prefix_hit: tuple[int, ...]) -> bool:
         """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks (pdctl.kv.index);
         False: the staging area cannot hold the chunks no decode block takes."""
-        windows = self._window_groups()
+        windows = self._window_groups() if any(meta.local_physical_block_ids or ()) else {}
         # Full-attention groups: pdctl.kv.index, from the start; sliding-window groups: pdctl.kv.window, by tokens.
         local = [[] if g in windows else list(ids) for g, ids in enumerate(meta.local_physical_block_ids)]
         remote = [list(g) for g in meta.remote.block_ids]
@@ -478,7 +481,13 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
         if not self._cpu_attn or seam.permutes_local_kv(self):
-            return super().post_process_device_kv_on_receive(block_size_ratio, block_ids_list, convert)
+            # vLLM's own conversion; a sliding-window group's received sub-blocks are not a prefix of its list
+            # (vLLM would zero in-window tokens): it converts every block and zeroes nothing there (the slots
+            # left stale are outside the window or past the prompt: never read before they are written).
+            items = [(g, ids, len(ids) * block_size_ratio) if self._window_fills.pop((g, ids[0]), None) is not None
+                     else (g, ids, covered) for g, ids, covered in block_ids_list if ids] + [
+                         x for x in block_ids_list if not x[1]]
+            return super().post_process_device_kv_on_receive(block_size_ratio, items, convert)
         # CPU_ATTN: merge sub-blocks and zero the uncovered tail in the ISA's real layout.
         for group, block_ids, covered_sub_blocks in block_ids_list:
             names = seam.group_layer_names(self, group)

@@ -137,3 +137,20 @@ def test_prefill_backoff_only_for_sliding_window_groups(monkeypatch):
     assert s._prefill_backoff() == 0
     s.kv_cache_config.transfer_groups.append(SimpleNamespace(kv_cache_spec=sliding))
     assert s._prefill_backoff() == 1
+
+
+def test_a_full_prefix_hit_plans_no_window_read(monkeypatch):
+    """A decode that holds the whole prompt gets empty block lists: nothing to pair (vLLM only notifies)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+    from pdctl.connector import seam
+
+    w = window_worker(64, {0: 96})
+    w._read_delay_s, w._split_ratio, w._split_plans, w._receiving, w._trace = 0, {}, {}, {}, False
+    w._window_now, w._read_wait_s, w._fresh_reads = {}, 0, []
+    monkeypatch.setattr(seam, "has_remote_agent", lambda self, engine: True)
+    monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req", lambda self, req, meta: "read")
+    meta = window_meta(479, [[0, 21, 22, 23], [1, 2]], ())
+    meta.local_num_computed_blocks, meta.local_block_ids = (), ()
+    meta.remote.host, meta.remote.port = "h", 1
+    assert w._read_blocks_for_req("r", meta) == "read" and w._window_now == {}
