@@ -34,7 +34,8 @@ STAGES: tuple[Stage, ...] = (
           "sees the request"),
     Stage("blocks", "sched_seen", "sched_alloc", "decode scheduler: until it gives the request blocks"),
     Stage("read issue", "sched_alloc", "read_issued", "scheduler output to the worker, NIXL read issued"),
-    Stage("KV read", "read_issued", "read_done", "NIXL read, until the worker's poll sees it done"),
+    Stage("read post", "read_issued", "read_posted", "vLLM's read plan (descriptors) and NIXL's post of the read"),
+    Stage("KV read", "read_posted", "read_done", "NIXL read, until the worker's poll sees it done"),
     Stage("convert", "read_done", "converted", "post-receive layout conversion (merge / split / zero)"),
     Stage("KV ready", "converted", "sched_kv_ready", "worker result back to the scheduler"),
     Stage("to compute", "sched_kv_ready", "sched_first", "until the scheduler schedules the step that computes "

@@ -255,7 +255,10 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if self._trace and remote and seam.has_remote_agent(self, remote.engine_id):
             trace("read_issued", req_id)
         try:
-            return super()._read_blocks_for_req(req_id, meta)
+            posted = super()._read_blocks_for_req(req_id, meta)
+            if self._trace and remote and seam.has_remote_agent(self, remote.engine_id):
+                trace("read_posted", req_id)
+            return posted
         finally:
             self._prefix_hit = ()
             self._window_now = {}

@@ -17,7 +17,8 @@ def _proxy(rid: str, t0: float, **over) -> dict:
 
 
 def _lines(vid: str, t0: float) -> list[str]:
-    at = {"sched_seen": 0.014, "sched_alloc": 0.0145, "read_issued": 0.016, "read_done": 0.019, "converted": 0.0192,
+    at = {"sched_seen": 0.014, "sched_alloc": 0.0145, "read_issued": 0.016, "read_posted": 0.0165,
+          "read_done": 0.019, "converted": 0.0192,
           "sched_kv_ready": 0.021, "sched_first": 0.022}
     return [f"(EngineCore pid=1) INFO 12-02 10:00:00 [nixl.py:80] pdctl trace {k} {vid} {t0 + v:.6f}"
             for k, v in at.items()]
@@ -39,7 +40,7 @@ def test_join_matches_by_the_proxy_id_inside_vllms_id_and_stages_add_up():
     one = next(t for t in tl if t["recv"] == 100.0)
     assert one["read_issued"] == pytest.approx(100.016)  # pdctl-1 did not take pdctl-10's stamps
     stats = {s.name: s for s in b.summarize(tl)}
-    assert stats["KV read"].p50_ms == pytest.approx(3.0)
+    assert stats["read post"].p50_ms == pytest.approx(0.5) and stats["KV read"].p50_ms == pytest.approx(2.5)
     assert stats["prefill"].p50_ms == pytest.approx(10.0)
     total = sum(stats[s.name].p50_ms for s in b.STAGES)
     assert total == pytest.approx(stats["TTFT (proxy)"].p50_ms)  # consecutive stages: no gap, no overlap
