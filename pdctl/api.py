@@ -615,7 +615,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
                             "aggregated server")
         say(_running_warning(d))
         t = d.topology
-        window[0] = t.origin.model_info.sliding_window if t.origin else None
+        window[0] = _sliding_window(d)
         key = _api_key(t)
         vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
         max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
@@ -671,6 +671,19 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
         report = parity.run_parity(d.proxy_url, answers, [s.http_url for s in d.plan.by_role("decode")],
                                    t.model.name, ps, o.max_tokens, o.concurrency, api_key=key)
     return _reported(report, o)
+
+
+def _sliding_window(d: Deployment) -> int | None:
+    """A running topology's model window (a hybrid model's), from the config.json its servers were given."""
+    from pdctl.topology import ModelSpec, read_model_info
+
+    if d.topology.origin is not None:
+        return d.topology.origin.model_info.sliding_window
+    for spec in d.plan.processes:
+        if "--model" in spec.argv[:-1]:
+            model = spec.argv[spec.argv.index("--model") + 1]
+            return read_model_info(ModelSpec(path=model), Path("/")).sliding_window
+    return None
 
 
 def _ready_instances(proxy_url: str) -> list[dict]:

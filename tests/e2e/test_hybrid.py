@@ -45,6 +45,8 @@ def test_stock_connector_is_refused_and_forced_past_validation_fails_the_gate(tm
     doc = json.loads(r.stdout)
     wrong = [x["label"] for x in doc["results"] if not x["passed"]]
     assert not doc["passed"] and wrong, doc
+    print(f"\nstock connector, 32 -> 64, hybrid model: {len(wrong)}/{len(doc['results'])} prompts differ: "
+          + ", ".join(f"{x['label']} at token {x['first_divergence']}" for x in doc["results"] if not x["passed"]))
     assert doc["proof"]["ok"], doc["proof"]  # the KV did travel: the gate failed on the tokens, not the proof
 
 

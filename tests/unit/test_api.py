@@ -132,3 +132,21 @@ def test_bench_breakdown_turns_the_trace_on_and_refuses_what_it_cannot_follow(mo
     monkeypatch.setattr(api, "_preflight", lambda *a: pytest.fail("pre-flight reached"))
     with pytest.raises(pdctl.UserError, match="connector.kind nixl"):
         api._bench(stock, BenchOptions(breakdown=True), {}, tmp_path, print)
+
+
+def test_a_running_hybrid_models_window_is_read_from_its_servers_model(tmp_path):
+    """`check --state-dir` on a running hybrid topology adds the window's prompts: the window comes from the
+    config.json its servers were started with (the topology kept in the state dir has no loader origin)."""
+    import json
+    from types import SimpleNamespace
+
+    from pdctl.api import _sliding_window
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 256, "sliding_window": 96,
+        "layer_types": ["sliding_attention", "full_attention"] * 2}))
+    spec = SimpleNamespace(argv=["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)])
+    d = SimpleNamespace(topology=SimpleNamespace(origin=None), plan=SimpleNamespace(processes=[spec]))
+    assert _sliding_window(d) == 96
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    assert _sliding_window(d) is None
