@@ -174,7 +174,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
         self._remote_block[nixl_agent_meta.engine_id] = nixl_agent_meta.block_size
         if self._window_groups() and nixl_agent_meta.block_size != self.block_size:
-            uneven = sorted({seam.group_block_size(self, g) for g in range(len(self.kv_cache_config.transfer_groups))})
+            uneven = sorted({seam.group_block_size(self, g) for g in range(seam.group_count(self))})
             if len(uneven) > 1:
                 refuse(f"hybrid model whose KV cache groups have different block sizes {uneven} on the decode")
             if seam.kernel_blocks_per_block(self) != 1:
@@ -270,7 +270,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
     def _window_groups(self) -> dict[int, int]:
         """KV transfer group -> sliding window (tokens), for the groups that are sliding-window ones."""
         if self._windows is None:
-            groups = range(len(self.kv_cache_config.transfer_groups))
+            groups = range(seam.group_count(self))
             self._windows = {g: w for g in groups if (w := seam.group_window(self, g))}
         return self._windows
 
@@ -574,7 +574,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         # sides keep (that of the token after it): with a sliding-window group the prefill stops one token
         # short, as vLLM already does for Mamba, so both lay the window out for the token the decode computes.
         # Both sides run this connector (the topology requires it), so the two agree.
-        windows = any(seam.group_window(self, g) for g in range(len(self.kv_cache_config.transfer_groups)))
+        windows = any(seam.group_window(self, g) for g in range(seam.group_count(self)))
         return max(super()._prefill_backoff(), 1 if windows else 0)
 
     # Timing lines (connector setting `trace`): when the decode's scheduler first saw a remote-KV request,

@@ -237,6 +237,11 @@ def permutes_local_kv(worker: Any) -> bool:
     return bool(worker.enable_permute_local_kv)
 
 
+def group_count(spec_holder: Any) -> int:
+    """How many KV transfer groups (block-id lists per request) a connector worker or scheduler has."""
+    return len(spec_holder.kv_cache_config.transfer_groups)
+
+
 def group_window(spec_holder: Any, group: int) -> int | None:
     """The sliding window (tokens) of KV transfer group `group`, None for any other attention kind; the
     holder is a connector worker or scheduler (both keep vLLM's `kv_cache_config`)."""
