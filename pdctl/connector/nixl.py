@@ -367,14 +367,14 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         local = [[] if g in windows else list(ids) for g, ids in enumerate(meta.local_physical_block_ids)]
         remote = [list(g) for g in meta.remote.block_ids]
         shape = dict(ratio=ratio, block_size=self.block_size, tokens=meta.remote.num_tokens, cached=prefix_hit)
-        need = split_staging_needed(local, remote, **shape)
+        full_need = split_staging_needed(local, remote, **shape)
         tails = {g: self._window_tails(meta, g, w, ratio * self.block_size) for g, w in windows.items()}
         window_need = {g: window_staging_needed(**t) if t else None for g, t in tails.items()}
         if None in window_need.values():
             log.warning("pdctl connector: request %s: the sliding-window tails do not hold the window; its KV "
                         "load fails", req_id)
             return False
-        need += sum(window_need.values())
+        need = full_need + sum(window_need.values())
         staging = self._staging_pool().take(need) if need else []
         if staging is None:
             log.warning("pdctl connector: staging area full (%d blocks): request %s's KV load fails "
@@ -382,7 +382,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                         self._failure_policy, "the decode computes the prompt itself"
                         if self._failure_policy == "recompute" else "the request ends with an error")
             return False
-        taken = need - sum(window_need.values())
+        taken = full_need
         plan = split_plan(local, remote, staging=staging[:taken], **shape)
         if windows:
             groups, fills = list(plan.groups), {}
@@ -530,17 +530,21 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                 received = self._side(cache, self.block_size // ratio, self._received_isa.get(ratio))
                 blocks = merge_in_place(blocks, ratio, received, local)
             for row, fill in zip(blocks, fills, strict=True):
-                for start, stop in fill.zero:
-                    row.masked_fill_(slots_mask(local, start, stop), 0)
+                _zero_slots(row, local, fill)
             cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
 
     def _zero_fills(self, cache: torch.Tensor, local: Side, fills: tuple[WindowFill, ...]) -> None:
         """Zero the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
         for fill in fills:
             if fill.zero:
-                block = cache[fill.id].view(-1)
-                for start, stop in fill.zero:
-                    block.masked_fill_(slots_mask(local, start, stop), 0)
+                _zero_slots(cache[fill.id].view(-1), local, fill)
+
+
+def _zero_slots(block: torch.Tensor, local: Side, fill: WindowFill) -> None:
+    """Zero, in place, the token slots of one decode block (flat, in the local layout) that `fill` says received
+    nothing."""
+    for start, stop in fill.zero:
+        block.masked_fill_(slots_mask(local, start, stop), 0)
 
 
 def _as_decode_sized(meta, ratio: int):
