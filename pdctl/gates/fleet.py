@@ -20,6 +20,9 @@ from pdctl.plan import Plan
 from pdctl.topology import ROLES
 
 RECEIVED = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
+# vLLM's prefill, when a decode's read arrives after the request's KV lease expired and its blocks were freed (and
+# maybe reused): the decode is not told, so the gate reads it from the prefill's log.
+LATE_READ = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved")
 MIXED_LENGTHS = (65, 129, 200, 300, 97, 515, 700, 33)
 # Shorter prompts may be computed by the decode itself (vLLM leaves it the last token): not every one logs a read.
 MIN_LOGGED_PROMPT = 32
@@ -91,12 +94,32 @@ def received_from(log_paths: list[str]) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
-def attribute(pair: PairReport, plan: Plan, received: dict[str, list[tuple[str, int]]], pools: dict[str, str]
-              ) -> None:
-    """Fill kv_from and problems: every request went to the pinned pools, and each logged read came from one
-    of the pinned prefill pool's instances (pools: instance name -> pool; a mixed phase pins per prompt)."""
+def late_reads(log_paths: dict[str, str]) -> dict[str, str]:
+    """Request id (as the gate sent it) -> the prefill instance whose log says a decode read that request's KV
+    after the prefill had released it (log_paths: instance name -> its log)."""
+    out: dict[str, str] = {}
+    for name, path in log_paths.items():
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        for m in LATE_READ.finditer(text):
+            rid = re.search(r"pdctl-check-[0-9a-f]{16}", m.group(1))
+            if rid:
+                out[rid.group(0)] = name
+    return out
+
+
+def attribute(pair: PairReport, plan: Plan, received: dict[str, list[tuple[str, int]]], pools: dict[str, str],
+              late: dict[str, str] | None = None) -> None:
+    """Fill kv_from and problems: every request went to the pinned pools, each logged read came from one of the
+    pinned prefill pool's instances (pools: instance name -> pool; a mixed phase pins per prompt), and none
+    arrived after its prefill had released the KV (late: late_reads)."""
     by_port = {s.ports["side_channel"]: s.name for s in plan.by_role("prefill")}
     for r in pair.report.results:
+        if late and r.request_id in late:
+            pair.problems.append(f"{r.label}: the decode read its KV after {late[r.request_id]} had released it "
+                                 "(vLLM's KV lease expired first): its tokens may be another request's")
         want_p, want_d = _wanted(pair, r)
         if r.prefill and pools.get(r.prefill) != want_p or r.decode and pools.get(r.decode) != want_d:
             pair.problems.append(f"{r.label}: served by {r.prefill} -> {r.decode}, pinned to {want_p}/{want_d}")
@@ -149,9 +172,10 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
         report.mixed = PairReport("*", "*", rep)
     if read_logs and t.connector.kind == "pdctl":
         received = received_from([s.log_path for s in plan.by_role("decode")])
+        late = late_reads({s.name: s.log_path for s in plan.by_role("prefill")})
         pools = {s.name: s.pool for s in plan.processes if s.pool}
         for pair in report.all():
-            attribute(pair, plan, received, pools)
+            attribute(pair, plan, received, pools, late)
         report.logs_checked = True
     return report
 

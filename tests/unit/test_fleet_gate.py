@@ -84,3 +84,24 @@ def test_a_pair_one_token_short_of_all_but_the_last_fails_and_the_junit_says_why
     assert 'failures="1"' in xml
     assert ('<failure message="KV did not travel: 127 prompt tokens arrived by transfer, at least 128 required'
             in xml)
+
+
+def test_a_read_after_the_prefill_released_the_kv_fails_the_pair(tmp_path):
+    # vLLM's prefill logs it when a decode's read arrives after the KV lease expired (seen with a prefill and a
+    # decode bound to one CPU core); the decode is not told. Negative control: other requests' lines do not count.
+    from pdctl.gates.fleet import late_reads
+
+    plan, rid, other = _plan(), "pdctl-check-0000000000000abc", "pdctl-check-0000000000000def"
+    line = ("(Worker pid=2460) ERROR 12-03 06:16:02 [pull_worker.py:667] Potentially invalid KV blocks for "
+            "unrecognized request cmpl-{rid}-0-af8ed5b5 were retrieved by a decode worker. They may have expired.\n")
+    log = tmp_path / "p.log"
+    log.write_text("noise\n" + line.format(rid=rid))
+    late = late_reads({"prefill-p32-0": str(log), "prefill-p128-0": str(tmp_path / "missing.log")})
+    assert late == {rid: "prefill-p32-0"}
+    pools = {s.name: s.pool for s in plan.processes if s.pool}
+    pair = _pair(rid)
+    attribute(pair, plan, {rid: [("127.0.0.1", 5600)]}, pools, late)
+    assert not pair.passed and "after prefill-p32-0 had released it" in pair.problems[0]
+    fine = _pair(other)
+    attribute(fine, plan, {other: [("127.0.0.1", 5600)]}, pools, late)
+    assert fine.passed and fine.problems == []
