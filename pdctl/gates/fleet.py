@@ -79,35 +79,31 @@ class FleetReport:
                             for p in self.all() for r in p.report.results]}
 
 
-def received_from(log_paths: list[str]) -> dict[str, list[tuple[str, int]]]:
-    """Request id (as the gate sent it, inside vLLM's own id) -> the prefill side channels its KV came from."""
-    out: dict[str, list[tuple[str, int]]] = {}
-    for path in log_paths:
+def _gate_lines(log_paths: dict[str, str], pattern: re.Pattern):
+    """(log's key, match, the gate's request id) for each line of these logs that `pattern` matches (its group 1
+    holds vLLM's request id) and that names a request the gate sent; unreadable logs are skipped."""
+    for key, path in log_paths.items():
         try:
             text = Path(path).read_text(errors="replace")
         except OSError:
             continue
-        for m in RECEIVED.finditer(text):
-            rid = re.search(r"pdctl-check-[0-9a-f]{16}", m.group(1))
-            if rid:
-                out.setdefault(rid.group(0), []).append((m.group(2), int(m.group(3))))
+        for m in pattern.finditer(text):
+            if rid := re.search(r"pdctl-check-[0-9a-f]{16}", m.group(1)):
+                yield key, m, rid.group(0)
+
+
+def received_from(log_paths: list[str]) -> dict[str, list[tuple[str, int]]]:
+    """Request id (as the gate sent it, inside vLLM's own id) -> the prefill side channels its KV came from."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for _, m, rid in _gate_lines({p: p for p in log_paths}, RECEIVED):
+        out.setdefault(rid, []).append((m.group(2), int(m.group(3))))
     return out
 
 
 def late_reads(log_paths: dict[str, str]) -> dict[str, str]:
     """Request id (as the gate sent it) -> the prefill instance whose log says a decode read that request's KV
     after the prefill had released it (log_paths: instance name -> its log)."""
-    out: dict[str, str] = {}
-    for name, path in log_paths.items():
-        try:
-            text = Path(path).read_text(errors="replace")
-        except OSError:
-            continue
-        for m in LATE_READ.finditer(text):
-            rid = re.search(r"pdctl-check-[0-9a-f]{16}", m.group(1))
-            if rid:
-                out[rid.group(0)] = name
-    return out
+    return {rid: name for name, _, rid in _gate_lines(log_paths, LATE_READ)}
 
 
 def attribute(pair: PairReport, plan: Plan, received: dict[str, list[tuple[str, int]]], pools: dict[str, str],
