@@ -133,6 +133,11 @@ class Supervisor:
             return
         w.next_probe = now + self.policy.health_interval_s
         ok = self.healthy(spec.readiness_url)
+        if not ok and exit_of(this_run(self.backend.log_tail(self.state, spec.name, 200))) is not None:
+            # The server is gone; its guard is still stopping what it left (up to the guard's grace, longer on a
+            # loaded host). That is an exit, not a run of failed health checks.
+            self._ended(spec, w, now, None, None)
+            return
         if w.phase == "starting":
             if ok:
                 self._set(spec, w, "running")

@@ -351,3 +351,18 @@ def test_attached_supervision_takes_everything_down_when_told_or_when_settled(tm
             threading.Timer(0.8, stop.set).start()
         assert supervisor.supervise_attached(st, be, stop, say=said.append) is settles
         assert stopped and not (tmp_path / "state.json").exists() and not (tmp_path / "supervisor.json").exists()
+
+
+def test_a_server_gone_while_its_guard_still_cleans_up_is_an_exit_not_failed_health_checks():
+    # CI saw "failed 5 health checks over 10 s (killed by signal 9 (SIGKILL))": the guard outlived the SIGKILLed
+    # server by its grace while the engine core stopped, and the health count ran out first.
+    sup, be, st, clock, health, _ = make()
+    be.logs["prefill-0"] = [f"{EXIT_MARK}exited with code 1", "--- pdctl: starting prefill-0 at now", "INFO up"]
+    health["ok"] = False
+    sup.tick()  # negative control: the previous run's exit line is not this run's
+    assert st.processes["prefill-0"].phase == "running" and not be.stopped
+    be.logs["prefill-0"].append(f"{EXIT_MARK}killed by signal 9 (SIGKILL)")
+    clock[0] = 5
+    sup.tick()
+    rec = st.processes["prefill-0"]
+    assert rec.phase == "backoff" and rec.last_exit == "killed by signal 9 (SIGKILL)" and be.stopped == ["prefill-0"]
