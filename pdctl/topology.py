@@ -955,7 +955,9 @@ def _pool_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -
         out.append(Problem((*loc, "devices"),
                            f"{g.count} instance(s) x TP {g.tp} need {g.count * g.tp} devices, "
                            f"{len(g.devices)} listed", f"list {g.count * g.tp} device ids"))
-    if g.devices is not None and len(set(g.devices)) != len(g.devices):
+    # Two instances on one CPU core only slow each other down (a warning, with the cross-pool collisions); on an
+    # accelerator the second runs out of memory.
+    if g.platform != "cpu" and g.devices is not None and len(set(g.devices)) != len(g.devices):
         out.append(Problem((*loc, "devices"), "lists a device more than once"))
     if g.platform != "cpu" and g.devices is None:
         out.append(Problem((*loc, "devices"),

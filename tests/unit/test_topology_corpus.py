@@ -118,3 +118,14 @@ def test_prefill_and_decode_on_one_cpu_core_warn_of_the_first_read_stall(run_cli
     assert "first KV read" in lines[cross + 1] and "different cores" in lines[cross + 1]
     same = lines.index(next(x for x in lines if "prefill pool p128[0] is also used by prefill pool p32[0]" in x))
     assert "first KV read" not in lines[same + 1]
+
+
+def test_one_cpu_pool_may_bind_its_instances_to_one_core_with_a_warning(run_cli):
+    # Two prefills on core 0 and two decodes on core 1 keep every pair's roles on different cores (the fault
+    # drills' layout); an accelerator listed twice stays an error (corpus case 31).
+    code, out, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--prefill-count", "2", "--decode-count", "2",
+                             "--set", "prefill.devices=[0,0]", "--set", "decode.devices=[1,1]")
+    assert code == 0, err
+    assert "cpu device 0 of prefill[1] is also used by prefill[0]" in err
+    assert "cpu device 1 of decode[1] is also used by decode[0]" in err
+    assert "first KV read" not in err
