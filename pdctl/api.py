@@ -1008,6 +1008,31 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
 # The proxy
 
 
+def proxy_weights(flags: list[str]) -> dict[str, float]:
+    """`--weight ROLE/POOL=W` flags as ProxyConfig.weights."""
+    weights: dict[str, float] = {}
+    for w in flags:
+        key, sep, val = w.partition("=")
+        try:
+            weights[key] = float(val)
+        except ValueError:
+            sep = ""
+        if not sep or key.count("/") != 1:
+            raise UserError(f"--weight {w}: expected ROLE/POOL=W, e.g. --weight decode/d64=2")
+    return weights
+
+
+def proxy_pairs(flags: list[str]) -> list[tuple[str, str]]:
+    """`--exclude-pair PREFILL_POOL/DECODE_POOL` flags as ProxyConfig.exclude_pairs."""
+    pairs = []
+    for x in flags:
+        p, sep, d = x.partition("/")
+        if not sep or not p or not d:
+            raise UserError(f"--exclude-pair {x}: expected PREFILL_POOL/DECODE_POOL, e.g. --exclude-pair p128/d32")
+        pairs.append((p, d))
+    return pairs
+
+
 def serve_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1", port: int = 8000,
                 **settings) -> None:
     """Run the P/D proxy in this process until interrupted; every routing rule is checked before the port opens.

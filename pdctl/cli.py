@@ -362,6 +362,9 @@ def proxy(
     access_log: Annotated[bool, typer.Option(help="one log line per request: id, status, ms, pair")] = True,
     api_key_env: Annotated[str | None, typer.Option(help="require the key this environment variable holds "
                                                     "(Bearer, on /v1/*) and send it to the instances")] = None,
+    handover: Annotated[list[str] | None, typer.Option("--handover", help="early decode: each decode's hand-over "
+                                                       "socket, one per --decode in its order (pdctl up sets it)")]
+    = None,
 ) -> None:
     """Run the P/D proxy standalone (pdctl up starts it from the topology).
 
@@ -378,26 +381,12 @@ def proxy(
       pdctl proxy --prefill p32=http://h:8100 --prefill p128=http://h:8101 --decode d64=http://h:8200 \\
         --decode d32=http://h:8201 --exclude-pair p128/d32 --weight decode/d64=2 --policy prefix_affinity
     """
-    weights: dict[str, float] = {}
-    for w in weight or []:
-        key, sep, val = w.partition("=")
-        try:
-            weights[key] = float(val)
-        except ValueError:
-            sep = ""
-        if not sep or key.count("/") != 1:
-            raise UserError(f"--weight {w}: expected ROLE/POOL=W, e.g. --weight decode/d64=2")
-    pairs = []
-    for x in exclude_pair or []:
-        p, sep, d = x.partition("/")
-        if not sep or not p or not d:
-            raise UserError(f"--exclude-pair {x}: expected PREFILL_POOL/DECODE_POOL, e.g. --exclude-pair p128/d32")
-        pairs.append((p, d))
     api.serve_proxy(prefill, decode, host=host, port=port, policy=policy,
                     on_prefill_down="reject" if strict else on_prefill_down, connect_timeout_s=connect_timeout,
                     read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
-                    breaker_failures=breaker_failures, breaker_open_s=breaker_open, weights=weights,
-                    exclude_pairs=pairs, affinity_epsilon=affinity_epsilon,
+                    breaker_failures=breaker_failures, breaker_open_s=breaker_open,
+                    weights=api.proxy_weights(weight or []), exclude_pairs=api.proxy_pairs(exclude_pair or []),
+                    affinity_epsilon=affinity_epsilon, handovers=handover or [],
                     affinity_prefix_chars=affinity_prefix_chars, access_log=access_log, api_key_env=api_key_env)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdctl.auth import PROXY_FLAG, VLLM_KEY_ENV, key_env
+from pdctl.proxy import handover
 from pdctl.topology import (
     DEFAULT_POOL,
     ROLES,
@@ -172,6 +173,8 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
             extra["pdctl"]["staging_blocks"] = staging
         if role == "decode":
             extra["pdctl"]["read_wait_s"] = c.read_wait_s
+            if t.proxy.early_decode:
+                extra["pdctl"]["handover"] = True
         if c.trace:
             extra["pdctl"]["trace"] = True
     if role == "decode":
@@ -267,6 +270,9 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
     if px.policy == "prefix_affinity":
         argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
                  str(px.affinity_prefix_chars)]
+    if px.early_decode:  # each decode's hand-over socket, named after its side channel as its connector names it
+        argv += [a for s in servers if s.role == "decode" for a in ("--handover", handover.name(
+            s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])))]
     return argv
 
 

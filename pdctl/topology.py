@@ -219,6 +219,11 @@ class ProxySpec(_Strict):
                                   "routing (circuit breaker)")
     breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
                                   "trial request (half-open)")
+    early_decode: bool = Field(
+        False, description="pdctl's proxy and connector, local engine: send each P/D request to its decode at the "
+        "same time as to its prefill; the decode's own request path (API server, scheduler, blocks: ~8 ms of TTFT "
+        "on a CPU host) then runs while the prefill computes, and the prefill's KV parameters are handed to the "
+        "waiting decode over a host-local socket. A request whose prefill fails is served the ordinary way")
 
     @property
     def router_metrics_port(self) -> int | None:
@@ -1143,6 +1148,7 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                            f"{info.max_position}", f"use at most {info.max_position}"))
     out += _engine_problems(t)
     out += _router_problems(t)
+    out += _early_decode_problems(t)
     out += _exposure_problems(t)
     out += _collisions(t)
     # A rule that holds for a pool is met or broken once, whatever the pairs it is in.
@@ -1193,6 +1199,22 @@ def _engine_problems(t: Topology) -> list[Problem]:
                     out.append(Problem((*pool_loc(t, role, g), "host"),
                                        f"on the {e.kind} engine an instance listens on its node's address; "
                                        f"host {g.host} is ignored", "remove it", severity="warning"))
+    return out
+
+
+def _early_decode_problems(t: Topology) -> list[Problem]:
+    if not t.proxy.early_decode:
+        return []
+    loc, out = ("proxy", "early_decode"), []
+    if t.proxy.kind != "pdctl":
+        out.append(Problem(loc, "needs pdctl's proxy (it sends the decode request early and hands over the KV "
+                           "parameters)", "remove it, or use proxy.kind: pdctl"))
+    if t.connector.kind != "pdctl":
+        out.append(Problem(loc, "needs pdctl's connector (the decode parks the request until the hand-over)",
+                           "remove it, or use connector.kind: pdctl"))
+    if t.engine.kind != "local":
+        out.append(Problem(loc, f"the hand-over is a host-local socket: the {t.engine.kind} engine may place "
+                           "the proxy and the decodes on different hosts", "remove it, or use engine.kind: local"))
     return out
 
 

@@ -29,9 +29,10 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("proxy in", "recv", "prefill_sent", "proxy: request read, prefill chosen and sent"),
     Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer"),
-    Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent"),
+    Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent (early "
+          "decode: the KV parameters handed over)"),
     Stage("decode API", "decode_sent", "sched_seen", "decode API server and engine input until its scheduler "
-          "sees the request"),
+          "sees the request (early decode: until it takes the handed-over KV parameters)"),
     Stage("blocks", "sched_seen", "sched_alloc", "decode scheduler: until it gives the request blocks"),
     Stage("read issue", "sched_alloc", "read_issued", "scheduler output to the worker, NIXL read issued"),
     Stage("read post", "read_issued", "read_posted", "vLLM's read plan (descriptors) and NIXL's post of the read"),
@@ -74,6 +75,11 @@ def join(proxy_records: Iterable[dict], stamps: dict[str, dict[str, float]]) -> 
         if len(theirs) != 1:  # none, or several (n > 1 completions): not one P/D read to follow
             continue
         merged = {k: v for k, v in rec.items() if isinstance(v, float)} | theirs[0]
+        if "handover" in merged and "sched_handover" in merged:
+            # Early decode: the decode's request path ran during the prefill; on the way to the first token
+            # the hand-over takes its place (request sent -> scheduler sees it and gives it blocks).
+            merged |= {"early_decode_sent": merged["decode_sent"], "decode_sent": merged["handover"],
+                       "sched_seen": merged["sched_handover"], "sched_alloc": merged["sched_handover"]}
         if all(s.start in merged and s.end in merged for s in STAGES):
             out.append(merged)
     return out

@@ -19,7 +19,9 @@ A thin adapter over vLLM's NixlConnector (pull mode); every layout decision is p
   decode computes (vLLM keeps the next token's window: one key short, silently, for some prompt lengths);
 - each side's exact CPU cache layout travels in the handshake (the CPU attention ISA, appended to the backend name
   vLLM already sends): a prefill on another ISA is converted from (P < D) or refused, never misread;
-- pairs it cannot serve fail at handshake with one message naming both sides.
+- pairs it cannot serve fail at handshake with one message naming both sides;
+- early decode (proxy.early_decode): a decode request may arrive before its prefill answered; its blocks are
+  given and it waits, parked, until the proxy hands over the prefill's KV parameters (pdctl.proxy.handover).
 
 The class keeps the name NixlConnector because several vLLM config checks test that name. Importing this module
 has no side effects: vLLM imports it in the API server, the engine core and every worker. Every private vLLM/NIXL
@@ -55,6 +57,7 @@ from pdctl.kv.index import (
 )
 from pdctl.kv.layouts import BlockShape, layout
 from pdctl.kv.window import WindowFill, WindowMerge, window_pairs, window_split_plan, window_staging_needed
+from pdctl.proxy import handover
 
 __all__ = ["NixlConnector"]
 
@@ -572,6 +575,14 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
         self._kv_ready: set[str] = set()  # ... then until the step that computes their first token
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        # Early decode: hand-over token -> (request, blocks, external tokens) of a request waiting for its
+        # prefill's KV parameters; they arrive on the listener's thread and are taken in build_connector_meta.
+        self._parked: dict[str, tuple[Any, Any, int]] = {}
+        self._handover: handover.Listener | None = None
+        if _settings(vllm_config).get("handover") and vllm_config.kv_transfer_config.kv_role in (
+                "kv_consumer", "kv_both"):
+            self._handover = handover.Listener(handover.name(self.side_channel_host, self.side_channel_port))
+            log.info("pdctl connector: early decode: KV parameters handed over on @%s", self._handover.sock_name)
 
     def _prefill_backoff(self) -> int:
         # vLLM's decode recomputes the prompt's last token, whose window starts one key before the window both
@@ -586,16 +597,53 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
     # the step that computes its first token.
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        if self._trace and request.request_id not in self._traced and (request.kv_transfer_params or {}).get(
-                "do_remote_prefill"):
+        params = request.kv_transfer_params or {}
+        if self._trace and request.request_id not in self._traced and params.get("do_remote_prefill"):
             self._traced.add(request.request_id)
             trace("sched_seen", request.request_id)
+        if params.get(handover.TOKEN_KEY) and params.get("do_remote_prefill") and self._handover is None:
+            # No hand-over here (the proxy sends early requests only to decodes started with it): compute it.
+            log.warning("pdctl connector: request %s awaits a hand-over this decode does not listen for "
+                        "(proxy.early_decode): computing its prompt", request.request_id)
+            params["do_remote_prefill"] = False
+            return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self._trace and num_external_tokens and request.request_id in self._traced:
             trace("sched_alloc", request.request_id)
+        params = request.kv_transfer_params or {}
+        token = params.get(handover.TOKEN_KEY)
+        if token and params.get("do_remote_prefill") and self._handover is not None:
+            self._parked[token] = (request, blocks, num_external_tokens)  # until its KV parameters arrive
+            return None
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _claim_handovers(self) -> None:
+        """Parked requests whose KV parameters arrived go on as if they had come with them."""
+        for token in list(self._parked):
+            try:
+                params = self._handover.take(token)
+            except KeyError:
+                continue
+            request, blocks, num_external_tokens = self._parked.pop(token)
+            if params is None:  # no KV will come: the proxy drops this request (vLLM aborts it)
+                request.kv_transfer_params["do_remote_prefill"] = False
+                continue
+            request.kv_transfer_params = {**params, "do_remote_prefill": True}
+            if self._trace:
+                trace("sched_handover", request.request_id)
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        params = request.kv_transfer_params or {}
+        token = params.get(handover.TOKEN_KEY)
+        if token and params.get("do_remote_prefill"):
+            # Ended while parked (or before it was given blocks): nothing to read, no prefill to notify.
+            self._parked.pop(token, None)
+            params["do_remote_prefill"] = False
+            return False, None
+        return super().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output) -> None:
         if self._trace:
@@ -607,6 +655,8 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output):
+        if self._parked and self._handover.has():
+            self._claim_handovers()
         if self._trace and self._kv_ready:  # the step that computes the first token of a request whose KV arrived
             for req_id in self._kv_ready & scheduler_output.num_scheduled_tokens.keys():
                 self._kv_ready.discard(req_id)

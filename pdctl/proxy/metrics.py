@@ -65,6 +65,7 @@ class Metrics:
         self.fallbacks: Counter = Counter({(r,): 0 for r in FALLBACK_REASONS})  # (reason,): every reason, from 0
         self.rejected: Counter = Counter()  # (reason,)
         self.kv_missing = 0
+        self.early: Counter = Counter()  # (outcome,): early decode handed over, or undone (served the ordinary way)
         self.retries = 0
         self.ttft = _Histograms("pdctl_proxy_ttft_seconds", "proxy receive -> first byte to the client, per pair",
                                 ["prefill_pool", "decode_pool"])
@@ -119,6 +120,8 @@ class Metrics:
                                   value=self.retries)
         yield _counter("pdctl_proxy_rejected", "requests refused: on_prefill_down: reject's reasons, and "
                        "unauthorized (no or a wrong API key)", ["reason"], self.rejected)
+        yield _counter("pdctl_proxy_early_decode", "proxy.early_decode: decode requests sent with the prefill's "
+                       "and handed their KV parameters, or undone (served the ordinary way)", ["outcome"], self.early)
         yield from (h.family() for h in (self.ttft, self.duration, self.prefill_latency))
         inflight = GaugeMetricFamily("pdctl_proxy_inflight", "requests in flight per instance",
                                      labels=["role", "pool", "name", "instance"])

@@ -1,7 +1,9 @@
 """pdctl's P/D proxy: OpenAI-compatible front for prefill and decode instances.
 
 Each request: prefill with max_tokens 1 and `do_remote_decode`, then the client's request plus the prefill's
-kv_transfer_params to a decode, whose answer (SSE or JSON) is passed through as it arrives.
+kv_transfer_params to a decode, whose answer (SSE or JSON) is passed through as it arrives. With early decode
+(`handovers`, pdctl.proxy.handover) the decode gets the request at the same time as the prefill and its KV
+parameters handed over when the prefill answers; any failure undoes it and the request goes the ordinary way.
 
 Faults: a prefill that fails before answering is tried once more on another (a prefill is idempotent); when no
 prefill answers with usable KV, `on_prefill_down` says fallback (the decode computes the prompt, counted) or
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pdctl import auth
+from pdctl.proxy import handover
 from pdctl.proxy.metrics import Metrics
 from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
@@ -67,6 +70,8 @@ class ProxyConfig:
     # Clients must send it on /v1/* and the proxy sends it to the instances; None: no auth. The value, read from
     # the environment by whoever builds the config (never argv); kept out of repr.
     api_key: str | None = field(default=None, repr=False)
+    # Early decode (pdctl.proxy.handover): each decode's hand-over socket, in the order of `decode`; empty: off.
+    handovers: list[str] = field(default_factory=list)
 
 
 def parse_upstream(text: str) -> tuple[str, str]:
@@ -102,9 +107,13 @@ class Proxy:
         self.cfg = cfg
         if cfg.on_prefill_down not in ("fallback", "reject"):
             raise ValueError(f"on_prefill_down must be fallback or reject, got {cfg.on_prefill_down!r}")
-        self.router = Router(instances("prefill", cfg.prefill, cfg.weights), instances("decode", cfg.decode,
-                             cfg.weights), cfg.policy, cfg.exclude_pairs, cfg.affinity_epsilon,
-                             cfg.affinity_prefix_chars)
+        decodes = instances("decode", cfg.decode, cfg.weights)
+        if cfg.handovers and len(cfg.handovers) != len(decodes):
+            raise ValueError(f"{len(cfg.handovers)} hand-over sockets for {len(decodes)} decodes: give one per "
+                             "--decode, in the same order")
+        self._handovers = {d.name: h for d, h in zip(decodes, cfg.handovers, strict=False)}
+        self.router = Router(instances("prefill", cfg.prefill, cfg.weights), decodes, cfg.policy,
+                             cfg.exclude_pairs, cfg.affinity_epsilon, cfg.affinity_prefix_chars)
         for inst in self.router.instances:
             inst.breaker.threshold, inst.breaker.open_s = cfg.breaker_failures, cfg.breaker_open_s
         self.metrics = Metrics(lambda: self.router.instances)
@@ -281,9 +290,9 @@ class Proxy:
                                  "decode": d.name if d else None, "fallback": rt.fallback, **rt.stamps,
                                  "end": time.time()})
             if self.cfg.access_log:
-                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s", request_id, route, status, 1e3 * seconds,
+                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s%s", request_id, route, status, 1e3 * seconds,
                          p.name if p else "-", d.name if d else "-",
-                         f" fallback={rt.fallback}" if rt.fallback else "")
+                         f" fallback={rt.fallback}" if rt.fallback else "", f" early={rt.early}" if rt.early else "")
 
     def _failed(self, inst: Instance, e: Exception | None = None) -> None:
         """Count a failed call on an instance: its breaker, and (nothing listening) its health at once."""
@@ -312,7 +321,20 @@ class Proxy:
         key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
         rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
-        pre = await self._prefill(route, body, headers, key, pin, rt)
+        early = self._early(route, body, headers, key, pin, rt) if self._handovers else None
+        try:
+            pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None)
+            if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:
+                resp = await self._early_answer(req, early, route, body, headers, pre, rt)
+                if resp is not None:
+                    return resp
+                rt.decode = None
+        finally:
+            if early is not None and early.task is not None:
+                early.drop()  # not answered: closed, so vLLM aborts the parked request
+                rt.early = "undone"
+            if rt.early:
+                self.metrics.early[(rt.early,)] += 1
         if isinstance(pre, web.Response):
             return pre
         dec_body = dict(body)
@@ -341,11 +363,48 @@ class Proxy:
                 return resp
             # Nothing listened there: the decode never saw the request (nor its KV parameters); one more.
 
+    def _early(self, route: str, body: dict, headers: dict[str, str], key: str | None,
+               pin: tuple[str, str] | None, rt: _Route) -> _Early | None:
+        """proxy.early_decode: choose the pair now and send the decode its request at once, parked until the
+        prefill's KV parameters are handed over; None when no pair is usable (the ordinary path decides)."""
+        p = self.router.pick_prefill(key, pin, exclude=[], usable_only=True)
+        d = self.router.pick_decode(p.pool, key, pin, exclude=[]) if p is not None else None
+        sock = self._handovers.get(d.name) if d is not None else None
+        if sock is None:
+            return _Early(p, None, "", "", None) if p is not None else None
+        token = uuid.uuid4().hex
+        dec = dict(body)
+        dec["kv_transfer_params"] = {"do_remote_prefill": True, handover.TOKEN_KEY: token}
+        rt.stamps["decode_sent"] = time.time()
+        d.inflight += 1
+        task = asyncio.ensure_future(self.upstream(d).request("POST", route, json.dumps(dec).encode(), headers))
+        return _Early(p, d, sock, token, task, dec)
+
+    async def _early_answer(self, req: web.Request, early: _Early, route: str, body: dict,
+                            headers: dict[str, str], pre: dict, rt: _Route) -> web.StreamResponse | None:
+        """The parked decode's answer once the KV parameters were handed over; None: it could not take them."""
+        if early.task is None:
+            return None
+        rt.stamps["handover"] = time.time()
+        why = handover.send(early.sock, early.token, pre)
+        if why is not None:
+            log.warning("request %s: early decode on %s undone (%s)", headers.get("X-Request-Id"), early.decode.name,
+                        why)
+            return None
+        rt.decode, task, early.task, rt.early = early.decode, early.task, None, "handed_over"
+        try:
+            return await self._decode(req, early.decode, route, early.body, headers, rt.headers(), retry_ok=False,
+                                      stamps=rt.stamps, pending=task)
+        finally:
+            early.decode.inflight -= 1
+
     async def _prefill(self, route: str, body: dict, headers: dict[str, str], key: str | None,
-                       pin: tuple[str, str] | None, rt: _Route) -> dict | None | web.Response:
+                       pin: tuple[str, str] | None, rt: _Route,
+                       first: Instance | None = None) -> dict | None | web.Response:
         """The prefill leg: the request's KV parameters, None for decode-only fallback, or the answer to send
         back (a client error, or a refusal under on_prefill_down: reject). Tried once more on another prefill
-        when the first fails before answering (it is idempotent: a prefill only computes and holds KV)."""
+        when the first fails before answering (it is idempotent: a prefill only computes and holds KV). `first`:
+        the instance to try first (already chosen, for an early decode)."""
         pre_body = dict(body)
         pre_body["max_tokens"] = 1
         if "max_completion_tokens" in pre_body:
@@ -358,7 +417,8 @@ class Proxy:
         tried: list[Instance] = []
         errors: list[str] = []
         for attempt in range(2):
-            p = self.router.pick_prefill(key, pin, exclude=tried, usable_only=True)
+            p = first if attempt == 0 and first is not None else self.router.pick_prefill(
+                key, pin, exclude=tried, usable_only=True)
             if p is None:
                 break
             if attempt:
@@ -423,21 +483,25 @@ class Proxy:
         return None
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                      route_headers: dict[str, str], retry_ok: bool,
-                      stamps: dict[str, float]) -> web.StreamResponse | None:
-        """The decode's answer passed through; None when nothing listened and another decode may be tried."""
+                      route_headers: dict[str, str], retry_ok: bool, stamps: dict[str, float],
+                      pending: asyncio.Future | None = None) -> web.StreamResponse | None:
+        """The decode's answer passed through; None when nothing listened and another decode may be tried.
+        `pending`: the request already sent (early decode)."""
         try:
-            return await self._decode_answer(req, d, route, body, headers, route_headers, retry_ok, stamps)
+            return await self._decode_answer(req, d, route, body, headers, route_headers, retry_ok, stamps,
+                                             pending)
         except BaseException:  # cancelled (the client went away): no verdict on the instance
             d.breaker.release()
             raise
 
     async def _decode_answer(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
-                             route_headers: dict[str, str], retry_ok: bool,
-                             stamps: dict[str, float]) -> web.StreamResponse | None:
-        stamps["decode_sent"] = time.time()
+                             route_headers: dict[str, str], retry_ok: bool, stamps: dict[str, float],
+                             pending: asyncio.Future | None = None) -> web.StreamResponse | None:
         try:
-            upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
+            if pending is None:
+                stamps["decode_sent"] = time.time()
+                pending = self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
+            upstream = await pending
         except UpstreamError as e:
             self._failed(d, e)
             if isinstance(e, ConnectFailed) and retry_ok:
@@ -508,6 +572,32 @@ def _decode_failed(d: Instance, status: int, raw: bytes) -> dict:
 
 
 @dataclass
+class _Early:
+    """An early decode under way: the prefill chosen for it, the decode and its request already sent (`task`),
+    the hand-over's socket and token. `decode` None: the pair's decode takes no hand-over (ordinary path)."""
+
+    prefill: Instance
+    decode: Instance | None
+    sock: str
+    token: str
+    task: asyncio.Future | None
+    body: dict = field(default_factory=dict)
+
+    def drop(self) -> None:
+        """Undo a decode request that was not answered: its connection closes and vLLM aborts it."""
+        if self.task is None:
+            return
+        task, self.task = self.task, None
+        self.decode.inflight -= 1
+        self.decode.breaker.release()  # no verdict on the decode
+        if task.done():
+            if not task.cancelled() and task.exception() is None:
+                task.result().close()
+        else:
+            task.cancel()
+
+
+@dataclass
 class _Route:
     """Who served one request: the prefill (None for decode-only fallback), the decode, why it fell back."""
 
@@ -515,6 +605,7 @@ class _Route:
     decode: Instance | None = None
     fallback: str | None = None
     reject: bool = False  # no decode-only fallback for this request (on_prefill_down, or its header)
+    early: str | None = None  # early decode: handed_over, or undone (served the ordinary way)
     stamps: dict[str, float] = field(default_factory=dict)  # wall-clock times of its stages (/debug/timings)
 
     def headers(self) -> dict[str, str]:

@@ -316,3 +316,19 @@ def test_with_plain_reference_is_the_reference_uncalmed_on_its_own_port():
     assert rest == [a for a in ref.argv if a != "8300"]  # nothing else differs
     with pytest.raises(KeyError):
         with_plain_reference(pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml")), 8301)  # no reference to copy
+
+
+def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_sockets_in_order():
+    _, p = _fleet("proxy.early_decode=true")
+    argv = p.get("proxy").argv
+    decodes = [s for s in p.processes if s.role == "decode"]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--decode"] == [
+        s.http_url if s.pool == "default" else f"{s.pool}={s.http_url}" for s in decodes]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--handover"] == [
+        f"pdctl-handover-127.0.0.1:{s.env['VLLM_NIXL_SIDE_CHANNEL_PORT']}" for s in decodes]
+    for s in p.processes:
+        if s.role in ("prefill", "decode"):
+            cfg = json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])
+            assert cfg["kv_connector_extra_config"]["pdctl"].get("handover") is (True if s.role == "decode" else None)
+    _, off = _fleet()  # negative control
+    assert "--handover" not in off.get("proxy").argv

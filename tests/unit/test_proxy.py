@@ -7,10 +7,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 from aiohttp import web
 
+from pdctl.proxy import handover
 from pdctl.proxy.server import Proxy, ProxyConfig
 from tests.conftest import sample, wait_for
 
@@ -62,6 +64,9 @@ class Backend:
         self.role = role
         self.requests: list[tuple[dict, dict]] = []
         self.mode = "ok"  # ok | error500 | error400 | no_kvp | slow | cut_stream | slow_stream
+        self.delay_s = 0.0  # before answering
+        self.arrived: list[float] = []
+        self.answered: list[float] = []
         self.healthy = True
         self.cancelled = asyncio.Event()
         self.model_headers: list[dict] = []
@@ -78,12 +83,20 @@ class Backend:
         self.model_headers.append(req.headers.copy())
         return web.json_response({"data": [{"id": "m"}]})
 
+    async def early(self, body: dict) -> dict:
+        return body
+
     async def health(self, _req):
         return web.json_response({}, status=200 if self.healthy else 503)
 
     async def completions(self, req: web.Request):
         body = await req.json()
+        self.arrived.append(time.monotonic())
+        body = await self.early(body)
         self.requests.append((body, req.headers.copy()))  # case-insensitive
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        self.answered.append(time.monotonic())
         if self.mode == "error500":
             return web.json_response({"error": "boom"}, status=500)
         if self.mode == "error400":
@@ -731,3 +744,73 @@ def test_a_key_that_cannot_be_a_header_is_refused_at_start_and_never_shown():
         with pytest.raises(ValueError, match="printable ASCII"):
             Proxy(ProxyConfig(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], api_key=bad))
     assert "hunter2" not in repr(ProxyConfig([], [], api_key="hunter2"))
+
+
+class EarlyDecode(Backend):
+    """A decode started with the early-decode hand-over: an early request waits for its KV parameters, as pdctl's
+    connector parks it."""
+
+    def __init__(self):
+        super().__init__("decode")
+        self.listener = handover.Listener(f"pdctl-test-{uuid.uuid4().hex}")
+        self.handed: list[dict | None] = []
+
+    async def early(self, body: dict) -> dict:
+        token = (body.get("kv_transfer_params") or {}).get(handover.TOKEN_KEY)
+        if not token:
+            return body
+        while True:
+            try:
+                params = self.listener.take(token)
+                break
+            except KeyError:
+                await asyncio.sleep(0.002)
+        self.handed.append(params)
+        return {**body, "kv_transfer_params": params}
+
+
+@pytest.fixture
+def early(pd):
+    dec = EarlyDecode()
+    d_url = pd.loop.serve(dec.app())
+    proxy = Proxy(ProxyConfig([pd.p_url], [d_url], handovers=[dec.listener.sock_name], read_timeout_s=2.0,
+                              connect_timeout_s=1.0))
+    yield type("Early", (), {"prefill": pd.prefill, "decode": dec, "proxy": proxy, "url": pd.loop.serve(proxy.app())})
+    dec.listener.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_early_decode_sends_the_decode_its_request_with_the_prefills_and_hands_over_the_kv(early, stream):
+    early.prefill.delay_s = 0.3
+    status, text, headers = post(early.url + "/v1/completions", {**BODY, "stream": stream})
+    assert status == 200 and headers["x-pdctl-decode"] == "decode-0"
+    assert early.decode.arrived[0] < early.prefill.answered[0]  # the decode had it while the prefill computed
+    assert early.decode.handed == [KVP] and early.decode.requests[0][0]["kv_transfer_params"] == KVP
+    if not stream:
+        assert json.loads(text)["echo_kvp"] == KVP
+    rec = early.proxy.timings[-1]
+    assert rec["decode_sent"] < rec["prefill_done"] <= rec["handover"]
+
+
+def test_without_hand_over_sockets_the_decode_is_asked_after_the_prefill(pd):
+    # Negative control for the test above: the ordinary path.
+    pd.prefill.delay_s = 0.3
+    assert post(pd.url + "/v1/completions", BODY)[0] == 200
+    assert pd.decode.arrived[0] >= pd.prefill.answered[0]
+
+
+def test_a_failed_prefill_drops_the_early_decode_request_and_falls_back_the_ordinary_way(early):
+    early.prefill.mode = "error500"
+    status, text, headers = post(early.url + "/v1/completions", BODY)
+    assert status == 200 and headers["x-pdctl-fallback"].startswith("decode-only")
+    assert early.decode.handed == []  # the parked request never got KV parameters: it was dropped
+    (dec, _), = early.decode.requests  # the one that answered: a plain request
+    assert "kv_transfer_params" not in dec
+    assert early.decode.listener._arrived == {} and early.proxy.router.instances[1].inflight == 0
+
+
+def test_a_hand_over_nobody_takes_is_undone_and_the_decode_asked_the_ordinary_way(early):
+    early.decode.listener.close()  # e.g. a decode restarted without it
+    status, text, _ = post(early.url + "/v1/completions", BODY)
+    assert status == 200 and json.loads(text)["echo_kvp"] == KVP
+    assert early.proxy.router.instances[1].inflight == 0

@@ -223,3 +223,12 @@ def test_read_model_info(tmp_path):
     bad = info({"num_hidden_layers": "2", "num_key_value_heads": 2.0, "head_dim": True, "hidden_size": 2**60})
     assert (bad.layers, bad.kv_heads, bad.head_dim) == (None, None, None)
     assert info("[1, 2]").config is None and info("{nope").config is None and info("[" * 100000).config is None
+
+
+def test_early_decode_needs_pdctls_proxy_and_connector_on_one_host():
+    assert msgs(topo(proxy__early_decode=True)) == []
+    assert not msgs(topo(proxy__early_decode=False, connector__kind="nixl"))  # negative control: off
+    wrong = msgs(topo(proxy__early_decode=True, connector__kind="nixl", proxy__kind="vllm-router",
+                      engine__kind="slurm"))
+    assert any("needs pdctl's connector" in m for m in wrong) and any("needs pdctl's proxy" in m for m in wrong)
+    assert any("host-local socket" in m for m in wrong)
