@@ -166,6 +166,9 @@ def render_k8s(t: Topology, out_dir: str | Path, *, image: str | None = None, na
 
     from pdctl.launch import k8s
 
+    if t.proxy.early_decode:
+        raise UserError("proxy.early_decode: its hand-over is a host-local socket, and Kubernetes puts the proxy "
+                        "and each decode in pods of their own; remove it to render for Kubernetes")
     o = origin(t)
     p = build_plan(t, base_dir=o.base_dir, state_dir=Path("/var/lib/pdctl") / t.name, python="python3")
     manifests = k8s.render(t, p, image=image or k8s.DEFAULT_IMAGE, namespace=namespace)

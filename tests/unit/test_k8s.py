@@ -115,3 +115,11 @@ def test_every_pod_carries_prometheus_scrape_annotations_for_its_metrics_port():
         ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
         assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
                                                   "prometheus.io/port": str(ports["http"])}, name
+
+
+def test_early_decode_is_refused_for_kubernetes(run_cli, tmp_path):
+    code, _, err = run_cli("render", "k8s", CONFIGS / "cpu-demo.yaml", "-o", tmp_path, "--set",
+                           "proxy.early_decode=true")
+    assert code != 0 and "proxy.early_decode" in err and "host-local socket" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*.yaml"))
+    assert run_cli("render", "k8s", CONFIGS / "cpu-demo.yaml", "-o", tmp_path)[0] == 0  # negative control
