@@ -46,7 +46,8 @@ def _resolve(path: str):
 
 def _assigns(cls: type, name: str) -> bool:
     """Whether `self.<name> = ...` (optionally annotated) appears in the source of cls or a base (not object)."""
-    pattern = re.compile(rf"self\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)")
+    # An annotation may span lines (`self.x: dict[\n  K, V\n] = {}`).
+    pattern = re.compile(rf"self\.{re.escape(name)}\s*(?::[^=]*)?=(?!=)")
     for k in cls.__mro__:
         if k is object:
             continue

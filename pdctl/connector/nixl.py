@@ -62,6 +62,7 @@ from pdctl.proxy import handover
 __all__ = ["NixlConnector"]
 
 ISA_TAG = "+pdctl-isa="
+IDLE_WAIT_S = 0.01  # early decode: the longest an engine with only parked requests waits for a hand-over
 
 
 def tag_backend(name: str, isa: str | None) -> str:
@@ -578,6 +579,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         # Early decode: hand-over token -> (request, blocks, external tokens) of a request waiting for its
         # prefill's KV parameters; they arrive on the listener's thread and are taken in build_connector_meta.
         self._parked: dict[str, tuple[Any, Any, int]] = {}
+        self._reading: set[str] = set()  # requests whose KV read vLLM has, until it is done (or they end)
         self._handover: handover.Listener | None = None
         if _settings(vllm_config).get("handover") and vllm_config.kv_transfer_config.kv_role in (
                 "kv_consumer", "kv_both"):
@@ -617,6 +619,8 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         if token and params.get("do_remote_prefill") and self._handover is not None:
             self._parked[token] = (request, blocks, num_external_tokens)  # until its KV parameters arrive
             return None
+        if self._handover is not None and num_external_tokens and params.get("do_remote_prefill"):
+            self._reading.add(request.request_id)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def _claim_handovers(self) -> None:
@@ -633,7 +637,16 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             request.kv_transfer_params = {**params, "do_remote_prefill": True}
             if self._trace:
                 trace("sched_handover", request.request_id)
+            if num_external_tokens:
+                self._reading.add(request.request_id)
             super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _idle_until_handover(self, scheduler_output) -> None:
+        """A step with nothing to compute, no read under way and requests parked: vLLM's engine would step again
+        at once, empty, for as long as their prefills compute (~100 ms; on a CPU host that busy loop slows the
+        prefills). Wait for a hand-over instead, bounded so a new request is still seen soon."""
+        if not scheduler_output.total_num_scheduled_tokens and not self._reading and not seam.reads_to_issue(self):
+            self._handover.wait(IDLE_WAIT_S)
 
     def request_finished(self, request, block_ids):
         params = request.kv_transfer_params or {}
@@ -643,9 +656,12 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             self._parked.pop(token, None)
             params["do_remote_prefill"] = False
             return False, None
+        self._reading.discard(request.request_id)
         return super().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output) -> None:
+        if self._reading:
+            self._reading.difference_update(connector_output.finished_recving or ())
         if self._trace:
             for req_id in connector_output.finished_recving or ():
                 if req_id in self._traced:
@@ -655,8 +671,11 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output):
-        if self._parked and self._handover.has():
-            self._claim_handovers()
+        if self._parked:
+            if not self._handover.has():
+                self._idle_until_handover(scheduler_output)
+            if self._handover.has():
+                self._claim_handovers()
         if self._trace and self._kv_ready:  # the step that computes the first token of a request whose KV arrived
             for req_id in self._kv_ready & scheduler_output.num_scheduled_tokens.keys():
                 self._kv_ready.discard(req_id)

@@ -62,6 +62,7 @@ class Listener:
         self._clock = clock
         self._lock = threading.Lock()
         self._arrived: dict[str, tuple[float, dict | None]] = {}
+        self._event = threading.Event()  # set on each arrival: wakes `wait`
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -94,12 +95,20 @@ class Listener:
             if len(self._arrived) > 1024:  # unclaimed ones: their decode request never came
                 for t in [t for t, (at, _) in self._arrived.items() if now - at > KEEP_S]:
                     del self._arrived[t]
+        self._event.set()
 
     def take(self, token: str) -> dict | None:
         with self._lock:
             return self._arrived.pop(token)[1]
 
     def has(self) -> bool:
+        return bool(self._arrived)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Until something arrived or the timeout passed; whether something is there to take."""
+        if not self._arrived:
+            self._event.wait(timeout_s)
+        self._event.clear()
         return bool(self._arrived)
 
     def close(self) -> None:

@@ -57,12 +57,16 @@ def scheduler(monkeypatch, listener):
     monkeypatch.setattr(NixlPullConnectorScheduler, "update_state_after_alloc",
                         lambda self, r, b, n: calls.append(("alloc", r.request_id, dict(r.kv_transfer_params), n)))
     monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta", lambda self, out: calls.append(("meta",)))
+    monkeypatch.setattr(NixlPullConnectorScheduler, "update_connector_output", lambda self, out: None)
     monkeypatch.setattr(NixlPullConnectorScheduler, "request_finished",
                         lambda self, r, b: calls.append(("finished", r.request_id)) or (False, None))
     sched = object.__new__(PdctlNixlScheduler)  # vLLM's __init__ needs a whole engine config
     sched._trace, sched._traced, sched._kv_ready = False, set(), set()
-    sched._parked, sched._handover = {}, listener
+    sched._parked, sched._handover, sched._reading, sched._reqs_need_recv = {}, listener, set(), {}
     return sched, calls
+
+
+IDLE = SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0)
 
 
 def request(rid: str, params: dict | None):
@@ -74,11 +78,11 @@ def test_a_parked_request_goes_on_only_when_its_kv_parameters_arrive(scheduler, 
     early = request("r1", {"do_remote_prefill": True, handover.TOKEN_KEY: "t1"})
     sched.update_state_after_alloc(early, "blocks", 255)
     assert calls == [] and "t1" in sched._parked  # parked: vLLM's own path not told yet
-    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    sched.build_connector_meta(IDLE)
     assert calls == [("meta",)]  # nothing handed over yet: still parked
     handover.send(listener.sock_name, "t1", KVP)
     assert wait_for(listener.has, 5)
-    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    sched.build_connector_meta(IDLE)
     assert calls[1:] == [("alloc", "r1", KVP, 255), ("meta",)] and not sched._parked
     # Negative control: a request that came with its KV parameters takes vLLM's path at once.
     sched.update_state_after_alloc(request("r2", dict(KVP)), "blocks", 10)
@@ -93,7 +97,7 @@ def test_none_handed_over_or_ended_while_parked_reads_nothing_and_notifies_no_pr
         sched.update_state_after_alloc(r, "blocks", 100)
     handover.send(listener.sock_name, "t1", None)
     assert wait_for(listener.has, 5)
-    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    sched.build_connector_meta(IDLE)
     assert dropped.kv_transfer_params["do_remote_prefill"] is False and list(sched._parked) == ["t2"]
     assert sched.request_finished(aborted, ([1],)) == (False, None) and not sched._parked
     assert ("finished", "r2") not in calls and not any(c[0] == "alloc" for c in calls)
@@ -108,3 +112,34 @@ def test_a_decode_without_the_hand_over_computes_an_early_request_itself(schedul
                         prompt_token_ids=[1] * 300)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert r.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_an_engine_with_only_parked_requests_waits_for_a_hand_over_instead_of_stepping_empty(scheduler, listener,
+                                                                                            monkeypatch):
+    sched, _ = scheduler
+    waits: list[float] = []
+    monkeypatch.setattr(listener, "wait", lambda timeout_s: waits.append(timeout_s) or listener.has())
+    sched.build_connector_meta(IDLE)
+    assert waits == []  # nothing parked: vLLM's loop as it is
+    sched.update_state_after_alloc(request("r1", {"do_remote_prefill": True, handover.TOKEN_KEY: "t1"}), "b", 64)
+    sched.build_connector_meta(IDLE)
+    assert len(waits) == 1 and 0 < waits[0] <= 0.05
+    # Negative controls: a step with tokens to compute, or a read under way, never waits.
+    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r9": 1}, total_num_scheduled_tokens=1))
+    sched.update_state_after_alloc(request("r2", dict(KVP)), "b", 64)
+    assert sched._reading == {"r2"}
+    sched.build_connector_meta(IDLE)
+    assert len(waits) == 1
+    sched.update_connector_output(SimpleNamespace(finished_recving={"r2"}, failed_recving=None))
+    sched.build_connector_meta(IDLE)
+    assert len(waits) == 2 and not sched._reading
+
+
+def test_the_wait_ends_when_a_hand_over_arrives(listener):
+    import threading
+    import time
+
+    threading.Timer(0.05, handover.send, (listener.sock_name, "t", KVP)).start()
+    t0 = time.monotonic()
+    assert listener.wait(5.0) and time.monotonic() - t0 < 4.0
+    assert listener.take("t") == KVP and not listener.wait(0.0)  # nothing left: no wait, nothing there
