@@ -28,7 +28,7 @@ import pdctl
 from pdctl.bench import breakdown, load
 from pdctl.bench.run import follow
 from pdctl.plan import with_plain_reference
-from pdctl.proxy.routing import ROUTE_HEADER
+from pdctl.proxy.routing import EARLY_HEADER, ROUTE_HEADER
 from pdctl.topology import resolved_model
 
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
@@ -57,16 +57,22 @@ def main() -> int:
     ap.add_argument("--stall-concurrency", type=int, default=16, help="0: skip the stall check")
     ap.add_argument("--no-floor", dest="floor", action="store_false",
                     help="skip the per-request floor (a 4-token prompt through each aggregated reference)")
+    ap.add_argument("--early-ab", action="store_true",
+                    help="proxy.early_decode on, and each pair run twice per repeat: early (PAIR) and the ordinary "
+                    "way (PAIR seq, header x-pdctl-early-decode: off); reports early / ordinary per pair")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
-    t = pdctl.load(a.topology, [*a.set, "connector.trace=true"])
+    t = pdctl.load(a.topology, [*a.set, "connector.trace=true", *(["proxy.early_decode=true"] if a.early_ab else [])])
     state_dir = Path("/tmp/pdctl-bench-latency")
     plan = with_plain_reference(pdctl.plan(t, state_dir=state_dir, reference_port=8300), port=8301)
     pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
-    sides = [f"{p}->{d}" for p, d in pairs] + list(REFS)
+    sides = [f"{p}->{d}" for p, d in pairs]
+    if a.early_ab:  # the same pairs once more, the ordinary way
+        sides, pairs = sides + [f"{sd} seq" for sd in sides], pairs + pairs
+    sides += list(REFS)
     modes = [("c=1", 1, None)] + ([(f"{a.rate:g} req/s", a.requests, a.rate)] if a.rate else [])
     runs: list[dict] = []
     tok = load.load_tokenizer(resolved_model(t, t.decode[0], t.origin.base_dir))
@@ -89,6 +95,8 @@ def main() -> int:
                 for side in order:
                     pair = dict(zip(sides, pairs, strict=False)).get(side)
                     headers = {ROUTE_HEADER: f"{pair[0]}/{pair[1]}"} if pair else None
+                    if side.endswith(" seq"):
+                        headers[EARLY_HEADER] = "off"
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
                     since = time.time()
                     r = load.run_load(side, urls[side], t.model.name, works[side], a.max_tokens, conc, decodes, rate,
@@ -121,6 +129,7 @@ def main() -> int:
             print(f"stall check {p}->{dd} c={a.stall_concurrency}: ITL p50 {r.itl_ms_p50:.2f} ms, p99 "
                   f"{r.itl_ms_p99:.2f} ms, errors {r.errors}")
     report = summarize(runs, sides, pairs, modes)
+    report["early_vs_ordinary"] = early_vs_ordinary(runs, sides, modes) if a.early_ab else []
     report["stall"] = stall
     report["floor"] = floor(floor_runs, report["ratios"])
     print_report(report)
@@ -188,6 +197,26 @@ def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: lis
     return {"waterfall": waterfall, "ratios": ratios, "hetero": hetero}
 
 
+def early_vs_ordinary(runs: list[dict], sides: list[str], modes: list) -> list[dict]:
+    """Per pair and mode: early decode's TTFT and TPOT p50 over the ordinary way's, per repeat (same run)."""
+    out = []
+    for mode, *_ in modes:
+        for side in [sd for sd in sides if f"{sd} seq" in sides]:
+            row = {"mode": mode, "pair": side}
+            for key in ("ttft_ms_p50", "tpot_ms_p50"):
+                xs = []
+                for r in runs:
+                    if r["mode"] == mode and r["side"] == side:
+                        o = next((q for q in runs if q["mode"] == mode and q["side"] == f"{side} seq"
+                                  and q["repeat"] == r["repeat"]), None)
+                        if o and o[key] and not (key.startswith("tpot") and (r["bunched"] > r["requests"] // 2
+                                                                               or o["bunched"] > o["requests"] // 2)):
+                            xs.append(r[key] / o[key])
+                row[key] = {"ratio": med(xs), "spread": spread(xs), "repeats": len(xs)}
+            out.append(row)
+    return out
+
+
 def floor(floor_runs: list[dict], ratios: list[dict]) -> list[dict]:
     """Per pair at c=1: P/D TTFT against the aggregated TTFT plus one minimal vLLM request on the same server."""
     out = []
@@ -223,6 +252,10 @@ def print_report(rep: dict) -> None:
               f"({r['minimal_request_ttft_ms_p50']:.1f} ms) = {r['floor_ttft_ms']:.1f} ms "
               f"({r['floor_over_aggregated']:.2f}x aggregated); P/D {r['pd_ttft_ms_p50']:.1f} ms = "
               f"{r['pd_over_floor']:.2f}x floor")
+    for r in rep.get("early_vs_ordinary") or []:
+        t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
+        print(f"{r['mode']:>10} {r['pair']}: early decode / ordinary: TTFT x{t['ratio']:.3f} ({sp(t['spread'])}), "
+              f"TPOT x{p['ratio']:.3f} ({sp(p['spread'])}), {t['repeats']} repeats")
     for r in rep["hetero"]:
         print(f"{r['mode']:>10} hetero {r['pair']} / homogeneous {r['versus']}: TTFT x{r['ttft_ms_p50']['ratio']:.3f}"
               f", TPOT x{r['tpot_ms_p50']['ratio']:.3f}")

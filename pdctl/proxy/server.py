@@ -28,7 +28,7 @@ from aiohttp import web
 from pdctl import auth
 from pdctl.proxy import handover
 from pdctl.proxy.metrics import Metrics
-from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
+from pdctl.proxy.routing import EARLY_HEADER, REJECT_HEADER, ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
 from pdctl.topology import DEFAULT_POOL, instance_name
 
@@ -321,7 +321,8 @@ class Proxy:
         key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
         rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
-        early = self._early(route, body, headers, key, pin, rt) if self._handovers else None
+        early = self._early(route, body, headers, key, pin, rt) if self._handovers and req.headers.get(
+            EARLY_HEADER, "").lower() != "off" else None
         try:
             pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None)
             if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:

@@ -799,6 +799,13 @@ def test_without_hand_over_sockets_the_decode_is_asked_after_the_prefill(pd):
     assert pd.decode.arrived[0] >= pd.prefill.answered[0]
 
 
+def test_one_request_may_go_the_ordinary_way_under_early_decode(early):
+    early.prefill.delay_s = 0.3
+    status, text, _ = post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "off"})
+    assert status == 200 and json.loads(text)["echo_kvp"] == KVP
+    assert early.decode.arrived[0] >= early.prefill.answered[0] and early.decode.handed == []
+
+
 def test_a_failed_prefill_drops_the_early_decode_request_and_falls_back_the_ordinary_way(early):
     early.prefill.mode = "error500"
     status, text, headers = post(early.url + "/v1/completions", BODY)
