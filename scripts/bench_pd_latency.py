@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,6 +33,27 @@ from pdctl.proxy.routing import EARLY_HEADER, ROUTE_HEADER
 from pdctl.topology import resolved_model
 
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
+
+
+def pin_instances() -> int:
+    """Every thread of every process started with VLLM_CPU_OMP_THREADS_BIND (pdctl's servers and references, their
+    engine cores and workers) bound to those cores; the threads bound."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            cores = env.get("VLLM_CPU_OMP_THREADS_BIND")
+            if not cores or "vllm" not in Path(f"/proc/{pid}/cmdline").read_text().lower() + Path(
+                    f"/proc/{pid}/comm").read_text().lower():
+                continue
+            cpus = {int(c) for part in cores.split("|")[0].split(",") for c in (
+                range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+                n += 1
+        except (OSError, ValueError):
+            continue
+    return n
 
 
 def med(xs):
@@ -60,6 +82,9 @@ def main() -> int:
     ap.add_argument("--early-ab", action="store_true",
                     help="proxy.early_decode on, and each pair run twice per repeat: early (PAIR) and the ordinary "
                     "way (PAIR seq, header x-pdctl-early-decode: off); reports early / ordinary per pair")
+    ap.add_argument("--pin-instances", action="store_true",
+                    help="bind every thread of each vLLM server (API server, engine core, worker) to its instance's "
+                    "core, not only the model's compute threads: instances then share no core, as on separate hosts")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
@@ -82,6 +107,8 @@ def main() -> int:
         return load.workload(n, a.prompt_len, seed=seed, max_tokens=a.max_tokens, tokenizer=tok, seen=seen)
 
     with pdctl.up(plan, timeout_s=600) as d:
+        if a.pin_instances:
+            print(f"pinned {pin_instances()} threads of vLLM servers to their instances' cores", flush=True)
         urls = {s: d.proxy_url for s in sides[: len(pairs)]} | {k: d.plan.get(v).http_url for k, v in REFS.items()}
         seed = int(time.time())
         for mode, conc, rate in modes:
