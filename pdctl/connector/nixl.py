@@ -641,12 +641,13 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
                 self._reading.add(request.request_id)
             super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def _idle_until_handover(self, scheduler_output) -> None:
+    def _idle_until_handover(self, scheduler_output) -> bool:
         """A step with nothing to compute, no read under way and requests parked: vLLM's engine would step again
         at once, empty, for as long as their prefills compute (~100 ms; on a CPU host that busy loop slows the
-        prefills). Wait for a hand-over instead, bounded so a new request is still seen soon."""
-        if not scheduler_output.total_num_scheduled_tokens and not self._reading and not seam.reads_to_issue(self):
-            self._handover.wait(IDLE_WAIT_S)
+        prefills). Wait for a hand-over instead, bounded so a new request is still seen soon; whether one came."""
+        if scheduler_output.total_num_scheduled_tokens or self._reading or seam.reads_to_issue(self):
+            return False
+        return self._handover.wait(IDLE_WAIT_S, self._parked)
 
     def request_finished(self, request, block_ids):
         params = request.kv_transfer_params or {}
@@ -654,6 +655,8 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         if token and params.get("do_remote_prefill"):
             # Ended while parked (or before it was given blocks): nothing to read, no prefill to notify.
             self._parked.pop(token, None)
+            if self._handover is not None:
+                self._handover.discard(token)  # a hand-over that came meanwhile is nobody's now
             params["do_remote_prefill"] = False
             return False, None
         self._reading.discard(request.request_id)
@@ -671,11 +674,8 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output):
-        if self._parked:
-            if not self._handover.has():
-                self._idle_until_handover(scheduler_output)
-            if self._handover.has():
-                self._claim_handovers()
+        if self._parked and (self._handover.has(self._parked) or self._idle_until_handover(scheduler_output)):
+            self._claim_handovers()
         if self._trace and self._kv_ready:  # the step that computes the first token of a request whose KV arrived
             for req_id in self._kv_ready & scheduler_output.num_scheduled_tokens.keys():
                 self._kv_ready.discard(req_id)

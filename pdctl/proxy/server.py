@@ -326,7 +326,7 @@ class Proxy:
         try:
             pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None)
             if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:
-                resp = await self._early_answer(req, early, route, body, headers, pre, rt)
+                resp = await self._early_answer(req, early, route, headers, pre, rt)
                 if resp is not None:
                     return resp
                 rt.decode = None
@@ -381,8 +381,8 @@ class Proxy:
         task = asyncio.ensure_future(self.upstream(d).request("POST", route, json.dumps(dec).encode(), headers))
         return _Early(p, d, sock, token, task, dec)
 
-    async def _early_answer(self, req: web.Request, early: _Early, route: str, body: dict,
-                            headers: dict[str, str], pre: dict, rt: _Route) -> web.StreamResponse | None:
+    async def _early_answer(self, req: web.Request, early: _Early, route: str, headers: dict[str, str],
+                            pre: dict, rt: _Route) -> web.StreamResponse | None:
         """The parked decode's answer once the KV parameters were handed over; None: it could not take them."""
         if early.task is None:
             return None

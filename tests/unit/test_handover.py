@@ -36,7 +36,7 @@ def test_malformed_messages_are_ignored_and_a_missing_listener_is_said():
     lst.deliver(b"not json")
     lst.deliver(b'{"await": 3, "params": {}}')
     lst.deliver(b'{"await": "t", "params": [1]}')
-    assert not lst.has()
+    assert not lst.has(["t"])
     lst.close()
     why = handover.send(lst.sock_name, "t", KVP)  # nobody listens any more
     assert why is not None and lst.sock_name in why
@@ -81,7 +81,7 @@ def test_a_parked_request_goes_on_only_when_its_kv_parameters_arrive(scheduler, 
     sched.build_connector_meta(IDLE)
     assert calls == [("meta",)]  # nothing handed over yet: still parked
     handover.send(listener.sock_name, "t1", KVP)
-    assert wait_for(listener.has, 5)
+    assert wait_for(lambda: listener.has(sched._parked), 5)
     sched.build_connector_meta(IDLE)
     assert calls[1:] == [("alloc", "r1", KVP, 255), ("meta",)] and not sched._parked
     # Negative control: a request that came with its KV parameters takes vLLM's path at once.
@@ -96,7 +96,7 @@ def test_none_handed_over_or_ended_while_parked_reads_nothing_and_notifies_no_pr
     for r in (dropped, aborted):
         sched.update_state_after_alloc(r, "blocks", 100)
     handover.send(listener.sock_name, "t1", None)
-    assert wait_for(listener.has, 5)
+    assert wait_for(lambda: listener.has(sched._parked), 5)
     sched.build_connector_meta(IDLE)
     assert dropped.kv_transfer_params["do_remote_prefill"] is False and list(sched._parked) == ["t2"]
     assert sched.request_finished(aborted, ([1],)) == (False, None) and not sched._parked
@@ -118,7 +118,7 @@ def test_an_engine_with_only_parked_requests_waits_for_a_hand_over_instead_of_st
                                                                                             monkeypatch):
     sched, _ = scheduler
     waits: list[float] = []
-    monkeypatch.setattr(listener, "wait", lambda timeout_s: waits.append(timeout_s) or listener.has())
+    monkeypatch.setattr(listener, "wait", lambda timeout_s, tokens: waits.append(timeout_s) or listener.has(tokens))
     sched.build_connector_meta(IDLE)
     assert waits == []  # nothing parked: vLLM's loop as it is
     sched.update_state_after_alloc(request("r1", {"do_remote_prefill": True, handover.TOKEN_KEY: "t1"}), "b", 64)
@@ -141,5 +141,15 @@ def test_the_wait_ends_when_a_hand_over_arrives(listener):
 
     threading.Timer(0.05, handover.send, (listener.sock_name, "t", KVP)).start()
     t0 = time.monotonic()
-    assert listener.wait(5.0) and time.monotonic() - t0 < 4.0
-    assert listener.take("t") == KVP and not listener.wait(0.0)  # nothing left: no wait, nothing there
+    assert listener.wait(5.0, ["t"]) and time.monotonic() - t0 < 4.0
+    assert listener.take("t") == KVP and not listener.wait(0.0, ["t"])  # nothing left: no wait, nothing there
+
+
+def test_a_hand_over_for_a_request_that_ended_while_parked_is_dropped(scheduler, listener):
+    sched, _ = scheduler
+    r = request("r1", {"do_remote_prefill": True, handover.TOKEN_KEY: "t1"})
+    sched.update_state_after_alloc(r, "b", 64)
+    handover.send(listener.sock_name, "t1", KVP)
+    assert wait_for(lambda: listener.has(["t1"]), 5)
+    sched.request_finished(r, ([1],))  # aborted before the step that would have taken it
+    assert not listener.has(["t1"]) and not sched._parked
