@@ -56,6 +56,24 @@ def pin_instances() -> int:
     return n
 
 
+def renice(plan, role: str, nice: int) -> int:
+    """Every thread of every process of the plan's `role` instances (found by their NIXL side-channel port, which
+    their engine cores and workers inherit) set to `nice`; the threads set."""
+    ports = {str(s.ports["side_channel"]) for s in plan.by_role(role)}
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            if env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") not in ports:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+                n += 1
+        except (OSError, ValueError):
+            continue
+    return n
+
+
 def med(xs):
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -85,9 +103,14 @@ def main() -> int:
     ap.add_argument("--pin-instances", action="store_true",
                     help="bind every thread of each vLLM server (API server, engine core, worker) to its instance's "
                     "core, not only the model's compute threads: instances then share no core, as on separate hosts")
+    ap.add_argument("--nice-ab", default=None, metavar="ROLE=N",
+                    help="each pair run twice per repeat: with every thread of the ROLE (prefill|decode) instances at "
+                    "niceness N (PAIR nice) and at 0 (PAIR); reports nice / plain per pair")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
+    if a.nice_ab and (a.early_ab or a.nice_ab.split("=")[0] not in ("prefill", "decode")):
+        ap.error("--nice-ab takes ROLE=N with ROLE prefill or decode, and not with --early-ab")
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
     t = pdctl.load(a.topology, [*a.set, "connector.trace=true", *(["proxy.early_decode=true"] if a.early_ab else [])])
@@ -97,6 +120,8 @@ def main() -> int:
     sides = [f"{p}->{d}" for p, d in pairs]
     if a.early_ab:  # the same pairs once more, the ordinary way
         sides, pairs = sides + [f"{sd} seq" for sd in sides], pairs + pairs
+    if a.nice_ab:  # the same pairs once more, reniced
+        sides, pairs = sides + [f"{sd} nice" for sd in sides], pairs + pairs
     sides += list(REFS)
     modes = [("c=1", 1, None)] + ([(f"{a.rate:g} req/s", a.requests, a.rate)] if a.rate else [])
     runs: list[dict] = []
@@ -125,6 +150,9 @@ def main() -> int:
                     if side.endswith(" seq"):
                         headers[EARLY_HEADER] = "off"
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
+                    if a.nice_ab and pair:
+                        role, n = a.nice_ab.split("=")
+                        renice(d.plan, role, int(n) if side.endswith(" nice") else 0)
                     since = time.time()
                     r = load.run_load(side, urls[side], t.model.name, works[side], a.max_tokens, conc, decodes, rate,
                                       seed, headers)
@@ -156,7 +184,8 @@ def main() -> int:
             print(f"stall check {p}->{dd} c={a.stall_concurrency}: ITL p50 {r.itl_ms_p50:.2f} ms, p99 "
                   f"{r.itl_ms_p99:.2f} ms, errors {r.errors}")
     report = summarize(runs, sides, pairs, modes)
-    report["early_vs_ordinary"] = early_vs_ordinary(runs, sides, modes) if a.early_ab else []
+    report["early_vs_ordinary"] = variant_over_base(runs, sides, modes, " seq", True) if a.early_ab else []
+    report["nice_vs_plain"] = variant_over_base(runs, sides, modes, " nice") if a.nice_ab else []
     report["stall"] = stall
     report["floor"] = floor(floor_runs, report["ratios"])
     print_report(report)
@@ -214,7 +243,9 @@ def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: lis
                 ratios.append(row)
         by_pool = {s: p for s, p in zip(sides, pairs, strict=False)}
         for side, (_, dpool) in by_pool.items():
-            homog = next((s for s, (pp, dd) in by_pool.items() if dd == dpool and pp[1:] == dd[1:]), None)
+            variant = side.partition(" ")[2]  # 'seq', 'nice': compared with the homogeneous pair's same variant
+            homog = next((s for s, (pp, dd) in by_pool.items()
+                          if dd == dpool and pp[1:] == dd[1:] and s.partition(" ")[2] == variant), None)
             if homog and homog != side:
                 row = {"mode": mode, "pair": side, "versus": homog}
                 for key in ("ttft_ms_p50", "tpot_ms_p50"):
@@ -224,17 +255,21 @@ def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: lis
     return {"waterfall": waterfall, "ratios": ratios, "hetero": hetero}
 
 
-def early_vs_ordinary(runs: list[dict], sides: list[str], modes: list) -> list[dict]:
-    """Per pair and mode: early decode's TTFT and TPOT p50 over the ordinary way's, per repeat (same run)."""
+def variant_over_base(runs: list[dict], sides: list[str], modes: list, suffix: str,
+                      base_suffixed: bool = False) -> list[dict]:
+    """Per pair and mode, per repeat of one run: the variant's TTFT and TPOT p50 over the base's. The sides
+    'PAIR' and 'PAIR{suffix}'; the suffixed one is the variant (or the base, with base_suffixed: early decode is
+    'PAIR', the ordinary way 'PAIR seq')."""
     out = []
     for mode, *_ in modes:
-        for side in [sd for sd in sides if f"{sd} seq" in sides]:
+        for side in [sd for sd in sides if f"{sd}{suffix}" in sides]:
             row = {"mode": mode, "pair": side}
+            var, base = (side, f"{side}{suffix}") if base_suffixed else (f"{side}{suffix}", side)
             for key in ("ttft_ms_p50", "tpot_ms_p50"):
                 xs = []
                 for r in runs:
-                    if r["mode"] == mode and r["side"] == side:
-                        o = next((q for q in runs if q["mode"] == mode and q["side"] == f"{side} seq"
+                    if r["mode"] == mode and r["side"] == var:
+                        o = next((q for q in runs if q["mode"] == mode and q["side"] == base
                                   and q["repeat"] == r["repeat"]), None)
                         if o and o[key] and not (key.startswith("tpot") and (r["bunched"] > r["requests"] // 2
                                                                                or o["bunched"] > o["requests"] // 2)):
@@ -279,10 +314,11 @@ def print_report(rep: dict) -> None:
               f"({r['minimal_request_ttft_ms_p50']:.1f} ms) = {r['floor_ttft_ms']:.1f} ms "
               f"({r['floor_over_aggregated']:.2f}x aggregated); P/D {r['pd_ttft_ms_p50']:.1f} ms = "
               f"{r['pd_over_floor']:.2f}x floor")
-    for r in rep.get("early_vs_ordinary") or []:
-        t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
-        print(f"{r['mode']:>10} {r['pair']}: early decode / ordinary: TTFT x{t['ratio']:.3f} ({sp(t['spread'])}), "
-              f"TPOT x{p['ratio']:.3f} ({sp(p['spread'])}), {t['repeats']} repeats")
+    for key, what in (("early_vs_ordinary", "early decode / ordinary"), ("nice_vs_plain", "reniced / not")):
+        for r in rep.get(key) or []:
+            t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
+            print(f"{r['mode']:>10} {r['pair']}: {what}: TTFT x{t['ratio']:.3f} ({sp(t['spread'])}), "
+                  f"TPOT x{p['ratio']:.3f} ({sp(p['spread'])}), {t['repeats']} repeats")
     for r in rep["hetero"]:
         print(f"{r['mode']:>10} hetero {r['pair']} / homogeneous {r['versus']}: TTFT x{r['ttft_ms_p50']['ratio']:.3f}"
               f", TPOT x{r['tpot_ms_p50']['ratio']:.3f}")
