@@ -650,6 +650,8 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         return self._handover.wait(IDLE_WAIT_S, self._parked)
 
     def request_finished(self, request, block_ids):
+        self._traced.discard(request.request_id)  # aborted before its KV or first token: followed no further
+        self._kv_ready.discard(request.request_id)
         params = request.kv_transfer_params or {}
         token = params.get(handover.TOKEN_KEY)
         if token and params.get("do_remote_prefill"):

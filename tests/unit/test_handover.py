@@ -105,6 +105,17 @@ def test_none_handed_over_or_ended_while_parked_reads_nothing_and_notifies_no_pr
     assert calls[-1] == ("finished", "r3")
 
 
+def test_a_traced_request_that_ends_early_is_followed_no_further(scheduler):
+    sched, _ = scheduler
+    sched._trace = True
+    seen, ready = request("r1", dict(KVP)), request("r2", dict(KVP))
+    sched._traced |= {"r1", "r3"}
+    sched._kv_ready.add("r2")
+    for r in (seen, ready):  # aborted before their KV arrived / before their first token was scheduled
+        sched.request_finished(r, ([1],))
+    assert sched._traced == {"r3"} and not sched._kv_ready  # negative control: r3 did not end, still followed
+
+
 def test_a_decode_without_the_hand_over_computes_an_early_request_itself(scheduler):
     sched, calls = scheduler
     sched._handover = None
