@@ -35,43 +35,59 @@ from pdctl.topology import resolved_model
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
 
 
-def pin_instances() -> int:
-    """Every thread of every process started with VLLM_CPU_OMP_THREADS_BIND (pdctl's servers and references, their
-    engine cores and workers) bound to those cores; the threads bound."""
-    n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def instance_processes(key: str) -> dict[int, str]:
+    """pid -> value of environment variable `key` for every process started with it and every descendant of one.
+    Descendants by parentage, not by their own environ: vLLM's engine cores and workers rename themselves
+    (setproctitle), which overwrites what /proc/PID/environ shows."""
+    parent, own = {}, {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
+            parent[pid] = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
             env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            cores = env.get("VLLM_CPU_OMP_THREADS_BIND")
-            if not cores or "vllm" not in Path(f"/proc/{pid}/cmdline").read_text().lower() + Path(
-                    f"/proc/{pid}/comm").read_text().lower():
-                continue
-            cpus = {int(c) for part in cores.split("|")[0].split(",") for c in (
-                range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.sched_setaffinity(int(tid), cpus)
-                n += 1
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             continue
+        if key in env:
+            own[pid] = env[key]
+    out = {}
+    for pid in parent:
+        p = pid
+        while p > 1 and p not in own:
+            p = parent.get(p, 0)
+        if p in own:
+            out[pid] = own[p]
+    return out
+
+
+def each_thread(pids, fn) -> int:
+    """fn(tid) for every thread of these processes (gone ones skipped); the threads done."""
+    n = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                fn(int(tid))
+                n += 1
+        except OSError:
+            continue
+    return n
+
+
+def pin_instances() -> int:
+    """Every thread of every vLLM server process (API server, engine core, workers; pdctl's servers and the
+    references) bound to the cores of its instance's VLLM_CPU_OMP_THREADS_BIND; the threads bound."""
+    n = 0
+    for pid, cores in instance_processes("VLLM_CPU_OMP_THREADS_BIND").items():
+        cpus = {c for part in cores.split("|")[0].split(",") for c in range(int(part.split("-")[0]),
+                                                                           int(part.split("-")[-1]) + 1)}
+        n += each_thread([pid], lambda tid, cpus=cpus: os.sched_setaffinity(tid, cpus))
     return n
 
 
 def renice(plan, role: str, nice: int) -> int:
-    """Every thread of every process of the plan's `role` instances (found by their NIXL side-channel port, which
-    their engine cores and workers inherit) set to `nice`; the threads set."""
+    """Every thread of every process of the plan's `role` instances (API server, engine core, workers; found by
+    their NIXL side-channel port) set to `nice`; the threads set."""
     ports = {str(s.ports["side_channel"]) for s in plan.by_role(role)}
-    n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            if env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") not in ports:
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-                n += 1
-        except (OSError, ValueError):
-            continue
-    return n
+    mine = [pid for pid, port in instance_processes("VLLM_NIXL_SIDE_CHANNEL_PORT").items() if port in ports]
+    return each_thread(mine, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
 
 
 def med(xs):
