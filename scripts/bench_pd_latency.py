@@ -90,6 +90,18 @@ def renice(plan, role: str, nice: int) -> int:
     return each_thread(mine, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
 
 
+def role_nice(text: str) -> tuple[str, int]:
+    """--nice-ab's ROLE=N."""
+    role, _, n = text.partition("=")
+    try:
+        nice = int(n)
+    except ValueError:
+        nice = None
+    if role not in ("prefill", "decode") or nice is None or not -20 <= nice <= 19:
+        raise argparse.ArgumentTypeError(f"{text!r}: ROLE=N with ROLE prefill or decode and N a niceness -20..19")
+    return role, nice
+
+
 def med(xs):
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -119,20 +131,29 @@ def main() -> int:
     ap.add_argument("--pin-instances", action="store_true",
                     help="bind every thread of each vLLM server (API server, engine core, worker) to its instance's "
                     "core, not only the model's compute threads: instances then share no core, as on separate hosts")
-    ap.add_argument("--nice-ab", default=None, metavar="ROLE=N",
+    ap.add_argument("--nice-ab", default=None, metavar="ROLE=N", type=role_nice,
                     help="each pair run twice per repeat: with every thread of the ROLE (prefill|decode) instances at "
                     "niceness N (PAIR nice) and at 0 (PAIR); reports nice / plain per pair")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
-    if a.nice_ab and (a.early_ab or a.nice_ab.split("=")[0] not in ("prefill", "decode")):
-        ap.error("--nice-ab takes ROLE=N with ROLE prefill or decode, and not with --early-ab")
+    if a.nice_ab and a.early_ab:
+        ap.error("--nice-ab and --early-ab: one A/B per run")
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
-    t = pdctl.load(a.topology, [*a.set, "connector.trace=true", *(["proxy.early_decode=true"] if a.early_ab else [])])
+    try:
+        t = pdctl.load(a.topology, [*a.set, "connector.trace=true",
+                                    *(["proxy.early_decode=true"] if a.early_ab else [])])
+    except pdctl.TopologyError as e:
+        ap.error(str(e))
     state_dir = Path("/tmp/pdctl-bench-latency")
     plan = with_plain_reference(pdctl.plan(t, state_dir=state_dir, reference_port=8300), port=8301)
     pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
+    pools = ({g.name for g in t.prefill}, {g.name for g in t.decode})
+    for pair in pairs:  # refused before the servers start, not as failed requests after
+        if len(pair) != 2 or pair[0] not in pools[0] or pair[1] not in pools[1]:
+            ap.error(f"--pairs: {'/'.join(pair)!r} is not PREFILL/DECODE of {a.topology}'s pools (prefill "
+                     f"{', '.join(sorted(pools[0]))}; decode {', '.join(sorted(pools[1]))})")
     sides = [f"{p}->{d}" for p, d in pairs]
     if a.early_ab:  # the same pairs once more, the ordinary way
         sides, pairs = sides + [f"{sd} seq" for sd in sides], pairs + pairs
@@ -167,8 +188,7 @@ def main() -> int:
                         headers[EARLY_HEADER] = "off"
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
                     if a.nice_ab and pair:
-                        role, n = a.nice_ab.split("=")
-                        renice(d.plan, role, int(n) if side.endswith(" nice") else 0)
+                        renice(d.plan, a.nice_ab[0], a.nice_ab[1] if side.endswith(" nice") else 0)
                     since = time.time()
                     r = load.run_load(side, urls[side], t.model.name, works[side], a.max_tokens, conc, decodes, rate,
                                       seed, headers)
