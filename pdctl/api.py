@@ -169,6 +169,13 @@ def render_k8s(t: Topology, out_dir: str | Path, *, image: str | None = None, na
     if t.proxy.early_decode:
         raise UserError("proxy.early_decode: its hand-over is a host-local socket, and Kubernetes puts the proxy "
                         "and each decode in pods of their own; remove it to render for Kubernetes")
+    from pdctl.topology import ROLES, pool_field
+
+    niced = [pool_field(t, r, g, "nice") for r in ROLES for g in t.pools(r) if g.nice]
+    if niced:
+        raise UserError(f"{niced[0]}: Kubernetes runs each instance in a pod of its own, whose processes a niceness "
+                        "does not rank against other pods' (each pod's CPU share comes from its cgroup); remove it "
+                        "(and give the pods CPU requests instead) to render for Kubernetes")
     o = origin(t)
     p = build_plan(t, base_dir=o.base_dir, state_dir=Path("/var/lib/pdctl") / t.name, python="python3")
     manifests = k8s.render(t, p, image=image or k8s.DEFAULT_IMAGE, namespace=namespace)

@@ -54,11 +54,14 @@ class ProcessSpec:
     # Variables set at spawn from pdctl's own environment: name in the process -> name in pdctl's environment
     # (auth.spawn_env). Names only: a key's value is never in a plan, so never in state.json nor `pdctl plan`.
     secret_env: dict[str, str] = field(default_factory=dict)
+    # Added to the niceness of the process and all it starts (its pool's `nice`), set at spawn by the guard.
+    nice: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not self.secret_env:
-            del d["secret_env"]  # a plan without auth reads as it did before the field existed
+        for name, unset in (("secret_env", not self.secret_env), ("nice", not self.nice)):
+            if unset:
+                del d[name]  # a plan without auth or nice reads as it did before the field existed
         return d
 
     @property
@@ -137,6 +140,10 @@ class Plan:
         for section, name in (("model", "attention"), ("connector", "allow_unsafe_hybrid")):
             if getattr(getattr(t, section), name) == type(getattr(t, section)).model_fields[name].default:
                 off.setdefault(section, set()).add(name)
+        for role in ROLES:  # a pool's nice (#17), per pool
+            quiet = {i: {"nice"} for i, g in enumerate(t.pools(role)) if not g.nice}
+            if quiet:
+                off[role] = quiet
         return {"name": self.name, "state_dir": self.state_dir, "processes": [p.to_dict() for p in self.processes],
                 "topology": t.model_dump(mode="json", exclude=off or None)}
 
@@ -313,7 +320,7 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
                     log_path=str(logs / f"{name}.log"),
                     readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
                     platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
-                    secret_env=server_secret_env(t),
+                    secret_env=server_secret_env(t), nice=g.nice,
                 ))
     px = t.proxy
     router = px.kind == "vllm-router"

@@ -95,7 +95,8 @@ def plan(out: Console, p, output: Output = Output.default, batch: str | None = N
         env = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in s.env.items()),
                         *(f'{k}="${v}"' for k, v in s.secret_env.items())])
         out.print(f"\n[bold]{s.name}[/bold]  log: {s.log_path}", highlight=False)
-        out.print(f"{env} {shlex.join(s.argv)}", highlight=False, markup=False, soft_wrap=True)
+        nice = ["nice", "-n", str(s.nice)] if s.nice else []  # the guard does this at spawn
+        out.print(f"{env} {shlex.join([*nice, *s.argv])}", highlight=False, markup=False, soft_wrap=True)
 
 
 def progress(rows: list) -> Table:

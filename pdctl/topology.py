@@ -145,6 +145,10 @@ class InstanceGroup(_Strict):
     restart: Literal["on-failure", "always", "never"] = Field(
         "on-failure", description="what the supervisor does when an instance exits or fails its health checks "
         "persistently: on-failure (not after a clean exit 0), always, never")
+    nice: int = Field(
+        0, ge=-20, le=19, description="added to the niceness of every process of each instance (API server, "
+        "engine core, workers), like `nice -n`: 10 on a decode pool that shares a host's cores with prefill pools "
+        "lets the prefill's work go first (lower TTFT under load); below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 
@@ -439,7 +443,8 @@ def summary(t: Topology, info: ModelInfo | None = None) -> str:
     """One line: what runs where, for `pdctl validate` (`info`: the model's facts, by default those the topology
     was loaded with); a model with sliding-window layers says so, with its window and whether HMA is on."""
     def pool(g: InstanceGroup) -> str:
-        return f"{g.count}x {g.platform} block {g.block_size} TP {g.tp} {g.kv_layout}"
+        return f"{g.count}x {g.platform} block {g.block_size} TP {g.tp} {g.kv_layout}" + (f" nice {g.nice:+d}"
+                                                                                           if g.nice else "")
 
     if info is None:
         info = t.origin.model_info if t.origin is not None else ModelInfo()
@@ -786,7 +791,7 @@ def hma_enabled(g: InstanceGroup) -> bool:
     return flag is None or flag[1]
 
 
-def _pool_field(t: Topology, role: Role, g: InstanceGroup, name: str) -> str:
+def pool_field(t: Topology, role: Role, g: InstanceGroup, name: str) -> str:
     """A pool's field as the user reads it: decode.extra_args, or decode pool d64's extra_args in a fleet."""
     single = len(t.pools(role)) == 1 and g.name == DEFAULT_POOL
     return f"{role}.{name}" if single else f"{role} pool {g.name}'s {name}"
@@ -884,8 +889,8 @@ def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: s
         assert flag is not None
         on_flag = _hma_flag(on)
         add((*pool_loc(t, off_role, off), "extra_args", flag[0]),
-            f"{_pool_field(t, off_role, off, 'extra_args')} turns vLLM's hybrid KV cache manager off "
-            f"({HMA_OFF_FLAG}) and {_pool_field(t, on_role, on, 'extra_args')} "
+            f"{pool_field(t, off_role, off, 'extra_args')} turns vLLM's hybrid KV cache manager off "
+            f"({HMA_OFF_FLAG}) and {pool_field(t, on_role, on, 'extra_args')} "
             + ("turns it on" if on_flag else "leaves it on")
             + ": vLLM puts the setting in NIXL's compatibility hash, so every handshake between them fails",
             f"pass {HMA_OFF_FLAG} in both pools' extra_args, or in neither",

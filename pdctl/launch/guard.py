@@ -13,6 +13,11 @@ supervisor and `pdctl status` read it.
 
 A Ray worker SIGKILLs its direct children when it exits, which would take the guard and leave the group
 orphaned: with --detach the guard forks away from its parent first, and prints its pid.
+
+With --nice N the guard adds N to its niceness before it starts the server (a pool's `nice`): Linux keeps a
+niceness per thread and every thread and process inherits its creator's, so the server and everything it starts
+(vLLM's engine core, its workers and all their threads) run at it. Done here, at spawn, because renicing a live
+server would have to chase threads it is still creating.
 """
 
 from __future__ import annotations
@@ -69,10 +74,13 @@ def exit_line(code: int) -> str:
 
 def main(argv: list[str]) -> int:
     watch: int | None = None
+    nice = 0
     detach = orphan = False
     while argv and argv[0] != "--":
         if argv[0] == "--watch" and len(argv) > 1:
             watch, argv = int(argv[1]), argv[2:]
+        elif argv[0] == "--nice" and len(argv) > 1:
+            nice, argv = int(argv[1]), argv[2:]
         elif argv[0] == "--detach":
             detach, argv = True, argv[1:]
         elif argv[0] == "--orphan":
@@ -82,9 +90,16 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv or (detach and watch is None):
-        print("usage: python -m pdctl.launch.guard [--watch PID [--detach] | --orphan] -- COMMAND [ARGS...]",
-              file=sys.stderr)
+        print("usage: python -m pdctl.launch.guard [--watch PID [--detach] | --orphan] [--nice N] -- COMMAND "
+              "[ARGS...]", file=sys.stderr)
         return 2
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as e:  # lowering it needs CAP_SYS_NICE or RLIMIT_NICE; the backend's preflight says so first
+            print(f"{EXIT_MARK}not started: cannot add {nice} to the niceness ({e.strerror}); "
+                  "a negative nice needs CAP_SYS_NICE or a high enough RLIMIT_NICE", file=sys.stderr, flush=True)
+            return 1
     watched = _start_ticks(watch) if watch is not None else None
     if detach:
         pid = os.fork()

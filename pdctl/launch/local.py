@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -23,12 +24,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def guarded(argv: list[str], watch: int | None = None, orphan: bool = False) -> list[str]:
+def guarded(argv: list[str], watch: int | None = None, orphan: bool = False, nice: int = 0) -> list[str]:
     """ARGV run under pdctl's guard: when its owner dies, or the server itself, the whole process group goes (a
     parent-death signal alone stops only the direct child, and vLLM's EngineCore outlived its API server that
     way). The owner is the parent, the process `watch` names (then the guard detaches and prints its pid), or
-    nobody (`orphan`: detached topologies). The guard logs how the server ended."""
+    nobody (`orphan`: detached topologies). The guard logs how the server ended, and adds `nice` to the
+    niceness of everything it starts."""
     opts = ["--watch", str(watch), "--detach"] if watch is not None else ["--orphan"] if orphan else []
+    if nice:
+        opts += ["--nice", str(nice)]
     return [sys.executable, "-m", "pdctl.launch.guard", *opts, "--", *argv]
 
 
@@ -78,6 +82,35 @@ def _inherited() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in PLAN_ONLY_ENV}
 
 
+CAP_SYS_NICE = 23
+
+
+def may_lower_niceness_to(target: int) -> bool:
+    """Whether this process may set a niceness below its own to `target` (what the guard does for a negative
+    nice): with CAP_SYS_NICE, or when RLIMIT_NICE allows it (the limit is 20 - the lowest niceness)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:") and int(line.split()[1], 16) >> CAP_SYS_NICE & 1:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or 20 - soft <= target
+
+
+def nice_problems(plan: Plan) -> list[str]:
+    """The instances whose pool's negative nice this host will not grant pdctl (refused before anything starts)."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    out = []
+    for spec in plan.processes:
+        target = max(-20, own + spec.nice)
+        if target < own and not may_lower_niceness_to(target):
+            out.append(f"{spec.name}: nice {spec.nice} (pool {spec.pool}) would lower the niceness to {target}, "
+                       f"which needs CAP_SYS_NICE or RLIMIT_NICE >= {20 - target} (ulimit -e; now "
+                       f"{resource.getrlimit(resource.RLIMIT_NICE)[0]}); run pdctl with either, or use a nice >= 0")
+    return out
+
+
 class LocalBackend(RestartableBackend):
     name = "local"
 
@@ -90,7 +123,7 @@ class LocalBackend(RestartableBackend):
             for kind, port in spec.ports.items():
                 if not probe.port_free(spec.host, port):
                     problems.append(f"{spec.name}: {kind} port {spec.host}:{port} is already in use on this host")
-        return problems
+        return problems + nice_problems(plan)
 
     def start(self, plan: Plan, spec: ProcessSpec, state: LaunchState, *, attached: bool) -> None:
         Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +133,8 @@ class LocalBackend(RestartableBackend):
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             # The key (auth.api_key_env) is read here, at spawn, into the child's environment only.
             proc = subprocess.Popen(
-                guarded(spec.argv, orphan=not attached), env={**_inherited(), **spec.env, **auth.spawn_env(spec)},
+                guarded(spec.argv, orphan=not attached, nice=spec.nice),
+                env={**_inherited(), **spec.env, **auth.spawn_env(spec)},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent if attached else None,
             )

@@ -43,7 +43,7 @@ class InstanceActor:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> dict:
+    def start(self, argv: list[str], env: dict[str, str], log_path: str, nice: int = 0) -> dict:
         self.log_path = log_path
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         # Ray's own variables would tell a vLLM server it runs inside this Ray job,
@@ -56,7 +56,7 @@ class InstanceActor:
             log.flush()
             # The guard watches this actor and detaches from it: Ray SIGKILLs a worker's children when the worker
             # exits, which would orphan the server's EngineCore.
-            launcher = subprocess.Popen(guarded(argv, watch=os.getpid()), env={**base, **env},
+            launcher = subprocess.Popen(guarded(argv, watch=os.getpid(), nice=nice), env={**base, **env},
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                                         start_new_session=True)
             self.pgid = int(launcher.stdout.readline())
@@ -166,7 +166,8 @@ class RayBackend(ClusterBackend):
             if spec.name in self._actors:
                 # The key travels to the node as a task argument, not in the plan (which the state dir keeps).
                 env = {**spec.env, **auth.spawn_env(spec)}
-                got = ray.get(self._actors[spec.name].start.remote(spec.argv, env, spec.log_path), timeout=60)
+                got = ray.get(self._actors[spec.name].start.remote(spec.argv, env, spec.log_path, spec.nice),
+                              timeout=60)
                 state.processes[spec.name] = ProcessRecord(spec.name, got["pid"], got["pid"], got["start_ticks"],
                                                            time.time(), where=f"ray:{hosts[spec.name]}")
             else:

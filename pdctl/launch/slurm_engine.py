@@ -70,7 +70,8 @@ def render_batch(plan: Plan, engine: EngineSpec, python: str = sys.executable) -
         if pl.gres:
             srun.append(f"--gres={pl.gres}")
         env = [f"{k}={v}" for k, v in s.env.items()] + [f"PDCTL_STEP_PIDFILE={step_pidfile(plan, s.name)}"]
-        cmd = [*srun, "env", *env, python, "-m", "pdctl.launch.slurm_step", "--", *s.argv]
+        nice = ["--nice", str(s.nice)] if s.nice else []
+        cmd = [*srun, "env", *env, python, "-m", "pdctl.launch.slurm_step", *nice, "--", *s.argv]
         lines.append(shlex.join(cmd) + " &")
     lines += ["wait", ""]
     return "\n".join(lines)

@@ -1,8 +1,9 @@
-"""`python -m pdctl.launch.slurm_step -- ARGV...`: one Slurm job step's command, run on its node.
+"""`python -m pdctl.launch.slurm_step [--nice N] -- ARGV...`: one Slurm job step's command, run on its node.
 
 The batch script is rendered before Slurm picks nodes, so the server's listen address and NIXL side-channel
 host are written as {node_addr}; here, on the node, that becomes the node's address from `scontrol show node`
-(the NodeAddr the other side and the proxy reach it at), and the command replaces this process.
+(the NodeAddr the other side and the proxy reach it at), and the command replaces this process, at this
+process's niceness plus N (a pool's `nice`; srun's own --nice is the job's queue priority, not this).
 """
 
 from __future__ import annotations
@@ -26,11 +27,21 @@ def node_addr() -> str:
 
 
 def main(argv: list[str]) -> int:
+    nice = 0
+    if argv[:1] == ["--nice"] and len(argv) > 1 and argv[1].lstrip("-").isdigit():
+        nice, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m pdctl.launch.slurm_step -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m pdctl.launch.slurm_step [--nice N] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as e:
+            print(f"--- pdctl: step not started: cannot add {nice} to the niceness ({e.strerror}); a negative nice "
+                  "needs CAP_SYS_NICE or a high enough RLIMIT_NICE", file=sys.stderr, flush=True)
+            return 1
     addr = node_addr()
     for k, v in list(os.environ.items()):
         if PLACEHOLDER in v:
