@@ -2,7 +2,8 @@
 pools p32 and p128, decode pools d64 and d32, an aggregated reference beside them): every prefill pool x decode
 pool pair token for token with the KV proven per pair (32 -> 64 merge, 32 -> 32, 128 -> 64 and 128 -> 32 split),
 the same under 12 requests in flight over every pair at once, the gate failing when the KV came from another
-pool, prefix affinity against least outstanding, and status/logs by pool."""
+pool, prefix affinity against least outstanding, status/logs by pool, and a pool's nice on every thread of its
+instances."""
 
 import json
 import os
@@ -26,7 +27,9 @@ PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
 @pytest.fixture(scope="module")
 def fleet_up(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet")
-    with Reference("cpu-fleet.yaml", d / "ref", 8300) as ref, Up("cpu-fleet.yaml", d / "state", timeout=900) as up:
+    # decode.d32.nice=10: test_a_pools_nice_holds_for_every_thread_of_its_instances (the rest do not notice it).
+    with Reference("cpu-fleet.yaml", d / "ref", 8300) as ref, \
+            Up("cpu-fleet.yaml", d / "state", "--set", "decode.d32.nice=10", timeout=900) as up:
         # 900 s: a first read from a prefill sharing the decode's core stalls (see the warm-up); the config avoids it.
         up.reference = ref.url
         up.plan = state_mod.load(d / "state").plan
@@ -138,6 +141,22 @@ def test_status_and_logs_name_the_pools(fleet_up):
     assert sample(metrics, "pdctl_proxy_pair_requests_total", prefill_pool="p128", decode_pool="d32", status="200")
     assert sample(metrics, "pdctl_proxy_ttft_seconds_count", prefill_pool="p128", decode_pool="d32")
     assert live(fleet_up.pgids)
+
+
+def test_a_pools_nice_holds_for_every_thread_of_its_instances(fleet_up):
+    """decode.d32.nice=10 (the fixture's): the guard sets it at spawn, so vLLM's API server, engine core and worker,
+    every thread of each, run at it; the other pools' instances (the negative control) at pdctl's own."""
+    from pdctl.launch.local import group_members
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = {}
+    for spec in fleet_up.plan.processes:
+        rec = state_mod.load(fleet_up.state_dir).processes[spec.name]
+        tids = [int(t) for pid in group_members(rec.pgid) for t in os.listdir(f"/proc/{pid}/task")]
+        seen[spec.name] = ({os.getpriority(os.PRIO_PROCESS, t) for t in tids}, len(group_members(rec.pgid)))
+    assert seen["decode-d32-0"][0] == {min(19, base + 10)}, seen
+    assert seen["decode-d32-0"][1] >= 4, seen  # guard, API server, engine core, worker (at least)
+    assert all(nices == {base} for name, (nices, _) in seen.items() if name != "decode-d32-0"), seen
 
 
 class Terminal:

@@ -65,3 +65,35 @@ def test_a_pools_own_placement_wins_over_its_roles():
     b = backend_for(plan.topology.engine)
     assert b._options(plan, plan.get("decode-d64-0"))["resources"] == {"gaudi_node": 0.01}
     assert b._options(plan, plan.get("prefill-0"))["resources"] == {"prefill_node": 0.01}
+
+
+def test_local_preflight_refuses_a_negative_nice_the_host_will_not_grant(monkeypatch):
+    from pdctl.launch import local
+    from pdctl.topology import Override, load_topology
+
+    def plan(nice: int):
+        loaded = load_topology(CONFIGS / "cpu-fleet.yaml", [Override.parse_set(f"decode.d32.nice={nice}")])
+        return build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+
+    monkeypatch.setattr(local.os, "getpriority", lambda *_: 0)
+    asked = []
+    monkeypatch.setattr(local, "may_lower_niceness_to", lambda target: asked.append(target) or False)
+    [problem] = local.nice_problems(plan(-5))
+    assert problem.startswith("decode-d32-0: nice -5 (pool d32) would lower the niceness to -5")
+    assert "CAP_SYS_NICE or RLIMIT_NICE >= 25" in problem and asked == [-5]
+    assert local.nice_problems(plan(10)) == [] and asked == [-5]  # raising it needs no privilege
+    monkeypatch.setattr(local, "may_lower_niceness_to", lambda target: True)
+    assert local.nice_problems(plan(-5)) == []  # negative control: a host that grants it
+
+
+def test_may_lower_niceness_reads_the_capability_and_the_limit(monkeypatch, tmp_path):
+    from pdctl.launch import local
+
+    status = tmp_path / "status"
+    real_path = local.Path
+    monkeypatch.setattr(local, "Path", lambda p: status if p == "/proc/self/status" else real_path(p))
+    monkeypatch.setattr(local.resource, "getrlimit", lambda _r: (25, 25))  # lowest niceness allowed: -5
+    status.write_text("CapEff:\t0000000000000000\n")
+    assert local.may_lower_niceness_to(-5) and not local.may_lower_niceness_to(-6)
+    status.write_text("CapEff:\t0000000000800000\n")  # bit 23: CAP_SYS_NICE
+    assert local.may_lower_niceness_to(-20)

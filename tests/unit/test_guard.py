@@ -1,6 +1,9 @@
 """The guard: when its parent dies, nothing of its process group survives (a parent-death signal alone stops
 only the direct child; vLLM's EngineCore was seen to outlive its API server)."""
 
+import errno
+import os
+import shlex
 import subprocess
 import sys
 
@@ -53,3 +56,36 @@ def test_detached_guard_stops_the_group_when_the_watched_owner_dies():
         assert wait_for(lambda: not group_members(guard), 15), group_members(guard)
     finally:
         owner.kill()
+
+
+NICENESS = ("import os, threading\n"
+            "seen = [os.nice(0)]\n"
+            "t = threading.Thread(target=lambda: seen.append(os.nice(0)))\n"
+            "t.start(); t.join()\n"
+            "print(*seen)\n")
+
+
+def test_nice_is_added_to_the_server_and_everything_it_starts():
+    # guard -> sh -> python (a grandchild, as vLLM's engine core is) and a thread of it: all at base + nice.
+    base = os.nice(0)
+    cmd = ["sh", "-c", f"{sys.executable} -c {shlex.quote(NICENESS)}"]
+    got = subprocess.run(guarded(cmd, nice=7), capture_output=True, text=True, timeout=30)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == [str(min(19, base + 7))] * 2
+    plain = subprocess.run(guarded(cmd), capture_output=True, text=True, timeout=30)
+    assert plain.stdout.split() == [str(base)] * 2  # negative control: no --nice, no change
+    assert "--nice" not in guarded(cmd)
+
+
+def test_a_niceness_the_host_refuses_starts_nothing_and_says_why(monkeypatch, capsys, tmp_path):
+    from pdctl.launch import guard
+
+    def refuse(_n):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(guard.os, "nice", refuse)
+    marker = tmp_path / "ran"
+    assert guard.main(["--orphan", "--nice", "-5", "--", "touch", str(marker)]) == 1
+    err = capsys.readouterr().err
+    assert "not started: cannot add -5 to the niceness (Operation not permitted)" in err and "CAP_SYS_NICE" in err
+    assert not marker.exists()

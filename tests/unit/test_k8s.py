@@ -123,3 +123,12 @@ def test_early_decode_is_refused_for_kubernetes(run_cli, tmp_path):
     assert code != 0 and "proxy.early_decode" in err and "host-local socket" in err and "Traceback" not in err
     assert not list(tmp_path.glob("*.yaml"))
     assert run_cli("render", "k8s", CONFIGS / "cpu-demo.yaml", "-o", tmp_path)[0] == 0  # negative control
+
+
+def test_a_pools_nice_is_refused_for_kubernetes(run_cli, tmp_path):
+    code, _, err = run_cli("render", "k8s", CONFIGS / "cpu-fleet.yaml", "-o", tmp_path, "--set",
+                           "decode.d32.nice=10")
+    assert code != 0 and "decode pool d32's nice" in err and "pod of its own" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+    code, _, err = run_cli("render", "k8s", CONFIGS / "cpu-fleet.yaml", "-o", tmp_path, "--set", "decode.d32.nice=0")
+    assert code == 0, err  # negative control: the same render without a nice

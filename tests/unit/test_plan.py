@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.plan import build_plan
-from pdctl.topology import load_topology
+from pdctl.topology import Override, load_topology
 from tests.conftest import CONFIGS, REPO
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -332,3 +332,68 @@ def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_socket
             assert cfg["kv_connector_extra_config"]["pdctl"].get("handover") is (True if s.role == "decode" else None)
     _, off = _fleet()  # negative control
     assert "--handover" not in off.get("proxy").argv
+
+
+# -- nice: a pool's CPU priority (#17) ---------------------------------------------------------------------------
+
+
+def test_a_pools_nice_reaches_its_own_instances_only_and_reads_back():
+    from pdctl.plan import Plan
+
+    t, p = _fleet("decode.d64.nice=10")
+    assert {s.name: s.nice for s in p.processes} == {
+        "prefill-p32-0": 0, "prefill-p128-0": 0, "decode-d64-0": 10, "decode-d32-0": 0, "proxy": 0}
+    d = p.to_dict()
+    assert [s.get("nice") for s in d["processes"]] == [None, None, 10, None, None]  # left out at 0
+    assert [g.get("nice") for g in d["topology"]["decode"]] == [10, None]
+    assert Plan.from_dict(json.loads(p.to_json())).get("decode-d64-0").nice == 10
+    _, plain = _fleet()
+    assert "nice" not in plain.to_json()  # negative control: plans without it read as before the field existed
+
+
+def test_plan_shows_a_nice_as_the_command_that_runs(run_cli):
+    code, out, _ = run_cli("plan", CONFIGS / "cpu-demo.yaml", "--set", "decode.nice=10")
+    assert code == 0 and out.count("nice -n 10 ") == 1
+    assert "nice -n" not in run_cli("plan", CONFIGS / "cpu-demo.yaml")[1]
+
+
+def test_nice_out_of_range_is_refused_with_its_place(run_cli, tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text((CONFIGS / "cpu-demo.yaml").read_text().replace(
+        "  block_size: 64\n", "  block_size: 64\n  nice: 25\n").replace("../.pdctl", str(REPO / ".pdctl")))
+    code, out, err = run_cli("validate", f)
+    line = f.read_text().splitlines().index("  nice: 25") + 1
+    assert code != 0 and f"{f}:{line}: decode.nice" in out + err and "less than or equal to 19" in out + err
+    code, out, err = run_cli("validate", f, "--set", "decode.nice=-20")
+    assert code == 0 and "nice -20" in out  # the lowest niceness is valid (the host may refuse it at launch)
+
+
+def test_slurm_step_runs_at_its_pools_nice():
+    import shlex
+
+    from pdctl.launch.slurm_engine import render_batch
+
+    loaded = load_topology(CONFIGS / "cpu-slurm.yaml", [Override.parse_set("decode.nice=5")])
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="python")
+    steps = {s[s.index("--job-name=decode-0") if "--job-name=decode-0" in s else 0]: s
+             for s in (shlex.split(x.removesuffix(" &")) for x in render_batch(p, p.topology.engine).splitlines()
+                       if x.startswith("srun "))}
+    dec, pre = steps["--job-name=decode-0"], steps["srun"]
+    step = dec.index("pdctl.launch.slurm_step")
+    assert dec[step + 1 : step + 4] == ["--nice", "5", "--"]
+    assert "--nice" not in pre  # the prefill's pool has none
+
+
+def test_slurm_step_adds_the_nice_before_it_becomes_the_server(monkeypatch):
+    from pdctl.launch import slurm_step
+
+    calls = []
+    monkeypatch.setattr(slurm_step, "node_addr", lambda: "10.0.0.2")
+    monkeypatch.setattr(slurm_step.os, "nice", lambda n: calls.append(("nice", n)))
+    monkeypatch.setattr(slurm_step.os, "execvp", lambda f, a: calls.append(("exec", a)))
+    monkeypatch.setattr(slurm_step.os, "setpgrp", lambda: None)
+    slurm_step.main(["--nice", "-3", "--", "serve", "--host", "{node_addr}"])
+    assert calls == [("nice", -3), ("exec", ["serve", "--host", "10.0.0.2"])]
+    calls.clear()
+    slurm_step.main(["--", "serve"])
+    assert calls == [("exec", ["serve"])]  # negative control: no --nice, niceness untouched
