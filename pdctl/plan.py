@@ -180,8 +180,8 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
             extra["pdctl"]["staging_blocks"] = staging
         if role == "decode":
             extra["pdctl"]["read_wait_s"] = c.read_wait_s
-            if t.proxy.early_decode:
-                extra["pdctl"]["handover"] = True
+        if t.proxy.early_decode:  # the decode takes hand-overs, the prefill gives them
+            extra["pdctl"]["handover"] = True
         if c.trace:
             extra["pdctl"]["trace"] = True
     if role == "decode":

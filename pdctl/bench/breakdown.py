@@ -28,7 +28,8 @@ class Stage:
 # In request order; consecutive, so their sum is the proxy's receive -> first byte to the client (TTFT).
 STAGES: tuple[Stage, ...] = (
     Stage("proxy in", "recv", "prefill_sent", "proxy: request read, prefill chosen and sent"),
-    Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer"),
+    Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer "
+          "(early decode, handed over by the prefill: until the decode has its KV parameters)"),
     Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent (early "
           "decode: the KV parameters handed over)"),
     Stage("decode API", "decode_sent", "sched_seen", "decode API server and engine input until its scheduler "
@@ -75,10 +76,16 @@ def join(proxy_records: Iterable[dict], stamps: dict[str, dict[str, float]]) -> 
         if len(theirs) != 1:  # none, or several (n > 1 completions): not one P/D read to follow
             continue
         merged = {k: v for k, v in rec.items() if isinstance(v, float)} | theirs[0]
-        if "handover" in merged and "sched_handover" in merged:
+        if "sched_handover" in merged and ("handover" in merged or "handover_in" in merged):
             # Early decode: the decode's request path ran during the prefill; on the way to the first token
-            # the hand-over takes its place (request sent -> scheduler sees it and gives it blocks).
-            merged |= {"early_decode_sent": merged["decode_sent"], "decode_sent": merged["handover"],
+            # the hand-over takes its place (request sent -> scheduler sees it and gives it blocks). Handed over
+            # by the prefill itself (no proxy stamp), the prefill ends when the decode has its KV parameters:
+            # the prefill's answer to the proxy is off the path.
+            given = merged.get("handover")
+            if given is None:
+                given = merged["handover_in"]
+                merged |= {"prefill_answered": merged["prefill_done"], "prefill_done": given}
+            merged |= {"early_decode_sent": merged["decode_sent"], "decode_sent": given,
                        "sched_seen": merged["sched_handover"], "sched_alloc": merged["sched_handover"]}
         if all(s.start in merged and s.end in merged for s in STAGES):
             out.append(merged)

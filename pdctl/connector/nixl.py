@@ -581,8 +581,10 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         self._parked: dict[str, tuple[Any, Any, int]] = {}
         self._reading: set[str] = set()  # requests whose KV read vLLM has, until it is done (or they end)
         self._handover: handover.Listener | None = None
-        if _settings(vllm_config).get("handover") and vllm_config.kv_transfer_config.kv_role in (
-                "kv_consumer", "kv_both"):
+        role = vllm_config.kv_transfer_config.kv_role
+        # A prefill hands its KV parameters over to the decode itself, when the proxy's request says where.
+        self._hands_over = bool(_settings(vllm_config).get("handover")) and role in ("kv_producer", "kv_both")
+        if _settings(vllm_config).get("handover") and role in ("kv_consumer", "kv_both"):
             self._handover = handover.Listener(handover.name(self.side_channel_host, self.side_channel_port))
             log.info("pdctl connector: early decode: KV parameters handed over on @%s", self._handover.sock_name)
 
@@ -627,10 +629,12 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         """Parked requests whose KV parameters arrived go on as if they had come with them."""
         for token in list(self._parked):
             try:
-                params = self._handover.take(token)
+                at, params = self._handover.take_timed(token)
             except KeyError:
                 continue
             request, blocks, num_external_tokens = self._parked.pop(token)
+            if self._trace:
+                trace("handover_in", request.request_id, at)
             if params is None:  # no KV will come: the proxy drops this request (vLLM aborts it)
                 request.kv_transfer_params["do_remote_prefill"] = False
                 continue
@@ -662,7 +666,15 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             params["do_remote_prefill"] = False
             return False, None
         self._reading.discard(request.request_id)
-        return super().request_finished(request, block_ids)
+        delay, out = super().request_finished(request, block_ids)
+        target = handover.direct_target(params) if self._hands_over and out else None
+        if target is not None:
+            why = handover.send(*target, out)
+            if why is None:
+                out = {**out, handover.HANDED_KEY: True}
+            else:  # the proxy hands them over when it has the answer
+                log.warning("pdctl connector: request %s: %s", request.request_id, why)
+        return delay, out
 
     def update_connector_output(self, connector_output) -> None:
         if self._reading:

@@ -10,6 +10,15 @@ when the prefill gave none (the proxy then drops the decode request and serves t
 vLLM 0.32's own push mode (nixl/push_scheduler.py) overlaps the same way, but writes from the prefill and has no
 block-size conversion.
 
+The prefill hands them over itself when it can: the proxy's prefill request names the decode's socket and the
+token (`kv_transfer_params.pdctl_handover_to: {"socket": NAME, "await": TOKEN}`), and the prefill's pdctl connector
+sends the datagram from `request_finished`, in its engine core, the moment vLLM has the parameters (the prompt's
+KV is computed), and marks its answer `pdctl_handed_over: true`. The decode's read then overlaps the prefill's own
+output path (its API server, its JSON answer, the proxy), ~3-8 ms of TTFT on the CPU host. The proxy hands the
+parameters over only when the prefill did not (an older prefill, a send that failed). A decode that already
+claimed a token ignores a second hand-over for it. vLLM's pull protocol lets a decode read before the prefill's
+worker has the request's send deadline (`nixl/pull_worker.py`, "P can now more easily lag behind D").
+
 The channel is a Unix datagram socket in the abstract namespace, named after the decode's NIXL side-channel
 address: host-local (the topology refuses early_decode for decodes on other hosts), no file to clean up, gone
 with the process. Nothing here imports vLLM.
@@ -26,13 +35,28 @@ import time
 log = logging.getLogger("vllm.pdctl.handover")
 
 TOKEN_KEY = "pdctl_await"
+TO_KEY = "pdctl_handover_to"  # a prefill request's: {"socket": NAME, "await": TOKEN}, where to hand its KV over
+HANDED_KEY = "pdctl_handed_over"  # the prefill's answer: it handed its KV parameters over itself
+PREFIX = "pdctl-handover-"
 MAX_DATAGRAM = 1 << 20
 KEEP_S = 600.0  # parameters nobody claimed (the decode request never arrived) are dropped after this long
 
 
 def name(side_channel_host: str, side_channel_port: int) -> str:
     """The decode's hand-over socket (abstract namespace: the leading NUL is added by `address`)."""
-    return f"pdctl-handover-{side_channel_host}:{side_channel_port}"
+    return f"{PREFIX}{side_channel_host}:{side_channel_port}"
+
+
+def direct_target(params: dict | None) -> tuple[str, str] | None:
+    """Where a prefill request asks its prefill to hand the KV parameters over (socket, token), or None. Only a
+    decode's hand-over socket: a request cannot make a prefill send to any other."""
+    to = (params or {}).get(TO_KEY)
+    if not isinstance(to, dict):
+        return None
+    sock, token = to.get("socket"), to.get("await")
+    if isinstance(sock, str) and sock.startswith(PREFIX) and isinstance(token, str) and token:
+        return sock, token
+    return None
 
 
 def address(sock_name: str) -> bytes:
@@ -41,7 +65,10 @@ def address(sock_name: str) -> bytes:
 
 def send(sock_name: str, token: str, params: dict | None) -> str | None:
     """Hand the prefill's KV parameters (None: there are none) to the decode; None, or why it failed."""
-    msg = json.dumps({"await": token, "params": params}, separators=(",", ":")).encode()
+    try:
+        msg = json.dumps({"await": token, "params": params}, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:
+        return f"KV parameters not JSON: {e}"
     if len(msg) > MAX_DATAGRAM:
         return f"{len(msg)} bytes of KV parameters exceed the hand-over's {MAX_DATAGRAM}"
     try:
@@ -61,7 +88,8 @@ class Listener:
         self.sock_name = sock_name
         self._clock = clock
         self._lock = threading.Lock()
-        self._arrived: dict[str, tuple[float, dict | None]] = {}
+        self._arrived: dict[str, tuple[float, float, dict | None]] = {}  # token -> (clock, wall clock, params)
+        self._claimed: dict[str, float] = {}  # token -> clock: taken, so a second hand-over for it is dropped
         self._event = threading.Event()  # set on each arrival: wakes `wait`
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -91,23 +119,37 @@ class Listener:
             return
         now = self._clock()
         with self._lock:
-            self._arrived[token] = (now, params)
+            if token in self._claimed:  # the prefill handed it over, then the proxy too (or the other way round)
+                return
+            self._arrived[token] = (now, time.time(), params)
             if len(self._arrived) > 1024:  # unclaimed ones: their decode request never came
-                for t in [t for t, (at, _) in self._arrived.items() if now - at > KEEP_S]:
+                for t in [t for t, (at, _, _) in self._arrived.items() if now - at > KEEP_S]:
                     del self._arrived[t]
         self._event.set()
 
     def take(self, token: str) -> dict | None:
+        return self.take_timed(token)[1]
+
+    def take_timed(self, token: str) -> tuple[float, dict | None]:
+        """What arrived for a token, with when it arrived (wall clock); KeyError while nothing did."""
         with self._lock:
-            return self._arrived.pop(token)[1]
+            _, wall, params = self._arrived.pop(token)
+            now = self._clock()
+            self._claimed[token] = now
+            if len(self._claimed) > 1024:
+                for t in [t for t, at in self._claimed.items() if now - at > KEEP_S]:
+                    del self._claimed[t]
+            return wall, params
 
     def has(self, tokens) -> bool:
         """Whether something arrived for one of these tokens (others may wait for their request, or be stale)."""
         return any(t in self._arrived for t in tokens)
 
     def discard(self, token: str) -> None:
+        """Its request is gone: what arrived, or arrives later, for the token is nobody's."""
         with self._lock:
             self._arrived.pop(token, None)
+            self._claimed[token] = self._clock()
 
     def wait(self, timeout_s: float, tokens) -> bool:
         """Until something arrives or the timeout passed; whether something is there for these tokens."""

@@ -121,7 +121,8 @@ class Metrics:
         yield _counter("pdctl_proxy_rejected", "requests refused: on_prefill_down: reject's reasons, and "
                        "unauthorized (no or a wrong API key)", ["reason"], self.rejected)
         yield _counter("pdctl_proxy_early_decode", "proxy.early_decode: decode requests sent with the prefill's "
-                       "and handed their KV parameters, or undone (served the ordinary way)", ["outcome"], self.early)
+                       "and handed their KV parameters by the prefill (prefill_handed_over) or the proxy "
+                       "(handed_over), or undone (served the ordinary way)", ["outcome"], self.early)
         yield from (h.family() for h in (self.ttft, self.duration, self.prefill_latency))
         inflight = GaugeMetricFamily("pdctl_proxy_inflight", "requests in flight per instance",
                                      labels=["role", "pool", "name", "instance"])

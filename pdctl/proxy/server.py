@@ -324,7 +324,8 @@ class Proxy:
         early = self._early(route, body, headers, key, pin, rt) if self._handovers and req.headers.get(
             EARLY_HEADER, "").lower() != "off" else None
         try:
-            pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None)
+            pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None,
+                                      handover_to=early.target if early else None)
             if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:
                 resp = await self._early_answer(req, early, route, headers, pre, rt)
                 if resp is not None:
@@ -386,13 +387,17 @@ class Proxy:
         """The parked decode's answer once the KV parameters were handed over; None: it could not take them."""
         if early.task is None:
             return None
-        rt.stamps["handover"] = time.time()
-        why = handover.send(early.sock, early.token, pre)
+        # The prefill's connector handed them over itself (handover.py) unless its answer says otherwise.
+        why = None
+        if not pre.get(handover.HANDED_KEY):
+            rt.stamps["handover"] = time.time()
+            why = handover.send(early.sock, early.token, pre)
         if why is not None:
             log.warning("request %s: early decode on %s undone (%s)", headers.get("X-Request-Id"), early.decode.name,
                         why)
             return None
-        rt.decode, task, early.task, rt.early = early.decode, early.task, None, "handed_over"
+        rt.decode, task, early.task = early.decode, early.task, None
+        rt.early = "handed_over" if "handover" in rt.stamps else "prefill_handed_over"
         try:
             return await self._decode(req, early.decode, route, early.body, headers, rt.headers(), retry_ok=False,
                                       stamps=rt.stamps, pending=task)
@@ -400,12 +405,13 @@ class Proxy:
             early.decode.inflight -= 1
 
     async def _prefill(self, route: str, body: dict, headers: dict[str, str], key: str | None,
-                       pin: tuple[str, str] | None, rt: _Route,
-                       first: Instance | None = None) -> dict | None | web.Response:
+                       pin: tuple[str, str] | None, rt: _Route, first: Instance | None = None,
+                       handover_to: dict | None = None) -> dict | None | web.Response:
         """The prefill leg: the request's KV parameters, None for decode-only fallback, or the answer to send
         back (a client error, or a refusal under on_prefill_down: reject). Tried once more on another prefill
         when the first fails before answering (it is idempotent: a prefill only computes and holds KV). `first`:
-        the instance to try first (already chosen, for an early decode)."""
+        the instance to try first (already chosen, for an early decode), and where it hands its KV parameters
+        over (`handover_to`: the early decode's; another prefill, tried after it, leaves that to the proxy)."""
         pre_body = dict(body)
         pre_body["max_tokens"] = 1
         if "max_completion_tokens" in pre_body:
@@ -415,6 +421,10 @@ class Proxy:
             pre_body.pop(k, None)
         pre_body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
         wire = json.dumps(pre_body).encode()
+        first_wire = wire
+        if first is not None and handover_to is not None:
+            first_wire = json.dumps({**pre_body, "kv_transfer_params": {**REMOTE_DECODE_PARAMS,
+                                                                        handover.TO_KEY: handover_to}}).encode()
         tried: list[Instance] = []
         errors: list[str] = []
         for attempt in range(2):
@@ -431,7 +441,8 @@ class Proxy:
             p.inflight += 1
             rt.stamps["prefill_sent"] = time.time()
             try:
-                async with await self.upstream(p).request("POST", route, wire, headers) as r:
+                async with await self.upstream(p).request("POST", route, first_wire if attempt == 0 else wire,
+                                                          headers) as r:
                     raw = await r.read()
                 rt.stamps["prefill_done"] = time.time()
             except UpstreamError as e:
@@ -584,6 +595,11 @@ class _Early:
     task: asyncio.Future | None
     body: dict = field(default_factory=dict)
 
+    @property
+    def target(self) -> dict | None:
+        """Where the prefill hands its KV parameters over itself (kv_transfer_params.pdctl_handover_to)."""
+        return {"socket": self.sock, "await": self.token} if self.task is not None else None
+
     def drop(self) -> None:
         """Undo a decode request that was not answered: its connection closes and vLLM aborts it."""
         if self.task is None:
@@ -606,7 +622,7 @@ class _Route:
     decode: Instance | None = None
     fallback: str | None = None
     reject: bool = False  # no decode-only fallback for this request (on_prefill_down, or its header)
-    early: str | None = None  # early decode: handed_over, or undone (served the ordinary way)
+    early: str | None = None  # early decode: prefill_handed_over, handed_over (by the proxy), or undone
     stamps: dict[str, float] = field(default_factory=dict)  # wall-clock times of its stages (/debug/timings)
 
     def headers(self) -> dict[str, str]:

@@ -81,8 +81,9 @@ def test_unservable_pair_is_refused_at_start_with_both_sides_named(tmp_path):
 
 def test_early_decode_p64_d32_token_for_token_with_every_request_handed_over(tmp_path):
     """proxy.early_decode: each decode request goes out with its prefill's and waits, parked, for the KV
-    parameters; P64 -> D32 (split + staging) under 4 in flight, prefix prompts included. The proxy's access log
-    says how each P/D request went: every one handed over, none undone (the ordinary path's lines say nothing)."""
+    parameters, which the prefill's connector hands over itself; P64 -> D32 (split + staging) under 4 in flight,
+    prefix prompts included. The proxy's access log says how each P/D request went: every one handed over by its
+    prefill, none by the proxy, none undone (the ordinary path's lines say nothing)."""
     code, doc = _check(tmp_path, "cpu-demo.yaml", "--prefill-block-size", "64", "--decode-block-size", "32",
                        "--set", "proxy.early_decode=true", "--concurrency", "4")
     failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
@@ -90,7 +91,8 @@ def test_early_decode_p64_d32_token_for_token_with_every_request_handed_over(tmp
     proof = doc["proof"]
     assert proof["ok"] and proof["external_kv_tokens"] > 0
     log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
-    handed = log.count(" early=handed_over")
-    assert handed >= len(doc["results"]) and " early=undone" not in log, handed
+    handed = log.count(" early=prefill_handed_over")  # the prefill's connector handed them over itself
+    assert handed >= len(doc["results"]) and " early=undone" not in log and " early=handed_over" not in log, handed
     decode = (tmp_path / "state" / "logs" / "decode-0.log").read_text()
     assert "early decode: KV parameters handed over on @pdctl-handover-" in decode
+    assert "hand-over to" not in (tmp_path / "state" / "logs" / "prefill-0.log").read_text()  # none failed

@@ -1,6 +1,7 @@
 """Early decode's hand-over: the socket between proxy and decode, and the decode scheduler's parking of a request
 until its prefill's KV parameters arrive (vLLM's own scheduler methods replaced by recorders)."""
 
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -63,6 +64,7 @@ def scheduler(monkeypatch, listener):
     sched = object.__new__(PdctlNixlScheduler)  # vLLM's __init__ needs a whole engine config
     sched._trace, sched._traced, sched._kv_ready = False, set(), set()
     sched._parked, sched._handover, sched._reading, sched._reqs_need_recv = {}, listener, set(), {}
+    sched._hands_over = False  # a decode's scheduler; a prefill's hands its KV parameters over itself
     return sched, calls
 
 
@@ -164,3 +166,68 @@ def test_a_hand_over_for_a_request_that_ended_while_parked_is_dropped(scheduler,
     assert wait_for(lambda: listener.has(["t1"]), 5)
     sched.request_finished(r, ([1],))  # aborted before the step that would have taken it
     assert not listener.has(["t1"]) and not sched._parked
+
+
+def test_a_second_hand_over_for_a_claimed_token_is_dropped(listener):
+    # The prefill handed the parameters over, then the proxy too (or the other way round): the decode took the
+    # first, the second must not sit in the listener.
+    handover.send(listener.sock_name, "t1", KVP)
+    assert wait_for(lambda: listener.has(["t1"]), 5)
+    at, params = listener.take_timed("t1")
+    assert params == KVP and abs(at - time.time()) < 60
+    listener.deliver(b'{"await": "t1", "params": {"remote_block_ids": [[9]]}}')
+    listener.deliver(b'{"await": "t2", "params": null}')  # negative control: another token is kept
+    assert listener._arrived.keys() == {"t2"}
+
+
+def _prefill_finishing(monkeypatch, sched, out):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    monkeypatch.setattr(NixlPullConnectorScheduler, "request_finished", lambda self, r, b: (True, dict(out)))
+    sched._handover, sched._hands_over = None, True
+    return sched
+
+
+def test_the_prefill_hands_its_kv_parameters_over_itself_when_asked(scheduler, listener, monkeypatch):
+    sched = _prefill_finishing(monkeypatch, scheduler[0], KVP)
+    to = {"socket": listener.sock_name.replace("pdctl-test-", handover.PREFIX), "await": "t1"}
+    own = handover.Listener(to["socket"])  # a decode's socket (the name a prefill may send to)
+    try:
+        r = request("p1", {"do_remote_decode": True, handover.TO_KEY: to})
+        delay, out = sched.request_finished(r, ([1, 2],))
+        assert delay is True and out == {**KVP, handover.HANDED_KEY: True}
+        assert wait_for(lambda: own.has(["t1"]), 5) and own.take("t1") == KVP
+        # Negative controls: no target, a socket that is no decode's, a prefill started without hand-overs.
+        assert sched.request_finished(request("p2", {"do_remote_decode": True}), ([1],)) == (True, KVP)
+        bad = {"do_remote_decode": True, handover.TO_KEY: {"socket": listener.sock_name, "await": "t3"}}
+        assert sched.request_finished(request("p3", bad), ([1],)) == (True, KVP)
+        sched._hands_over = False
+        assert sched.request_finished(request("p4", {"do_remote_decode": True, handover.TO_KEY: to}),
+                                      ([1],)) == (True, KVP)
+        assert not listener.has(["t3"]) and not own.wait(0.2, ["t1"])
+    finally:
+        own.close()
+
+
+def test_a_hand_over_the_prefill_cannot_send_is_left_to_the_proxy(scheduler, monkeypatch):
+    sched = _prefill_finishing(monkeypatch, scheduler[0], KVP)
+    to = {"socket": f"{handover.PREFIX}nobody-{uuid.uuid4().hex}", "await": "t1"}
+    _, out = sched.request_finished(request("p1", {"do_remote_decode": True, handover.TO_KEY: to}), ([1],))
+    assert out == KVP and handover.HANDED_KEY not in out  # the proxy hands them over when it has the answer
+
+
+def test_the_decode_traces_when_a_hand_over_arrived(scheduler, listener, caplog):
+    import logging
+
+    sched, _ = scheduler
+    sched._trace = True
+    sched.update_state_after_alloc(request("r1", {"do_remote_prefill": True, handover.TOKEN_KEY: "t1"}), "b", 64)
+    before = time.time()
+    handover.send(listener.sock_name, "t1", KVP)
+    assert wait_for(lambda: listener.has(["t1"]), 5)
+    with caplog.at_level(logging.INFO, logger="vllm.pdctl"):
+        sched.build_connector_meta(IDLE)
+    lines = [r.getMessage().split() for r in caplog.records if "pdctl trace" in r.getMessage()]
+    stages = {ln[2]: float(ln[4]) for ln in lines if ln[3] == "r1"}
+    assert set(stages) == {"handover_in", "sched_handover"} and before <= stages["handover_in"]
+    assert stages["handover_in"] <= stages["sched_handover"]

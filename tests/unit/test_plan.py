@@ -326,12 +326,13 @@ def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_socket
         s.http_url if s.pool == "default" else f"{s.pool}={s.http_url}" for s in decodes]
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--handover"] == [
         f"pdctl-handover-127.0.0.1:{s.env['VLLM_NIXL_SIDE_CHANNEL_PORT']}" for s in decodes]
-    for s in p.processes:
-        if s.role in ("prefill", "decode"):
-            cfg = json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])
-            assert cfg["kv_connector_extra_config"]["pdctl"].get("handover") is (True if s.role == "decode" else None)
+    def handover(plan) -> dict:  # the decodes take hand-overs, the prefills give them
+        return {s.name: json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
+            "pdctl"].get("handover") for s in plan.processes if s.role in ("prefill", "decode")}
+
+    assert set(handover(p).values()) == {True}
     _, off = _fleet()  # negative control
-    assert "--handover" not in off.get("proxy").argv
+    assert "--handover" not in off.get("proxy").argv and set(handover(off).values()) == {None}
 
 
 # -- nice: a pool's CPU priority (#17) ---------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class Backend:
         self.healthy = True
         self.cancelled = asyncio.Event()
         self.model_headers: list[dict] = []
+        self.hands_over = False  # a prefill that hands its KV parameters over itself, as pdctl's connector does
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -103,6 +104,12 @@ class Backend:
             return web.json_response({"error": {"message": "prompt too long"}}, status=400)
         if self.mode == "slow":
             await asyncio.sleep(30)
+        target = handover.direct_target(body.get("kv_transfer_params"))
+        if self.role == "prefill" and self.hands_over and target and self.mode == "ok":
+            assert handover.send(*target, KVP) is None
+            await asyncio.sleep(0.2)  # its answer comes later than the hand-over (vLLM's output path)
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {**KVP,
+                                                                                        handover.HANDED_KEY: True}})
         if self.role == "prefill":
             return web.json_response({"choices": [{"text": "x"}],
                                       "kv_transfer_params": None if self.mode == "no_kvp" else KVP})
@@ -752,8 +759,9 @@ class EarlyDecode(Backend):
 
     def __init__(self):
         super().__init__("decode")
-        self.listener = handover.Listener(f"pdctl-test-{uuid.uuid4().hex}")
+        self.listener = handover.Listener(f"{handover.PREFIX}test-{uuid.uuid4().hex}")
         self.handed: list[dict | None] = []
+        self.listener_took: list[float] = []
 
     async def early(self, body: dict) -> dict:
         token = (body.get("kv_transfer_params") or {}).get(handover.TOKEN_KEY)
@@ -762,6 +770,7 @@ class EarlyDecode(Backend):
         while True:
             try:
                 params = self.listener.take(token)
+                self.listener_took.append(time.time())
                 break
             except KeyError:
                 await asyncio.sleep(0.002)
@@ -786,10 +795,27 @@ def test_early_decode_sends_the_decode_its_request_with_the_prefills_and_hands_o
     assert status == 200 and headers["x-pdctl-decode"] == "decode-0"
     assert early.decode.arrived[0] < early.prefill.answered[0]  # the decode had it while the prefill computed
     assert early.decode.handed == [KVP] and early.decode.requests[0][0]["kv_transfer_params"] == KVP
+    assert handover.TO_KEY in early.prefill.requests[0][0]["kv_transfer_params"]  # asked; this prefill did not
     if not stream:
         assert json.loads(text)["echo_kvp"] == KVP
+    assert wait_for(lambda: early.proxy.timings, 5)  # recorded as the handler ends, after the last byte
     rec = early.proxy.timings[-1]
     assert rec["decode_sent"] < rec["prefill_done"] <= rec["handover"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_that_hands_over_itself_starts_the_decodes_read_before_its_answer(early, stream):
+    early.prefill.delay_s, early.prefill.hands_over = 0.1, True
+    status, text, headers = post(early.url + "/v1/completions", {**BODY, "stream": stream})
+    assert status == 200 and headers["x-pdctl-decode"] == "decode-0"
+    (pre, _), = early.prefill.requests
+    to = pre["kv_transfer_params"][handover.TO_KEY]
+    assert to["socket"] == early.decode.listener.sock_name and to["await"]
+    assert early.decode.handed == [KVP]  # once: the proxy did not hand them over again
+    assert wait_for(lambda: early.proxy.timings, 5)  # recorded as the handler ends, after the last byte
+    rec = early.proxy.timings[-1]
+    assert "handover" not in rec and rec["prefill_done"] - early.decode.listener_took[0] > 0.1
+    assert early.proxy.metrics.early == {("prefill_handed_over",): 1}
 
 
 def test_without_hand_over_sockets_the_decode_is_asked_after_the_prefill(pd):
