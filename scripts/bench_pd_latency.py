@@ -128,6 +128,10 @@ def main() -> int:
     ap.add_argument("--early-ab", action="store_true",
                     help="proxy.early_decode on, and each pair run twice per repeat: early (PAIR) and the ordinary "
                     "way (PAIR seq, header x-pdctl-early-decode: off); reports early / ordinary per pair")
+    ap.add_argument("--handover-ab", action="store_true",
+                    help="proxy.early_decode on, and each pair run twice per repeat: the prefill hands the KV "
+                    "parameters over itself (PAIR) and the proxy does (PAIR proxy, header x-pdctl-early-decode: "
+                    "proxy); reports prefill / proxy hand-over per pair")
     ap.add_argument("--pin-instances", action="store_true",
                     help="bind every thread of each vLLM server (API server, engine core, worker) to its instance's "
                     "core, not only the model's compute threads: instances then share no core, as on separate hosts")
@@ -137,13 +141,13 @@ def main() -> int:
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
-    if a.nice_ab and a.early_ab:
-        ap.error("--nice-ab and --early-ab: one A/B per run")
+    if sum(map(bool, (a.nice_ab, a.early_ab, a.handover_ab))) > 1:
+        ap.error("--nice-ab, --early-ab, --handover-ab: one A/B per run")
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
     try:
         t = pdctl.load(a.topology, [*a.set, "connector.trace=true",
-                                    *(["proxy.early_decode=true"] if a.early_ab else [])])
+                                    *(["proxy.early_decode=true"] if a.early_ab or a.handover_ab else [])])
     except pdctl.TopologyError as e:
         ap.error(str(e))
     state_dir = Path("/tmp/pdctl-bench-latency")
@@ -157,6 +161,8 @@ def main() -> int:
     sides = [f"{p}->{d}" for p, d in pairs]
     if a.early_ab:  # the same pairs once more, the ordinary way
         sides, pairs = sides + [f"{sd} seq" for sd in sides], pairs + pairs
+    if a.handover_ab:  # the same pairs once more, handed over by the proxy
+        sides, pairs = sides + [f"{sd} proxy" for sd in sides], pairs + pairs
     if a.nice_ab:  # the same pairs once more, reniced
         sides, pairs = sides + [f"{sd} nice" for sd in sides], pairs + pairs
     sides += list(REFS)
@@ -186,6 +192,8 @@ def main() -> int:
                     headers = {ROUTE_HEADER: f"{pair[0]}/{pair[1]}"} if pair else None
                     if side.endswith(" seq"):
                         headers[EARLY_HEADER] = "off"
+                    if side.endswith(" proxy"):
+                        headers[EARLY_HEADER] = "proxy"
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
                     if a.nice_ab and pair:
                         renice(d.plan, a.nice_ab[0], a.nice_ab[1] if side.endswith(" nice") else 0)
@@ -222,6 +230,8 @@ def main() -> int:
     report = summarize(runs, sides, pairs, modes)
     report["early_vs_ordinary"] = variant_over_base(runs, sides, modes, " seq", True) if a.early_ab else []
     report["nice_vs_plain"] = variant_over_base(runs, sides, modes, " nice") if a.nice_ab else []
+    report["prefill_vs_proxy_handover"] = (variant_over_base(runs, sides, modes, " proxy", True) if a.handover_ab
+                                           else [])
     report["stall"] = stall
     report["floor"] = floor(floor_runs, report["ratios"])
     print_report(report)
@@ -350,7 +360,8 @@ def print_report(rep: dict) -> None:
               f"({r['minimal_request_ttft_ms_p50']:.1f} ms) = {r['floor_ttft_ms']:.1f} ms "
               f"({r['floor_over_aggregated']:.2f}x aggregated); P/D {r['pd_ttft_ms_p50']:.1f} ms = "
               f"{r['pd_over_floor']:.2f}x floor")
-    for key, what in (("early_vs_ordinary", "early decode / ordinary"), ("nice_vs_plain", "reniced / not")):
+    for key, what in (("early_vs_ordinary", "early decode / ordinary"), ("nice_vs_plain", "reniced / not"),
+                      ("prefill_vs_proxy_handover", "handed over by the prefill / by the proxy")):
         for r in rep.get(key) or []:
             t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
             print(f"{r['mode']:>10} {r['pair']}: {what}: TTFT x{t['ratio']:.3f} ({sp(t['spread'])}), "

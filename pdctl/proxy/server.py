@@ -321,11 +321,11 @@ class Proxy:
         key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
         rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
-        early = self._early(route, body, headers, key, pin, rt) if self._handovers and req.headers.get(
-            EARLY_HEADER, "").lower() != "off" else None
+        how = req.headers.get(EARLY_HEADER, "").lower()  # off: the ordinary way; proxy: the proxy hands over
+        early = self._early(route, body, headers, key, pin, rt) if self._handovers and how != "off" else None
         try:
             pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None,
-                                      handover_to=early.target if early else None)
+                                      handover_to=early.target if early and how != "proxy" else None)
             if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:
                 resp = await self._early_answer(req, early, route, headers, pre, rt)
                 if resp is not None:

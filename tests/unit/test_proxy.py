@@ -818,6 +818,16 @@ def test_a_prefill_that_hands_over_itself_starts_the_decodes_read_before_its_ans
     assert early.proxy.metrics.early == {("prefill_handed_over",): 1}
 
 
+def test_one_request_may_have_the_proxy_hand_over_for_an_ab_run(early):
+    early.prefill.delay_s, early.prefill.hands_over = 0.1, True
+    status, _, _ = post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "proxy"})
+    assert status == 200 and early.decode.handed == [KVP]
+    (pre, _), = early.prefill.requests
+    assert handover.TO_KEY not in pre["kv_transfer_params"]  # not asked: the proxy handed them over
+    assert wait_for(lambda: early.proxy.timings, 5) and "handover" in early.proxy.timings[-1]
+    assert early.proxy.metrics.early == {("handed_over",): 1}
+
+
 def test_without_hand_over_sockets_the_decode_is_asked_after_the_prefill(pd):
     # Negative control for the test above: the ordinary path.
     pd.prefill.delay_s = 0.3
