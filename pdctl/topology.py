@@ -146,9 +146,9 @@ class InstanceGroup(_Strict):
         "on-failure", description="what the supervisor does when an instance exits or fails its health checks "
         "persistently: on-failure (not after a clean exit 0), always, never")
     nice: int = Field(
-        0, ge=-20, le=19, description="added to the niceness of every process of each instance (API server, "
-        "engine core, workers), like `nice -n`: 10 on a decode pool that shares a host's cores with prefill pools "
-        "lets the prefill's work go first (lower TTFT under load); below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
+        0, ge=-20, le=19, strict=True, description="added to the niceness of every process of each instance (API "
+        "server, engine core, workers), like `nice -n`: 10 on a decode pool that shares a host's cores with prefill "
+        "pools lets the prefill's work go first (lower TTFT under load); below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 

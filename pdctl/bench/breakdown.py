@@ -31,7 +31,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer "
           "(early decode, handed over by the prefill: until the decode has its KV parameters)"),
     Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent (early "
-          "decode: the KV parameters handed over)"),
+          "decode: the KV parameters handed over; 0 when the prefill handed them over itself)"),
     Stage("decode API", "decode_sent", "sched_seen", "decode API server and engine input until its scheduler "
           "sees the request (early decode: until it takes the handed-over KV parameters)"),
     Stage("blocks", "sched_seen", "sched_alloc", "decode scheduler: until it gives the request blocks"),

@@ -21,7 +21,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from pdctl import auth
 from pdctl.launch.backend import Liveness, StopReport
 from pdctl.launch.cluster import ClusterBackend, is_this_host
-from pdctl.launch.errors import PlacementFailed
+from pdctl.launch.errors import LaunchFailed, PlacementFailed
 from pdctl.launch.local import group_alive, guarded, start_ticks
 from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState, ProcessRecord
@@ -59,8 +59,12 @@ class InstanceActor:
             launcher = subprocess.Popen(guarded(argv, watch=os.getpid(), nice=nice), env={**base, **env},
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                                         start_new_session=True)
-            self.pgid = int(launcher.stdout.readline())
+            first = launcher.stdout.readline()
             launcher.wait()
+        if not first.strip():  # the guard refused before it detached (e.g. a nice the node will not grant)
+            return {"error": f"the guard did not start the server (exit {launcher.returncode}; its log "
+                             f"{log_path} on {self.node_ip()} says why)", "log": tail(log_path, 5)}
+        self.pgid = int(first)
         return {"pid": self.pgid, "start_ticks": start_ticks(self.pgid) or 0}
 
     def poll(self) -> tuple[bool, int | None]:
@@ -168,6 +172,8 @@ class RayBackend(ClusterBackend):
                 env = {**spec.env, **auth.spawn_env(spec)}
                 got = ray.get(self._actors[spec.name].start.remote(spec.argv, env, spec.log_path, spec.nice),
                               timeout=60)
+                if "error" in got:
+                    raise LaunchFailed(spec.name, "\n  ".join([got["error"], *got["log"]]), None)
                 state.processes[spec.name] = ProcessRecord(spec.name, got["pid"], got["pid"], got["start_ticks"],
                                                            time.time(), where=f"ray:{hosts[spec.name]}")
             else:

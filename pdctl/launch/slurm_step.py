@@ -28,8 +28,11 @@ def node_addr() -> str:
 
 def main(argv: list[str]) -> int:
     nice = 0
-    if argv[:1] == ["--nice"] and len(argv) > 1 and argv[1].lstrip("-").isdigit():
-        nice, argv = int(argv[1]), argv[2:]
+    if argv[:1] == ["--nice"]:
+        try:
+            nice, argv = int(argv[1]), argv[2:]
+        except (IndexError, ValueError):
+            argv = []  # the usage below
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:

@@ -32,6 +32,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 log = logging.getLogger("vllm.pdctl.handover")
 
@@ -41,6 +42,7 @@ HANDED_KEY = "pdctl_handed_over"  # the prefill's answer: it handed its KV param
 PREFIX = "pdctl-handover-"
 MAX_DATAGRAM = 1 << 20
 KEEP_S = 600.0  # parameters nobody claimed (the decode request never arrived) are dropped after this long
+CLAIMED_KEEP_S = 60.0  # a token taken (or its request gone) is remembered this long: a second hand-over is dropped
 
 
 def name(side_channel_host: str, side_channel_port: int) -> str:
@@ -90,7 +92,8 @@ class Listener:
         self._clock = clock
         self._lock = threading.Lock()
         self._arrived: dict[str, tuple[float, float, dict | None]] = {}  # token -> (clock, wall clock, params)
-        self._claimed: dict[str, float] = {}  # token -> clock: taken, so a second hand-over for it is dropped
+        # token -> clock, oldest first: taken (or its request gone), so a second hand-over for it is dropped
+        self._claimed: OrderedDict[str, float] = OrderedDict()
         self._event = threading.Event()  # set on each arrival: wakes `wait`
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -135,12 +138,16 @@ class Listener:
         """What arrived for a token, with when it arrived (wall clock); KeyError while nothing did."""
         with self._lock:
             _, wall, params = self._arrived.pop(token)
-            now = self._clock()
-            self._claimed[token] = now
-            if len(self._claimed) > 1024:
-                for t in [t for t, at in self._claimed.items() if now - at > KEEP_S]:
-                    del self._claimed[t]
+            self._claim(token)
             return wall, params
+
+    def _claim(self, token: str) -> None:
+        """Remember a token as done (under the lock); forget the ones older than CLAIMED_KEEP_S, oldest first."""
+        now = self._clock()
+        self._claimed[token] = now
+        self._claimed.move_to_end(token)
+        while self._claimed and now - next(iter(self._claimed.values())) > CLAIMED_KEEP_S:
+            self._claimed.popitem(last=False)
 
     def has(self, tokens) -> bool:
         """Whether something arrived for one of these tokens (others may wait for their request, or be stale)."""
@@ -150,7 +157,7 @@ class Listener:
         """Its request is gone: what arrived, or arrives later, for the token is nobody's."""
         with self._lock:
             self._arrived.pop(token, None)
-            self._claimed[token] = self._clock()
+            self._claim(token)
 
     def wait(self, timeout_s: float, tokens) -> bool:
         """Until something arrives or the timeout passed; whether something is there for these tokens."""

@@ -18,8 +18,8 @@ from itertools import count
 POLICIES = ("least_outstanding", "round_robin", "prefix_affinity")
 ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
 REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall back to decode-only (warm-up)
-# "off": this request goes the ordinary way; "proxy": early, but the proxy hands the KV parameters over, not the
-# prefill (A/B runs of early decode and of its hand-over).
+# With proxy.early_decode, per request: "off": the ordinary way; "proxy": early, but the proxy hands the KV
+# parameters over, not the prefill; "on" (or absent): early, handed over by the prefill. A/B runs of both.
 EARLY_HEADER = "x-pdctl-early-decode"
 
 

@@ -322,6 +322,9 @@ class Proxy:
 
         rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
         how = req.headers.get(EARLY_HEADER, "").lower()  # off: the ordinary way; proxy: the proxy hands over
+        if how not in ("", "on", "off", "proxy"):
+            return web.json_response(error_body(f"{EARLY_HEADER}: {how!r} is none of on, off, proxy",
+                                                "invalid_request", 400), status=400)
         early = self._early(route, body, headers, key, pin, rt) if self._handovers and how != "off" else None
         try:
             pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None,
@@ -411,7 +414,9 @@ class Proxy:
         back (a client error, or a refusal under on_prefill_down: reject). Tried once more on another prefill
         when the first fails before answering (it is idempotent: a prefill only computes and holds KV). `first`:
         the instance to try first (already chosen, for an early decode), and where it hands its KV parameters
-        over (`handover_to`: the early decode's; another prefill, tried after it, leaves that to the proxy)."""
+        over (`handover_to`: the early decode's; a retry on another prefill is not asked to, and the caller then
+        undoes the early decode, even one whose read the first prefill's hand-over had started: vLLM aborts it
+        and that prefill's blocks wait for their lease)."""
         pre_body = dict(body)
         pre_body["max_tokens"] = 1
         if "max_completion_tokens" in pre_body:

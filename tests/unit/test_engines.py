@@ -1,6 +1,7 @@
 """Engine selection and Ray placement options, without a cluster (the e2e tests run real ones)."""
 
 import inspect
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,3 +98,23 @@ def test_may_lower_niceness_reads_the_capability_and_the_limit(monkeypatch, tmp_
     assert local.may_lower_niceness_to(-5) and not local.may_lower_niceness_to(-6)
     status.write_text("CapEff:\t0000000000800000\n")  # bit 23: CAP_SYS_NICE
     assert local.may_lower_niceness_to(-20)
+
+
+def test_ray_instance_actor_says_when_the_guard_refused_to_start_the_server(tmp_path, monkeypatch):
+    # The guard refuses before it detaches (a nice the node will not grant): no pid on its stdout. The actor
+    # answers with the reason and the log's end, which the backend raises as LaunchFailed (not a traceback).
+    from pdctl.launch import ray_engine
+
+    actor_cls = ray_engine.InstanceActor.__ray_metadata__.modified_class
+    actor = object.__new__(actor_cls)
+    actor.name, actor.pgid, actor.log_path = "decode-0", None, None
+    monkeypatch.setattr(actor_cls, "node_ip", lambda self: "10.0.0.5")
+    monkeypatch.setattr(ray_engine, "guarded", lambda argv, **kw: [
+        sys.executable, "-c", "import sys; print('--- pdctl guard: server not started: no', file=sys.stderr); "
+        "sys.exit(1)"])
+    got = actor.start(["serve"], {}, str(tmp_path / "d.log"), nice=-5)
+    assert got["error"].startswith("the guard did not start the server (exit 1") and "10.0.0.5" in got["error"]
+    assert got["log"][-1] == "--- pdctl guard: server not started: no"
+    monkeypatch.setattr(ray_engine, "guarded", lambda argv, **kw: [sys.executable, "-c", "print(4242)"])
+    ok = actor.start(["serve"], {}, str(tmp_path / "d.log"))
+    assert ok["pid"] == 4242 and "error" not in ok  # negative control: the guard printed its pid

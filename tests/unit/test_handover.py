@@ -1,6 +1,7 @@
 """Early decode's hand-over: the socket between proxy and decode, and the decode scheduler's parking of a request
 until its prefill's KV parameters arrive (vLLM's own scheduler methods replaced by recorders)."""
 
+import json
 import time
 import uuid
 from types import SimpleNamespace
@@ -231,3 +232,24 @@ def test_the_decode_traces_when_a_hand_over_arrived(scheduler, listener, caplog)
     stages = {ln[2]: float(ln[4]) for ln in lines if ln[3] == "r1"}
     assert set(stages) == {"handover_in", "sched_handover"} and before <= stages["handover_in"]
     assert stages["handover_in"] <= stages["sched_handover"]
+
+
+def test_claimed_tokens_are_forgotten_oldest_first_after_a_while():
+    now = [0.0]
+    lst = handover.Listener(f"pdctl-test-{uuid.uuid4().hex}", clock=lambda: now[0])
+    try:
+        for i in range(3000):  # a busy decode: many tokens taken; the memory of them stays bounded by time
+            lst.deliver(json.dumps({"await": f"t{i}", "params": None}).encode())
+            lst.take(f"t{i}")
+            now[0] += 0.1
+        assert len(lst._claimed) <= handover.CLAIMED_KEEP_S / 0.1 + 1
+        lst.deliver(b'{"await": "t2999", "params": null}')  # recent: still dropped as a duplicate
+        assert not lst.has(["t2999"])
+        lst.discard("gone")
+        now[0] += handover.CLAIMED_KEEP_S + 1
+        lst.discard("later")  # forgetting happens on discards too
+        assert list(lst._claimed) == ["later"]
+        lst.deliver(b'{"await": "gone", "params": null}')  # long forgotten: kept (then dropped after KEEP_S)
+        assert lst.has(["gone"])
+    finally:
+        lst.close()

@@ -367,6 +367,9 @@ def test_nice_out_of_range_is_refused_with_its_place(run_cli, tmp_path):
     assert code != 0 and f"{f}:{line}: decode.nice" in out + err and "less than or equal to 19" in out + err
     code, out, err = run_cli("validate", f, "--set", "decode.nice=-20")
     assert code == 0 and "nice -20" in out  # the lowest niceness is valid (the host may refuse it at launch)
+    for bad in ("true", '"10"', "10.5"):  # no silent coercion (true would be nice +1)
+        code, out, err = run_cli("validate", f, "--set", f"decode.nice={bad}")
+        assert code != 0 and "decode.nice: Input should be a valid integer" in out + err, bad
 
 
 def test_slurm_step_runs_at_its_pools_nice():
@@ -398,3 +401,5 @@ def test_slurm_step_adds_the_nice_before_it_becomes_the_server(monkeypatch):
     calls.clear()
     slurm_step.main(["--", "serve"])
     assert calls == [("exec", ["serve"])]  # negative control: no --nice, niceness untouched
+    calls.clear()
+    assert slurm_step.main(["--nice", "x", "--", "serve"]) == 2 and calls == []  # a usage error, nothing run

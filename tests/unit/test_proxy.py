@@ -811,10 +811,11 @@ def test_a_prefill_that_hands_over_itself_starts_the_decodes_read_before_its_ans
     (pre, _), = early.prefill.requests
     to = pre["kv_transfer_params"][handover.TO_KEY]
     assert to["socket"] == early.decode.listener.sock_name and to["await"]
-    assert early.decode.handed == [KVP]  # once: the proxy did not hand them over again
+    assert early.decode.handed == [KVP]
     assert wait_for(lambda: early.proxy.timings, 5)  # recorded as the handler ends, after the last byte
     rec = early.proxy.timings[-1]
-    assert "handover" not in rec and rec["prefill_done"] - early.decode.listener_took[0] > 0.1
+    assert "handover" not in rec  # the proxy did not hand them over again (its stamp says when it does)
+    assert rec["prefill_done"] - early.decode.listener_took[0] > 0.1  # the decode had them before the answer
     assert early.proxy.metrics.early == {("prefill_handed_over",): 1}
 
 
@@ -826,6 +827,31 @@ def test_one_request_may_have_the_proxy_hand_over_for_an_ab_run(early):
     assert handover.TO_KEY not in pre["kv_transfer_params"]  # not asked: the proxy handed them over
     assert wait_for(lambda: early.proxy.timings, 5) and "handover" in early.proxy.timings[-1]
     assert early.proxy.metrics.early == {("handed_over",): 1}
+
+
+def test_a_retry_on_another_prefill_is_not_asked_to_hand_over_and_the_early_decode_is_undone(pd):
+    dec, second = EarlyDecode(), Backend("prefill")
+    d_url, p2_url = pd.loop.serve(dec.app()), pd.loop.serve(second.app())
+    pd.prefill.mode, second.hands_over = "error500", True
+    proxy = Proxy(ProxyConfig([pd.p_url, p2_url], [d_url], handovers=[dec.listener.sock_name], read_timeout_s=2.0,
+                              connect_timeout_s=1.0, policy="round_robin"))
+    try:
+        status, text, _ = post(pd.loop.serve(proxy.app()) + "/v1/completions", BODY)
+        assert status == 200 and json.loads(text)["echo_kvp"] == KVP  # served the ordinary way by the second
+        (first, _), = pd.prefill.requests
+        (retry, _), = second.requests
+        assert handover.TO_KEY in first["kv_transfer_params"]  # the early pair's prefill was asked
+        assert handover.TO_KEY not in retry["kv_transfer_params"] and dec.handed == []  # the retry was not
+        assert proxy.metrics.early == {("undone",): 1}
+    finally:
+        dec.listener.close()
+
+
+def test_an_unknown_early_decode_header_value_is_refused(early):
+    status, text, _ = post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "prxy"})
+    assert status == 400 and "x-pdctl-early-decode: 'prxy' is none of on, off, proxy" in text
+    assert early.prefill.requests == [] and early.decode.requests == []
+    assert post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "ON"})[0] == 200  # negative control
 
 
 def test_without_hand_over_sockets_the_decode_is_asked_after_the_prefill(pd):
