@@ -102,6 +102,16 @@ def role_nice(text: str) -> tuple[str, int]:
     return role, nice
 
 
+# The A/B runs (one per run): flag -> the variant sides' suffix, its x-pdctl-early-decode header (None: none), whether
+# the unsuffixed side is the variant (early decode is 'PAIR', the ordinary way 'PAIR seq'), the report's key and
+# what its ratio is.
+AB = {
+    "early_ab": (" seq", "off", True, "early_vs_ordinary", "early decode / ordinary"),
+    "handover_ab": (" proxy", "proxy", True, "prefill_vs_proxy_handover", "handed over by the prefill / by the proxy"),
+    "nice_ab": (" nice", None, False, "nice_vs_plain", "reniced / not"),
+}
+
+
 def med(xs):
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -141,8 +151,10 @@ def main() -> int:
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", default=None, help="default results/bench_pd_latency-LABEL.json")
     a = ap.parse_args()
-    if sum(map(bool, (a.nice_ab, a.early_ab, a.handover_ab))) > 1:
+    ab = [flag for flag in AB if getattr(a, flag)]
+    if len(ab) > 1:
         ap.error("--nice-ab, --early-ab, --handover-ab: one A/B per run")
+    suffix, ab_header, *_ = AB[ab[0]] if ab else (None, None)
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
     try:
@@ -159,12 +171,8 @@ def main() -> int:
             ap.error(f"--pairs: {'/'.join(pair)!r} is not PREFILL/DECODE of {a.topology}'s pools (prefill "
                      f"{', '.join(sorted(pools[0]))}; decode {', '.join(sorted(pools[1]))})")
     sides = [f"{p}->{d}" for p, d in pairs]
-    if a.early_ab:  # the same pairs once more, the ordinary way
-        sides, pairs = sides + [f"{sd} seq" for sd in sides], pairs + pairs
-    if a.handover_ab:  # the same pairs once more, handed over by the proxy
-        sides, pairs = sides + [f"{sd} proxy" for sd in sides], pairs + pairs
-    if a.nice_ab:  # the same pairs once more, reniced
-        sides, pairs = sides + [f"{sd} nice" for sd in sides], pairs + pairs
+    if suffix:  # the same pairs once more: the ordinary way, handed over by the proxy, or reniced
+        sides, pairs = sides + [f"{sd}{suffix}" for sd in sides], pairs + pairs
     sides += list(REFS)
     modes = [("c=1", 1, None)] + ([(f"{a.rate:g} req/s", a.requests, a.rate)] if a.rate else [])
     runs: list[dict] = []
@@ -190,13 +198,11 @@ def main() -> int:
                 for side in order:
                     pair = dict(zip(sides, pairs, strict=False)).get(side)
                     headers = {ROUTE_HEADER: f"{pair[0]}/{pair[1]}"} if pair else None
-                    if side.endswith(" seq"):
-                        headers[EARLY_HEADER] = "off"
-                    if side.endswith(" proxy"):
-                        headers[EARLY_HEADER] = "proxy"
+                    if ab_header and side.endswith(suffix):
+                        headers[EARLY_HEADER] = ab_header
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
                     if a.nice_ab and pair:
-                        renice(d.plan, a.nice_ab[0], a.nice_ab[1] if side.endswith(" nice") else 0)
+                        renice(d.plan, a.nice_ab[0], a.nice_ab[1] if side.endswith(suffix) else 0)
                     since = time.time()
                     r = load.run_load(side, urls[side], t.model.name, works[side], a.max_tokens, conc, decodes, rate,
                                       seed, headers)
@@ -228,10 +234,8 @@ def main() -> int:
             print(f"stall check {p}->{dd} c={a.stall_concurrency}: ITL p50 {r.itl_ms_p50:.2f} ms, p99 "
                   f"{r.itl_ms_p99:.2f} ms, errors {r.errors}")
     report = summarize(runs, sides, pairs, modes)
-    report["early_vs_ordinary"] = variant_over_base(runs, sides, modes, " seq", True) if a.early_ab else []
-    report["nice_vs_plain"] = variant_over_base(runs, sides, modes, " nice") if a.nice_ab else []
-    report["prefill_vs_proxy_handover"] = (variant_over_base(runs, sides, modes, " proxy", True) if a.handover_ab
-                                           else [])
+    for flag, (sfx, _, unsuffixed, key, _) in AB.items():
+        report[key] = variant_over_base(runs, sides, modes, sfx, unsuffixed) if flag in ab else []
     report["stall"] = stall
     report["floor"] = floor(floor_runs, report["ratios"])
     print_report(report)
@@ -360,8 +364,7 @@ def print_report(rep: dict) -> None:
               f"({r['minimal_request_ttft_ms_p50']:.1f} ms) = {r['floor_ttft_ms']:.1f} ms "
               f"({r['floor_over_aggregated']:.2f}x aggregated); P/D {r['pd_ttft_ms_p50']:.1f} ms = "
               f"{r['pd_over_floor']:.2f}x floor")
-    for key, what in (("early_vs_ordinary", "early decode / ordinary"), ("nice_vs_plain", "reniced / not"),
-                      ("prefill_vs_proxy_handover", "handed over by the prefill / by the proxy")):
+    for _, _, _, key, what in AB.values():
         for r in rep.get(key) or []:
             t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
             print(f"{r['mode']:>10} {r['pair']}: {what}: TTFT x{t['ratio']:.3f} ({sp(t['spread'])}), "

@@ -61,6 +61,16 @@ def _start_ticks(pid: int) -> str | None:
 
 
 
+def add_niceness(n: int) -> str | None:
+    """Add n to this process's niceness (what it starts inherits it); None, or why the host refused."""
+    try:
+        os.nice(n)
+    except OSError as e:  # lowering it needs CAP_SYS_NICE or RLIMIT_NICE; the local backend's preflight says so first
+        return (f"cannot add {n} to the niceness ({e.strerror}); a negative nice needs CAP_SYS_NICE or a high "
+                "enough RLIMIT_NICE")
+    return None
+
+
 def exit_line(code: int) -> str:
     """How the server ended, as Popen reports it (negative: killed by that signal)."""
     if code < 0:
@@ -93,13 +103,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pdctl.launch.guard [--watch PID [--detach] | --orphan] [--nice N] -- COMMAND "
               "[ARGS...]", file=sys.stderr)
         return 2
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError as e:  # lowering it needs CAP_SYS_NICE or RLIMIT_NICE; the backend's preflight says so first
-            print(f"{EXIT_MARK}not started: cannot add {nice} to the niceness ({e.strerror}); "
-                  "a negative nice needs CAP_SYS_NICE or a high enough RLIMIT_NICE", file=sys.stderr, flush=True)
-            return 1
+    why = add_niceness(nice) if nice else None
+    if why:
+        print(f"{EXIT_MARK}not started: {why}", file=sys.stderr, flush=True)
+        return 1
     watched = _start_ticks(watch) if watch is not None else None
     if detach:
         pid = os.fork()

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from pdctl.launch.guard import add_niceness
+
 PLACEHOLDER = "{node_addr}"
 
 
@@ -38,13 +40,10 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m pdctl.launch.slurm_step [--nice N] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError as e:
-            print(f"--- pdctl: step not started: cannot add {nice} to the niceness ({e.strerror}); a negative nice "
-                  "needs CAP_SYS_NICE or a high enough RLIMIT_NICE", file=sys.stderr, flush=True)
-            return 1
+    why = add_niceness(nice) if nice else None
+    if why:
+        print(f"--- pdctl: step not started: {why}", file=sys.stderr, flush=True)
+        return 1
     addr = node_addr()
     for k, v in list(os.environ.items()):
         if PLACEHOLDER in v:

@@ -391,8 +391,8 @@ class Proxy:
         if early.task is None:
             return None
         # The prefill's connector handed them over itself (handover.py) unless its answer says otherwise.
-        why = None
-        if not pre.get(handover.HANDED_KEY):
+        by_prefill, why = bool(pre.get(handover.HANDED_KEY)), None
+        if not by_prefill:
             rt.stamps["handover"] = time.time()
             why = handover.send(early.sock, early.token, pre)
         if why is not None:
@@ -400,7 +400,7 @@ class Proxy:
                         why)
             return None
         rt.decode, task, early.task = early.decode, early.task, None
-        rt.early = "handed_over" if "handover" in rt.stamps else "prefill_handed_over"
+        rt.early = "prefill_handed_over" if by_prefill else "handed_over"
         try:
             return await self._decode(req, early.decode, route, early.body, headers, rt.headers(), retry_ok=False,
                                       stamps=rt.stamps, pending=task)
@@ -427,7 +427,7 @@ class Proxy:
         pre_body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
         wire = json.dumps(pre_body).encode()
         first_wire = wire
-        if first is not None and handover_to is not None:
+        if handover_to is not None:
             first_wire = json.dumps({**pre_body, "kv_transfer_params": {**REMOTE_DECODE_PARAMS,
                                                                         handover.TO_KEY: handover_to}}).encode()
         tried: list[Instance] = []
