@@ -586,6 +586,7 @@ class CheckOptions:
     timeout_s: float = 300.0
     junit: Path | None = None  # write a JUnit XML report here
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
+    stream: bool = False  # streamed requests, compared as the text a client reads (proxy.first_token's path)
 
 
 def check(target: Topology | Deployment | str | Path | None = None, *, proxy: str | None = None,
@@ -646,7 +647,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
         name = model or _served_model(reference)
         progress(f"sending prompts through P/D {proxy} and the reference {reference}")
         report = parity.run_parity(proxy, reference, urls, name, prompts([], o.vocab, 1024), o.max_tokens,
-                                   o.concurrency)
+                                   o.concurrency, stream=o.stream)
         return _reported(report, o)
 
     t = _gated(target, say)
@@ -674,12 +675,13 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
         alone, p = p.with_processes([ref]), p.with_processes([s for s in p.processes if s is not ref])
         with _brought_up(alone, t, o.timeout_s, progress, "bringing up the aggregated reference alone"):
             progress(f"recording the reference's answers to {len(ps)} prompts")
-            answers = parity.reference_answers(ref.http_url, t.model.name, ps, o.max_tokens, o.concurrency, key)
+            answers = parity.reference_answers(ref.http_url, t.model.name, ps, o.max_tokens, o.concurrency, key,
+                                               o.stream)
     beside = "" if o.reference_first else " and an aggregated reference"
     with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name}{beside}") as d:
         progress(f"sending {len(ps)} prompts through P/D{'' if o.reference_first else ' and the reference'}")
         report = parity.run_parity(d.proxy_url, answers, [s.http_url for s in d.plan.by_role("decode")],
-                                   t.model.name, ps, o.max_tokens, o.concurrency, api_key=key)
+                                   t.model.name, ps, o.max_tokens, o.concurrency, api_key=key, stream=o.stream)
     return _reported(report, o)
 
 
@@ -718,11 +720,11 @@ def _check_fleet(p: Plan, proxy_url: str, reference: str, model: str, prompts_fo
         progress("checking every pool pair's prompts through vllm-router (it cannot pin a pair: the transfer is "
                  "proven per decode instance)")
         return fleet.check_unpinned(p, proxy_url, reference, model, prompts_for, o.max_tokens, o.concurrency,
-                                    progress=lambda text: progress(f"checking {text}"))
+                                    progress=lambda text: progress(f"checking {text}"), stream=o.stream)
     progress("checking every pool pair")
     return fleet.check_fleet(p, proxy_url, reference, model, prompts_for, o.max_tokens, o.concurrency,
                              o.mixed_prompts, o.mixed_concurrency, o.vocab, o.seed,
-                             progress=lambda text: progress(f"checking {text}"), api_key=api_key)
+                             progress=lambda text: progress(f"checking {text}"), api_key=api_key, stream=o.stream)
 
 
 def _reported(report, o: CheckOptions):
@@ -1049,6 +1051,7 @@ def serve_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1
     settings: ProxyConfig's fields (policy, on_prefill_down, timeouts, weights, exclude_pairs, ...), and
     api_key_env: the name of the environment variable holding the key clients must send (never the key itself:
     a flag's value is in the process's command line)."""
+    from pdctl.proxy import first_token
     from pdctl.proxy.server import Proxy, ProxyConfig, serve
 
     name = settings.pop("api_key_env", None)
@@ -1065,6 +1068,9 @@ def serve_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1
         value = settings.get(key)
         if value is not None and not value > 0:
             raise UserError(f"{flag} {value:g}: must be > 0")
+    mode = settings.get("first_token", "off")
+    if mode not in first_token.MODES:
+        raise UserError(f"--first-token {mode}: expected one of {', '.join(first_token.MODES)}")
     cfg = ProxyConfig(prefill, decode, **settings)
     try:
         Proxy(cfg)

@@ -365,6 +365,8 @@ def proxy(
     handover: Annotated[list[str] | None, typer.Option("--handover", help="early decode: each decode's hand-over "
                                                        "socket, one per --decode in its order (pdctl up sets it)")]
     = None,
+    first_token: Annotated[str, typer.Option(help="off | on | auto: stream the prefill's token first (greedy "
+                                             "streams; auto: while the decode is busy)")] = "off",
 ) -> None:
     """Run the P/D proxy standalone (pdctl up starts it from the topology).
 
@@ -387,7 +389,8 @@ def proxy(
                     breaker_failures=breaker_failures, breaker_open_s=breaker_open,
                     weights=api.proxy_weights(weight or []), exclude_pairs=api.proxy_pairs(exclude_pair or []),
                     affinity_epsilon=affinity_epsilon, handovers=handover or [],
-                    affinity_prefix_chars=affinity_prefix_chars, access_log=access_log, api_key_env=api_key_env)
+                    affinity_prefix_chars=affinity_prefix_chars, access_log=access_log, api_key_env=api_key_env,
+                    first_token=first_token)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -419,6 +422,8 @@ def check(
     = None,
     json_: JsonOpt = False,
     junit: Annotated[Path | None, typer.Option(help="write a JUnit XML report here")] = None,
+    stream: Annotated[bool, typer.Option(help="stream every request and compare the text a client reads "
+                                         "(proxy.first_token's path)")] = False,
     timeout: TimeoutOpt = 300.0,
     state_dir: StateDirOpt = None,
     overrides: list = (),
@@ -443,6 +448,8 @@ def check(
 
       pdctl check configs/cpu-demo.yaml --decode-tp 2 --set "decode.devices=[0,1]" --reference-first
 
+      pdctl check configs/cpu-demo.yaml --set proxy.first_token=on --stream   # the prefill's token first
+
       pdctl check --proxy http://127.0.0.1:8000 --reference http://127.0.0.1:8300 --model tiny --json
 
       pdctl check configs/cpu-fleet.yaml --json     # a fleet: every prefill pool x decode pool pair, pinned
@@ -456,7 +463,7 @@ def check(
     opts = api.CheckOptions(max_tokens=max_tokens, concurrency=concurrency, vocab=vocab, gsm8k_dir=gsm8k_dir,
                             seed=seed, lengths=only, mixed_prompts=mixed_prompts, mixed_concurrency=mixed_concurrency,
                             reference_first=reference_first, reference_port=reference_port, timeout_s=timeout,
-                            junit=junit, state_dir=state_dir)
+                            junit=junit, state_dir=state_dir, stream=stream)
     if topology is not None:
         target = _load(topology, overrides, gated=True)
     else:  # a topology that is up (`pdctl up -d`), or running servers

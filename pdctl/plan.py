@@ -277,6 +277,8 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
     if px.policy == "prefix_affinity":
         argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
                  str(px.affinity_prefix_chars)]
+    if px.first_token != "off":
+        argv += ["--first-token", px.first_token]
     if px.early_decode:  # each decode's hand-over socket, named after its side channel as its connector names it
         argv += [a for s in servers if s.role == "decode" for a in ("--handover", handover.name(
             s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])))]

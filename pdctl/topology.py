@@ -51,6 +51,11 @@ def _layout(v: Any) -> Any:
     return v
 
 
+def _on_off(v: Any) -> Any:
+    """YAML 1.1 reads a bare off / on as a boolean: take it as the word it was."""
+    return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v
+
+
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -187,6 +192,7 @@ ProxyKind = Literal["pdctl", "vllm-router"]
 ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware", "least_outstanding": "power_of_two"}
 # Proxy fields vllm-router has no equivalent for: refused when the topology sets them.
 ROUTER_UNSUPPORTED = {
+    "first_token": "it streams the decode's answer as it is",
     "exclude_pairs": "it pairs every prefill with every decode",
     "affinity_epsilon": "its cache_aware policy has its own load balance thresholds",
     "affinity_prefix_chars": "its cache_aware policy matches whole prompts in a radix tree",
@@ -228,6 +234,14 @@ class ProxySpec(_Strict):
         "same time as to its prefill; the decode's own request path (API server, scheduler, blocks: ~8 ms of TTFT "
         "on a CPU host) then runs while the prefill computes, and the prefill's KV parameters are handed to the "
         "waiting decode over a host-local socket. A request whose prefill fails is served the ordinary way")
+    first_token: Annotated[Literal["off", "on", "auto"], BeforeValidator(_on_off)] = Field(
+        "off", description="pdctl's proxy: stream the prefill's token to the client as soon as the prefill "
+        "answers, and the decode's stream after it without its first token (the same token: only for greedy "
+        "streaming requests of one choice, without logprobs, echo, stop strings or tools; any other request is "
+        "served as it is). The decode's path (request, KV read, one step) leaves the time to first token and "
+        "shows between tokens 1 and 2 instead. 'auto': only while the pair's decode has other requests in "
+        "flight (under load, where the decode's first token waits longest). Per request, the header "
+        "x-pdctl-first-token: on|off overrides it")
 
     @property
     def router_metrics_port(self) -> int | None:

@@ -29,7 +29,7 @@ import pdctl
 from pdctl.bench import breakdown, load
 from pdctl.bench.run import follow
 from pdctl.plan import with_plain_reference
-from pdctl.proxy.routing import EARLY_HEADER, ROUTE_HEADER
+from pdctl.proxy.routing import EARLY_HEADER, FIRST_HEADER, ROUTE_HEADER
 from pdctl.topology import resolved_model
 
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
@@ -102,13 +102,15 @@ def role_nice(text: str) -> tuple[str, int]:
     return role, nice
 
 
-# The A/B runs (one per run): flag -> the variant sides' suffix, its x-pdctl-early-decode header (None: none), whether
-# the unsuffixed side is the variant (early decode is 'PAIR', the ordinary way 'PAIR seq'), the report's key and
-# what its ratio is.
+# The A/B runs (one per run): flag -> the suffixed sides' suffix, their header (None: none), whether the unsuffixed
+# side is the variant (early decode is 'PAIR', the ordinary way 'PAIR seq'), the report's key and what its ratio is.
 AB = {
-    "early_ab": (" seq", "off", True, "early_vs_ordinary", "early decode / ordinary"),
-    "handover_ab": (" proxy", "proxy", True, "prefill_vs_proxy_handover", "handed over by the prefill / by the proxy"),
+    "early_ab": (" seq", (EARLY_HEADER, "off"), True, "early_vs_ordinary", "early decode / ordinary"),
+    "handover_ab": (" proxy", (EARLY_HEADER, "proxy"), True, "prefill_vs_proxy_handover",
+                    "handed over by the prefill / by the proxy"),
     "nice_ab": (" nice", None, False, "nice_vs_plain", "reniced / not"),
+    "first_token_ab": (" dec1st", (FIRST_HEADER, "off"), True, "first_token_vs_decode",
+                       "prefill's first token / the decode's"),
 }
 
 
@@ -142,6 +144,9 @@ def main() -> int:
                     help="proxy.early_decode on, and each pair run twice per repeat: the prefill hands the KV "
                     "parameters over itself (PAIR) and the proxy does (PAIR proxy, header x-pdctl-early-decode: "
                     "proxy); reports prefill / proxy hand-over per pair")
+    ap.add_argument("--first-token-ab", default=None, choices=("on", "auto"),
+                    help="proxy.first_token set to it, and each pair run twice per repeat: that way (PAIR) and the "
+                    "decode's first token (PAIR dec1st, header x-pdctl-first-token: off); reports one / the other")
     ap.add_argument("--pin-instances", action="store_true",
                     help="bind every thread of each vLLM server (API server, engine core, worker) to its instance's "
                     "core, not only the model's compute threads: instances then share no core, as on separate hosts")
@@ -153,13 +158,14 @@ def main() -> int:
     a = ap.parse_args()
     ab = [flag for flag in AB if getattr(a, flag)]
     if len(ab) > 1:
-        ap.error("--nice-ab, --early-ab, --handover-ab: one A/B per run")
+        ap.error("--nice-ab, --early-ab, --handover-ab, --first-token-ab: one A/B per run")
     suffix, ab_header, *_ = AB[ab[0]] if ab else (None, None)
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
     try:
         t = pdctl.load(a.topology, [*a.set, "connector.trace=true",
-                                    *(["proxy.early_decode=true"] if a.early_ab or a.handover_ab else [])])
+                                    *(["proxy.early_decode=true"] if a.early_ab or a.handover_ab else []),
+                                    *([f"proxy.first_token={a.first_token_ab}"] if a.first_token_ab else [])])
     except pdctl.TopologyError as e:
         ap.error(str(e))
     state_dir = Path("/tmp/pdctl-bench-latency")
@@ -199,7 +205,7 @@ def main() -> int:
                     pair = dict(zip(sides, pairs, strict=False)).get(side)
                     headers = {ROUTE_HEADER: f"{pair[0]}/{pair[1]}"} if pair else None
                     if ab_header and side.endswith(suffix):
-                        headers[EARLY_HEADER] = ab_header
+                        headers[ab_header[0]] = ab_header[1]
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
                     if a.nice_ab and pair:
                         renice(d.plan, a.nice_ab[0], a.nice_ab[1] if side.endswith(suffix) else 0)
@@ -210,10 +216,13 @@ def main() -> int:
                     if pair:
                         f = follow(d.plan, d.proxy_url, since)
                         row["breakdown"], row["followed"] = f["stages"], f["followed"]
+                        row["first_token"], row["first_token_stages"] = f["first_token"], f["first_token_stages"]
                     runs.append(row)
                     print(f"{mode:>10} rep {rep} {side:24} TTFT p50 {r.ttft_ms_p50:7.1f} ms  TPOT p50 "
                           f"{r.tpot_ms_p50:6.2f} ms  bunched {r.bunched}/{r.requests}  errors {r.errors}"
-                          + (f"  followed {row['followed']}" if pair else ""), flush=True)
+                          + (f"  followed {row['followed']}" if pair else "")
+                          + (f"  first token from the prefill {row['first_token']}" if row.get("first_token") else ""),
+                          flush=True)
         # What one more vLLM request costs on this host whatever pdctl does: a 4-token prompt (its compute is next to
         # nothing) through each aggregated reference, one at a time. P/D makes two requests of each prompt, so its
         # TTFT floor is the aggregated TTFT plus this.
@@ -315,7 +324,7 @@ def variant_over_base(runs: list[dict], sides: list[str], modes: list, suffix: s
         for side in [sd for sd in sides if f"{sd}{suffix}" in sides]:
             row = {"mode": mode, "pair": side}
             var, base = (side, f"{side}{suffix}") if base_suffixed else (f"{side}{suffix}", side)
-            for key in ("ttft_ms_p50", "tpot_ms_p50"):
+            for key in ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99"):
                 xs = []
                 for r in runs:
                     if r["mode"] == mode and r["side"] == var:
@@ -368,7 +377,8 @@ def print_report(rep: dict) -> None:
         for r in rep.get(key) or []:
             t, p = r["ttft_ms_p50"], r["tpot_ms_p50"]
             print(f"{r['mode']:>10} {r['pair']}: {what}: TTFT x{t['ratio']:.3f} ({sp(t['spread'])}), "
-                  f"TPOT x{p['ratio']:.3f} ({sp(p['spread'])}), {t['repeats']} repeats")
+                  f"TPOT x{p['ratio']:.3f} ({sp(p['spread'])}), ITL p99 x{r['itl_ms_p99']['ratio']:.3f}, "
+                  f"{t['repeats']} repeats")
     for r in rep["hetero"]:
         print(f"{r['mode']:>10} hetero {r['pair']} / homogeneous {r['versus']}: TTFT x{r['ttft_ms_p50']['ratio']:.3f}"
               f", TPOT x{r['tpot_ms_p50']['ratio']:.3f}")

@@ -47,6 +47,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("proxy out", "decode_first", "client_first", "proxy: first event written to the client"),
 )
 TOTAL = Stage("TTFT (proxy)", "recv", "client_first", "proxy receive -> first byte to the client")
+# proxy.first_token: the client's first token is the prefill's; the decode's stages lead to its second token.
+FIRST_STAGES: tuple[Stage, ...] = (*STAGES[:2], Stage("token out", "prefill_done", "client_first", "proxy: the "
+                                                      "prefill's token written to the client (proxy.first_token)"))
 
 
 def connector_stamps(lines: Iterable[str]) -> dict[str, dict[str, float]]:
@@ -63,7 +66,8 @@ def join(proxy_records: Iterable[dict], stamps: dict[str, dict[str, float]]) -> 
     """Each proxied P/D request's stamps, the proxy's and its decode's together. vLLM's request id holds the
     proxy's X-Request-Id (e.g. cmpl-<id>-0-<suffix>); requests without every stamp are left out (a fallback,
     an error, a read that failed)."""
-    records = {r["id"]: r for r in proxy_records if r.get("id") and r.get("status") == 200 and not r.get("fallback")}
+    records = {r["id"]: r for r in proxy_records if r.get("id") and r.get("status") == 200 and not r.get("fallback")
+               and r.get("first") != "prefill"}  # their first token did not come through the decode: first_token()
     found: dict[str, list[dict[str, float]]] = {}
     for vid, s in stamps.items():
         parts = vid.split("-")  # the proxy's id is some run of vLLM's id's dash-separated parts
@@ -92,6 +96,13 @@ def join(proxy_records: Iterable[dict], stamps: dict[str, dict[str, float]]) -> 
     return out
 
 
+def first_token(proxy_records: Iterable[dict]) -> list[dict[str, float]]:
+    """The proxy's stamps of the requests whose first token was the prefill's (proxy.first_token): FIRST_STAGES."""
+    return [{k: v for k, v in r.items() if isinstance(v, float)} for r in proxy_records
+            if r.get("status") == 200 and r.get("first") == "prefill"
+            and all(isinstance(r.get(s.start), float) and isinstance(r.get(s.end), float) for s in FIRST_STAGES)]
+
+
 def quantile(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -112,12 +123,12 @@ class StageStat:
         return asdict(self)
 
 
-def summarize(timelines: list[dict[str, float]]) -> list[StageStat]:
+def summarize(timelines: list[dict[str, float]], stages: tuple[Stage, ...] = STAGES) -> list[StageStat]:
     """p50/p99/mean per stage (ms), then the total; empty when no request had every stamp."""
     if not timelines:
         return []
     out = []
-    for s in (*STAGES, TOTAL):
+    for s in (*stages, TOTAL):
         ms = [1e3 * (t[s.end] - t[s.start]) for t in timelines]
         out.append(StageStat(s.name, s.what, quantile(ms, 50), quantile(ms, 99), statistics.fmean(ms)))
     return out

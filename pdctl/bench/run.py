@@ -155,6 +155,7 @@ def follow(plan: Plan, proxy: str, since: float, headers: dict[str, str] | None 
             stamps |= breakdown.connector_stamps(Path(s.log_path).read_text(errors="replace").splitlines())
         except OSError:  # a log on another node (Ray, Slurm without a shared file system)
             unread.append(s.name)
-    timelines = breakdown.join(records, stamps)
+    timelines, first = breakdown.join(records, stamps), breakdown.first_token(records)
     return {"requests": len(records), "followed": len(timelines), "unread_logs": unread,
-            "stages": [st.to_dict() for st in breakdown.summarize(timelines)]}
+            "stages": [st.to_dict() for st in breakdown.summarize(timelines)], "first_token": len(first),
+            "first_token_stages": [st.to_dict() for st in breakdown.summarize(first, breakdown.FIRST_STAGES)]}

@@ -138,7 +138,7 @@ def _wanted(pair: PairReport, r: PromptResult) -> tuple[str, str]:
 def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
                 concurrency: int = 1, mixed: int = 16, mixed_concurrency: int = 12, vocab: int = 1000,
                 seed: int | None = None, read_logs: bool = True, progress=lambda _: None,
-                api_key: str | None = None) -> FleetReport:
+                api_key: str | None = None, stream: bool = False) -> FleetReport:
     """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides); `api_key`
     goes with every call (auth.api_key_env)."""
     t = plan.topology
@@ -150,7 +150,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
         progress(f"pair {p} -> {d}")
         prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)])
         rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}",
-                         api_key)
+                         api_key, stream)
         report.pairs.append(PairReport(p, d, rep))
     if mixed:
         progress(f"{mixed} prompts over every pair at once, {mixed_concurrency} in flight")
@@ -164,7 +164,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
             routes.append(f"{p}/{d}")
         all_decodes = [u for urls in decodes.values() for u in urls]
         rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes,
-                         api_key)
+                         api_key, stream)
         report.mixed = PairReport("*", "*", rep)
     if read_logs and t.connector.kind == "pdctl":
         received = received_from([s.log_path for s in plan.by_role("decode")])
@@ -212,7 +212,7 @@ def per_decode_problems(grown: dict[str, dict[str, float]]) -> list[str]:
 
 
 def check_unpinned(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
-                   concurrency: int = 1, progress=lambda _: None) -> UnpinnedReport:
+                   concurrency: int = 1, progress=lambda _: None, stream: bool = False) -> UnpinnedReport:
     """Every pool pair's prompts (prompts_for(prefill_block, decode_block)), sent through the proxy unpinned."""
     from pdctl.gates.parity import decode_counters
 
@@ -221,7 +221,8 @@ def check_unpinned(plan: Plan, proxy_url: str, reference: str, model: str, promp
     decodes = {s.name: s.http_url for s in plan.by_role("decode")}
     before = {n: decode_counters([u]) for n, u in decodes.items()}
     progress(f"{len(prompts)} prompts for {len(t.pairs())} pool pair(s), unpinned")
-    rep = run_parity(proxy_url, reference, list(decodes.values()), model, prompts, max_tokens, concurrency)
+    rep = run_parity(proxy_url, reference, list(decodes.values()), model, prompts, max_tokens, concurrency,
+                     stream=stream)
     grown = {n: {k: v - before[n][k] for k, v in decode_counters([u]).items()} for n, u in decodes.items()}
     by_addr = {s.http_url.removeprefix("http://"): s.name for s in plan.processes}
     for r in rep.results:

@@ -65,16 +65,37 @@ def shared_prefix_prompts(base: Prompt, extra: list[int], vocab: int, seed: int)
 
 
 def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int, timeout: float = 300,
-             headers: dict[str, str] | None = None, seen: dict[str, str] | None = None) -> dict:
-    """One greedy completion; `headers` go with the request, the answer's headers land in `seen`."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+             headers: dict[str, str] | None = None, seen: dict[str, str] | None = None,
+             stream: bool = False) -> dict:
+    """One greedy completion; `headers` go with the request, the answer's headers land in `seen`. `stream`:
+    streamed, and answered as the text a client reads (its events' text joined; no token ids: asking for them
+    changes what a stream's events carry)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}} if stream else {"return_token_ids": True}
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         if seen is not None:
             seen.update({k.lower(): v for k, v in r.headers.items()})
-        return json.loads(r.read())
+        return _streamed(r) if stream else json.loads(r.read())
+
+
+def _streamed(r) -> dict:
+    """A completion stream read whole, as one answer: the events' text joined, the usage event's counts."""
+    text, usage, rid = [], None, None
+    for line in r:
+        line = line.strip()
+        if not line.startswith(b"data: {"):
+            continue
+        ev = json.loads(line[6:])
+        if ev.get("error"):
+            raise RuntimeError(f"the stream ended with an error: {json.dumps(ev['error'])[:300]}")
+        rid = rid or ev.get("id")
+        usage = ev.get("usage") or usage
+        text += [c.get("text") or "" for c in ev.get("choices") or []]
+    if usage is None:
+        raise RuntimeError("the stream ended without its usage event")
+    return {"id": rid, "choices": [{"text": "".join(text)}], "usage": usage}
 
 
 def _token_ids(resp: dict) -> list[int] | str:
@@ -244,24 +265,25 @@ def _in_cache_order(prompts: list[Prompt]) -> tuple[list[int], list[int]]:
 
 
 def reference_answers(url: str, model: str, prompts: list[Prompt], max_tokens: int = 16,
-                      concurrency: int = 1, api_key: str | None = None) -> list:
-    """The reference's token ids per prompt, recorded ahead (`pdctl check --reference-first`: on a host too
-    small to run the reference beside the P/D topology)."""
+                      concurrency: int = 1, api_key: str | None = None, stream: bool = False) -> list:
+    """The reference's token ids (streamed: text) per prompt, recorded ahead (`pdctl check --reference-first`:
+    on a host too small to run the reference beside the P/D topology)."""
     out: list = [None] * len(prompts)
     key = auth.headers(api_key)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         for wave in _in_cache_order(prompts):
-            for i, ids in zip(wave, pool.map(lambda i: _token_ids(complete(url, model, prompts[i].body, max_tokens,
-                                                                           headers=key)), wave), strict=True):
+            for i, ids in zip(wave, pool.map(lambda i: _token_ids(complete(
+                    url, model, prompts[i].body, max_tokens, headers=key, stream=stream)), wave), strict=True):
                 out[i] = ids
     return out
 
 
 def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], model: str, prompts: list[Prompt],
                max_tokens: int = 16, concurrency: int = 1, route: str | list[str | None] | None = None,
-               api_key: str | None = None) -> ParityReport:
+               api_key: str | None = None, stream: bool = False) -> ParityReport:
     """Send every prompt through the P/D proxy and to the reference (a URL, or its answers recorded ahead);
-    compare token ids; prove the transfer. Shared-prefix prompts run after the others (_in_cache_order).
+    compare token ids (`stream`: both streamed, the text a client reads); prove the transfer. Shared-prefix
+    prompts run after the others (_in_cache_order).
     `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL". `api_key` goes
     with every call (auth.api_key_env).
     """
@@ -276,14 +298,14 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
         headers = {"X-Request-Id": rid, **({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}
         seen: dict[str, str] = {}
         try:
-            resp = complete(proxy_url, model, p.body, max_tokens, headers=headers, seen=seen)
+            resp = complete(proxy_url, model, p.body, max_tokens, headers=headers, seen=seen, stream=stream)
         except Exception as e:  # noqa: BLE001 - any failure is a failed prompt, reported with its cause
             detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else ""
             return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e} {detail}",
                                 rid)
         pd = _token_ids(resp)
         ref = reference[i] if isinstance(reference, list) else _token_ids(
-            complete(reference, model, p.body, max_tokens, headers=key))
+            complete(reference, model, p.body, max_tokens, headers=key, stream=stream))
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
                             seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"), resp.get("id"))

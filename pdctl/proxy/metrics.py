@@ -66,6 +66,7 @@ class Metrics:
         self.rejected: Counter = Counter()  # (reason,)
         self.kv_missing = 0
         self.early: Counter = Counter()  # (outcome,): early decode handed over, or undone (served the ordinary way)
+        self.first_token: Counter = Counter()  # (outcome,): the prefill's token streamed first, or mismatch
         self.retries = 0
         self.ttft = _Histograms("pdctl_proxy_ttft_seconds", "proxy receive -> first byte to the client, per pair",
                                 ["prefill_pool", "decode_pool"])
@@ -123,6 +124,9 @@ class Metrics:
         yield _counter("pdctl_proxy_early_decode", "proxy.early_decode: decode requests sent with the prefill's "
                        "and handed their KV parameters by the prefill (prefill_handed_over) or the proxy "
                        "(handed_over), or undone (served the ordinary way)", ["outcome"], self.early)
+        yield _counter("pdctl_proxy_first_token", "proxy.first_token: streams whose first token came from the "
+                       "prefill's answer (from_prefill), and those the decode's first text then contradicted "
+                       "(mismatch: ended with an error)", ["outcome"], self.first_token)
         yield from (h.family() for h in (self.ttft, self.duration, self.prefill_latency))
         inflight = GaugeMetricFamily("pdctl_proxy_inflight", "requests in flight per instance",
                                      labels=["role", "pool", "name", "instance"])

@@ -21,6 +21,9 @@ REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall
 # With proxy.early_decode, per request: "off": the ordinary way; "proxy": early, but the proxy hands the KV
 # parameters over, not the prefill; "on" (or absent): early, handed over by the prefill. A/B runs of both.
 EARLY_HEADER = "x-pdctl-early-decode"
+# Per request, whatever proxy.first_token says: "on": the prefill's token first (when the request allows it),
+# "off": the decode's stream as it is. A/B runs.
+FIRST_HEADER = "x-pdctl-first-token"
 
 
 @dataclass(eq=False)

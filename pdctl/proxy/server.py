@@ -26,9 +26,18 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pdctl import auth
-from pdctl.proxy import handover
+from pdctl.proxy import first_token, handover
 from pdctl.proxy.metrics import Metrics
-from pdctl.proxy.routing import EARLY_HEADER, REJECT_HEADER, ROUTE_HEADER, Instance, NoRoute, Router, affinity_key
+from pdctl.proxy.routing import (
+    EARLY_HEADER,
+    FIRST_HEADER,
+    REJECT_HEADER,
+    ROUTE_HEADER,
+    Instance,
+    NoRoute,
+    Router,
+    affinity_key,
+)
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
 from pdctl.topology import DEFAULT_POOL, instance_name
 
@@ -72,6 +81,8 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False)
     # Early decode (pdctl.proxy.handover): each decode's hand-over socket, in the order of `decode`; empty: off.
     handovers: list[str] = field(default_factory=list)
+    # pdctl.proxy.first_token: the prefill's token streamed first; auto: only while the pair's decode is busy.
+    first_token: str = "off"
 
 
 def parse_upstream(text: str) -> tuple[str, str]:
@@ -107,6 +118,8 @@ class Proxy:
         self.cfg = cfg
         if cfg.on_prefill_down not in ("fallback", "reject"):
             raise ValueError(f"on_prefill_down must be fallback or reject, got {cfg.on_prefill_down!r}")
+        if cfg.first_token not in first_token.MODES:
+            raise ValueError(f"first_token must be one of {', '.join(first_token.MODES)}, got {cfg.first_token!r}")
         decodes = instances("decode", cfg.decode, cfg.weights)
         if cfg.handovers and len(cfg.handovers) != len(decodes):
             raise ValueError(f"{len(cfg.handovers)} hand-over sockets for {len(decodes)} decodes: give one per "
@@ -287,12 +300,14 @@ class Proxy:
             self.metrics.request_done(route, status, seconds, p.pool if p else None, d.pool if d else None,
                                       first - rt.stamps["recv"] if first else None)
             self.timings.append({"id": request_id, "status": status, "prefill": p.name if p else None,
-                                 "decode": d.name if d else None, "fallback": rt.fallback, **rt.stamps,
+                                 "decode": d.name if d else None, "fallback": rt.fallback, "first": rt.first,
+                                 **rt.stamps,
                                  "end": time.time()})
             if self.cfg.access_log:
-                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s%s", request_id, route, status, 1e3 * seconds,
-                         p.name if p else "-", d.name if d else "-",
-                         f" fallback={rt.fallback}" if rt.fallback else "", f" early={rt.early}" if rt.early else "")
+                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s%s%s", request_id, route, status,
+                         1e3 * seconds, p.name if p else "-", d.name if d else "-",
+                         f" fallback={rt.fallback}" if rt.fallback else "", f" early={rt.early}" if rt.early else "",
+                         f" first={rt.first}" if rt.first else "")
 
     def _failed(self, inst: Instance, e: Exception | None = None) -> None:
         """Count a failed call on an instance: its breaker, and (nothing listening) its health at once."""
@@ -325,12 +340,18 @@ class Proxy:
         if how not in ("", "on", "off", "proxy"):
             return web.json_response(error_body(f"{EARLY_HEADER}: {how!r} is none of on, off, proxy",
                                                 "invalid_request", 400), status=400)
+        first = req.headers.get(FIRST_HEADER, "").lower() or self.cfg.first_token
+        if first not in first_token.MODES:
+            return web.json_response(error_body(f"{FIRST_HEADER}: {first!r} is none of on, off, auto",
+                                                "invalid_request", 400), status=400)
+        if first != "off" and first_token.ineligible(route, body):
+            first = "off"
         early = self._early(route, body, headers, key, pin, rt) if self._handovers and how != "off" else None
         try:
             pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None,
                                       handover_to=early.target if early and how != "proxy" else None)
             if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:
-                resp = await self._early_answer(req, early, route, headers, pre, rt)
+                resp = await self._early_answer(req, early, route, headers, pre, rt, first)
                 if resp is not None:
                     return resp
                 rt.decode = None
@@ -350,18 +371,24 @@ class Proxy:
         self.metrics.prefill_done(time.perf_counter() - t0, rt.prefill.pool if rt.prefill else None)
 
         tried: list[Instance] = []
+        out, text = None, None
         while True:
             d = router.pick_decode(rt.prefill.pool if rt.prefill else None, key, pin, exclude=tried)
             if d is None:
                 last = tried[-1]
-                return web.json_response(error_body(f"decode {last.url} unavailable and no other decode may "
-                                                    "serve this request", "upstream_unavailable", 503), status=503)
+                err = error_body(f"decode {last.url} unavailable and no other decode may serve this request",
+                                 "upstream_unavailable", 503)
+                if out is not None:  # the client has the prefill's token: the stream ends with the error
+                    return await _end_stream(out, json.dumps(err).encode())
+                return web.json_response(err, status=503)
             rt.decode = d
             tried.append(d)
+            if pre is not None and out is None and first != "off":
+                out, text = await self._first_out(req, route, rt, headers, first, busy=d.inflight > 0)
             d.inflight += 1
             try:
                 resp = await self._decode(req, d, route, dec_body, headers, rt.headers(),
-                                          retry_ok=len(tried) == 1, stamps=rt.stamps)
+                                          retry_ok=len(tried) == 1, stamps=rt.stamps, out=out, first=text)
             finally:
                 d.inflight -= 1
             if resp is not None:
@@ -386,7 +413,7 @@ class Proxy:
         return _Early(p, d, sock, token, task, dec)
 
     async def _early_answer(self, req: web.Request, early: _Early, route: str, headers: dict[str, str],
-                            pre: dict, rt: _Route) -> web.StreamResponse | None:
+                            pre: dict, rt: _Route, first: str) -> web.StreamResponse | None:
         """The parked decode's answer once the KV parameters were handed over; None: it could not take them."""
         if early.task is None:
             return None
@@ -402,8 +429,11 @@ class Proxy:
         rt.decode, task, early.task = early.decode, early.task, None
         rt.early = "prefill_handed_over" if by_prefill else "handed_over"
         try:
+            out, text = None, None
+            if first != "off":  # this request already counts among the decode's in flight
+                out, text = await self._first_out(req, route, rt, headers, first, busy=early.decode.inflight > 1)
             return await self._decode(req, early.decode, route, early.body, headers, rt.headers(), retry_ok=False,
-                                      stamps=rt.stamps, pending=task)
+                                      stamps=rt.stamps, pending=task, out=out, first=text)
         finally:
             early.decode.inflight -= 1
 
@@ -478,6 +508,7 @@ class Proxy:
             p.breaker.success()
             kvp = pre.get("kv_transfer_params")
             if usable_kv_params(kvp):
+                rt.answer = pre
                 return kvp
             self.metrics.kv_missing += 1
             return self._no_prefill("no_kv_params", f"prefill {p.name} ({p.url}) returned no usable "
@@ -499,21 +530,46 @@ class Proxy:
         log.warning("decode-only fallback (%s): %s", reason, why)
         return None
 
+    async def _first_out(self, req: web.Request, route: str, rt: _Route, headers: dict[str, str], mode: str,
+                         busy: bool) -> tuple[web.StreamResponse | None, str | None]:
+        """proxy.first_token: the client's stream opened with the prefill's token (first_token.events), and
+        that token's text, which the decode's stream must then begin with; (None, None): the decode's stream
+        as it is (mode auto and the decode idle, or the prefill's answer not one complete token)."""
+        text = first_token.token_text(route, rt.answer) if mode == "on" or busy else None
+        if text is None:
+            return None, None
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Request-Id": headers["X-Request-Id"], **rt.headers(), FIRST_HEADER: "prefill"})
+        await out.prepare(req)
+        await out.write(first_token.events(route, rt.answer, text))
+        rt.stamps["client_first"] = time.time()
+        rt.first = "prefill"
+        self.metrics.first_token[("from_prefill",)] += 1
+        return out, text
+
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
                       route_headers: dict[str, str], retry_ok: bool, stamps: dict[str, float],
-                      pending: asyncio.Future | None = None) -> web.StreamResponse | None:
+                      pending: asyncio.Future | None = None, out: web.StreamResponse | None = None,
+                      first: str | None = None) -> web.StreamResponse | None:
         """The decode's answer passed through; None when nothing listened and another decode may be tried.
-        `pending`: the request already sent (early decode)."""
+        `pending`: the request already sent (early decode). `out`: the client's stream, already opened with
+        the prefill's token `first` (proxy.first_token): the decode's stream follows without it, and a decode
+        that fails ends that stream with the error."""
         try:
-            return await self._decode_answer(req, d, route, body, headers, route_headers, retry_ok, stamps,
-                                             pending)
+            resp = await self._decode_answer(req, d, route, body, headers, route_headers, retry_ok, stamps,
+                                             pending, out, first)
         except BaseException:  # cancelled (the client went away): no verdict on the instance
             d.breaker.release()
             raise
+        if out is not None and resp is not None and resp is not out:
+            return await _end_stream(out, resp.body)
+        return resp
 
     async def _decode_answer(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
                              route_headers: dict[str, str], retry_ok: bool, stamps: dict[str, float],
-                             pending: asyncio.Future | None = None) -> web.StreamResponse | None:
+                             pending: asyncio.Future | None = None, out: web.StreamResponse | None = None,
+                             first: str | None = None) -> web.StreamResponse | None:
         try:
             if pending is None:
                 stamps["decode_sent"] = time.time()
@@ -536,7 +592,9 @@ class Proxy:
                 except UpstreamError as e:
                     self._failed(d, e)
                     return web.json_response(error_body(f"decode {d.name} ({d.url}) failed: {e!s}"), status=502)
-                stamps["decode_first"] = stamps["client_first"] = time.time()
+                stamps["decode_first"] = time.time()
+                if out is None:
+                    stamps["client_first"] = stamps["decode_first"]
                 if upstream.status >= 500 and body.get("kv_transfer_params"):
                     # Most likely its KV read failed (a prefill gone): not the decode's fault, so no breaker.
                     self.metrics.upstream_error(d.url)
@@ -557,13 +615,21 @@ class Proxy:
                                                     f": {e!s}", "upstream_timeout" if timeout else "proxy_error",
                                                     504 if timeout else 502), status=504 if timeout else 502)
             stamps["decode_first"] = time.time()
-            out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
-                                                          "X-Request-Id": headers["X-Request-Id"], **route_headers})
-            await out.prepare(req)
+            skip = None
+            if out is None:
+                out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
+                                                              "X-Request-Id": headers["X-Request-Id"],
+                                                              **route_headers})
+                await out.prepare(req)
+            else:
+                skip = first_token.Skip(route, first)
             try:
-                await out.write(head)
-                stamps["client_first"] = time.time()
+                await out.write(head if skip is None else skip.feed(head))
+                if skip is None:
+                    stamps["client_first"] = time.time()
                 async for chunk in chunks:
+                    if skip is not None and not skip.done:
+                        chunk = skip.feed(chunk)
                     await out.write(chunk)
                 d.breaker.success()
             except UpstreamError as e:
@@ -571,8 +637,25 @@ class Proxy:
                 self._failed(d, e)
                 err = json.dumps(error_body(f"decode {d.name} ({d.url}) failed mid-stream: {e!s}"))
                 await out.write(f"data: {err}\n\ndata: [DONE]\n\n".encode())
+            except first_token.Mismatch as e:
+                # The client has a token this decode did not produce: what follows would not be one answer.
+                self.metrics.first_token[("mismatch",)] += 1
+                d.breaker.release()  # no verdict on the decode: greedy near-ties differ across block sizes
+                log.warning("request %s: first token from the prefill, but %s: stream ended", headers["X-Request-Id"],
+                            e)
+                err = error_body(f"decode {d.name} ({d.url}): {e} (proxy.first_token: the stream so far is not "
+                                 "what the decode generated; retry with the header x-pdctl-first-token: off)",
+                                 "first_token_mismatch", 502)
+                await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             await out.write_eof()
             return out
+
+
+async def _end_stream(out: web.StreamResponse, error: bytes) -> web.StreamResponse:
+    """End a stream the client already reads (it has the prefill's token) with an error event."""
+    await out.write(b"data: " + error.strip() + b"\n\ndata: [DONE]\n\n")
+    await out.write_eof()
+    return out
 
 
 def _decode_failed(d: Instance, status: int, raw: bytes) -> dict:
@@ -628,6 +711,8 @@ class _Route:
     fallback: str | None = None
     reject: bool = False  # no decode-only fallback for this request (on_prefill_down, or its header)
     early: str | None = None  # early decode: prefill_handed_over, handed_over (by the proxy), or undone
+    first: str | None = None  # proxy.first_token: "prefill" when the client's first token came from it
+    answer: dict | None = field(default=None, repr=False)  # the prefill's answer (its one token)
     stamps: dict[str, float] = field(default_factory=dict)  # wall-clock times of its stages (/debug/timings)
 
     def headers(self) -> dict[str, str]:

@@ -6,6 +6,7 @@ tests/e2e/test_fleet.py. P64 -> D32 (the direction vLLM refuses) is the README's
 tests/e2e/test_api.py."""
 
 import json
+from dataclasses import replace
 
 from tests.conftest import CONFIGS
 from tests.e2e.conftest import pdctl
@@ -25,14 +26,41 @@ def _labels(doc) -> set[str]:
 
 
 def test_negative_control_stock_connector_p32_d64_fails(tmp_path):
-    """The gate can fail: vLLM's stock NixlConnector corrupts CPU KV at P32 -> D64, and check says so."""
+    """The gate can fail: vLLM's stock NixlConnector corrupts CPU KV at P32 -> D64, and check says so; streamed
+    with the prefill's token first (proxy.first_token), too: the decode's wrong first token ends those streams
+    (the proxy's mismatch check) or its text diverges later. One bring-up, both checks (Python API)."""
+    import pdctl
+
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml", ["connector.kind=nixl", "proxy.first_token=on"])
     # Few prompts: the stock connector's NIXL threads spin both cores, so every prompt is slow.
-    code, doc = _check(tmp_path, "cpu-demo.yaml", "--set", "connector.kind=nixl", "--lengths", "65,129,300,700")
-    assert code == 1 and not doc["passed"]
+    opts = pdctl.CheckOptions(lengths=[65, 129, 300, 700], mixed_prompts=0)  # a running one: checked per pair
+    with pdctl.up(pdctl.plan(t, state_dir=tmp_path / "state", reference_port=8300), timeout_s=600) as d:
+        doc = pdctl.check(d, options=opts).to_dict()
+        streamed = pdctl.check(d, options=replace(opts, stream=True)).to_dict()
+        proxy_log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
+    assert not doc["passed"]
     diverged = [r for r in doc["results"] if not r["passed"]]
     assert len(diverged) > len(doc["results"]) // 2
     assert all(r["first_divergence"] is not None for r in diverged)
-    assert doc["proof"]["ok"]  # the KV did travel: it was merged wrongly, which only token parity catches
+    assert doc["pairs"][0]["kv_travelled"]  # it was merged wrongly, which only token parity catches
+    assert not streamed["passed"] and sum(not r["passed"] for r in streamed["results"]) > len(diverged) // 2
+    assert " first=prefill" in proxy_log  # the streamed check's requests took the prefill's token first
+
+
+def test_first_token_from_the_prefill_p32_d64_streams_the_aggregated_text(tmp_path):
+    """proxy.first_token: on: each streamed greedy request's first token is the prefill's, written to the client
+    as the prefill answers; the decode's stream follows without it. What the client reads equals the aggregated
+    reference's stream (pdctl check --stream), under 4 in flight, prefix prompts included."""
+    code, doc = _check(tmp_path, "cpu-demo.yaml", "--set", "proxy.first_token=on", "--stream", "--concurrency", "4")
+    failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
+    assert code == 0 and doc["passed"], (failed, doc["proof"])
+    assert doc["proof"]["ok"] and doc["proof"]["external_kv_tokens"] > 0
+    assert all(isinstance(r["pd"], str) for r in doc["results"])  # compared as text, as streamed
+    log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
+    # A prompt of random token ids may make a first token that is half a UTF-8 character: vLLM holds it back,
+    # and the proxy then streams the decode's as it is. Most are whole.
+    assert log.count(" first=prefill") > len(doc["results"]) // 2, log.count(" first=prefill")
+    assert "first token from the prefill, but" not in log  # no mismatch
 
 
 def test_decode_tp2_from_prefill_tp1(tmp_path):
@@ -93,6 +121,7 @@ def test_early_decode_p64_d32_token_for_token_with_every_request_handed_over(tmp
     log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
     handed = log.count(" early=prefill_handed_over")  # the prefill's connector handed them over itself
     assert handed >= len(doc["results"]) and " early=undone" not in log and " early=handed_over" not in log, handed
+    assert " first=" not in log  # proxy.first_token is off by default (negative control for the test above)
     decode = (tmp_path / "state" / "logs" / "decode-0.log").read_text()
     assert "early decode: KV parameters handed over on @pdctl-handover-" in decode
     assert "hand-over to" not in (tmp_path / "state" / "logs" / "prefill-0.log").read_text()  # none failed

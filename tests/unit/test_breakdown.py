@@ -129,3 +129,16 @@ def test_early_decode_handed_over_by_the_prefill_or_by_the_proxy():
     for t in (d, p):
         stages = [t[s.end] - t[s.start] for s in b.STAGES]
         assert min(stages) >= 0 and sum(stages) == pytest.approx(t["client_first"] - t["recv"])
+
+
+def test_a_request_whose_first_token_was_the_prefills_is_followed_by_its_own_stages():
+    # proxy.first_token: the client had token 1 right after the prefill answered, before the decode's first event.
+    stamps = b.connector_stamps(_lines("cmpl-f-0-x", 1.0) + _lines("cmpl-o-0-x", 2.0))
+    first = _proxy("f", 1.0, first="prefill", client_first=1.0112)
+    ordinary = _proxy("o", 2.0)
+    assert [t["recv"] for t in b.join([first, ordinary], stamps)] == [2.0]  # not through the decode's stages
+    (t,) = b.first_token([first, ordinary])  # negative control: the ordinary one is not here
+    stats = b.summarize([t], b.FIRST_STAGES)
+    assert [s.name for s in stats] == ["proxy in", "prefill", "token out", "TTFT (proxy)"]
+    assert stats[-1].p50_ms == pytest.approx(11.2) and stats[2].p50_ms == pytest.approx(0.2)
+    assert sum(s.p50_ms for s in stats[:-1]) == pytest.approx(stats[-1].p50_ms)

@@ -165,6 +165,7 @@ class FakePD:
         self.counters = {"external_kv_transfer": 0, "local_compute": 0, "local_cache_hit": 0}
         self.bytes = 0
         self.fallbacks = 0
+        self.stream_error = False
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -178,10 +179,17 @@ class FakePD:
                     fake.served(len(prompt))
                     if len(prompt) == fake.diverge_on:
                         ids[5] += 1
-                out = json.dumps({"choices": [{"token_ids": ids, "text": ""}],
-                                  "usage": {"prompt_tokens": len(prompt)}}).encode()
+                usage = {"prompt_tokens": len(prompt)}
+                if body.get("stream"):  # one event per token, its text the id; then usage, or an error
+                    evs = [{"choices": [{"text": f"{i},"}]} for i in ids]
+                    evs += [{"error": {"message": "boom"}}] if fake.stream_error else [{"choices": [],
+                                                                                       "usage": usage}]
+                    out = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in evs) + b"data: [DONE]\n\n"
+                else:
+                    assert body["return_token_ids"] is True
+                    out = json.dumps({"choices": [{"token_ids": ids, "text": ""}], "usage": usage}).encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/event-stream" if body.get("stream") else "application/json")
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
                 self.wfile.write(out)
@@ -224,12 +232,12 @@ class FakePD:
             return f'pdctl_decode_only_fallback_total{{reason="prefill_down"}} {self.fallbacks}\n'
         return None
 
-    def run(self, lengths=(33, 65, 129)):
+    def run(self, lengths=(33, 65, 129), stream=False):
         from pdctl.gates.parity import random_prompts, run_parity
 
         try:
             return run_parity(self.url + "/proxy", self.url + "/ref", [self.url + "/decode"], "tiny",
-                              random_prompts(list(lengths), 1000, seed=3), max_tokens=8)
+                              random_prompts(list(lengths), 1000, seed=3), max_tokens=8, stream=stream)
         finally:
             self.server.shutdown()
 
@@ -254,6 +262,23 @@ def test_parity_gate_fails_on_one_mismatching_prompt():
     from pdctl.gates.check import junit_xml
 
     assert '<failure message="first divergent token 5">' in junit_xml(report)
+
+
+def test_a_streamed_check_compares_the_text_a_client_reads():
+    report = FakePD("transfer").run(stream=True)
+    assert report.passed and report.proof.ok
+    assert all(isinstance(r.pd, str) and r.pd.count(",") == 8 and r.pd == r.reference for r in report.results)
+    failed = FakePD("transfer", diverge_on=65).run(stream=True)  # negative control: token 5's text differs
+    assert [(r.label, r.pd[:r.first_divergence] == r.reference[:r.first_divergence]) for r in failed.results
+            if not r.passed] == [("random-65", True)]
+
+
+def test_a_stream_that_ends_with_an_error_fails_its_prompt():
+    fake = FakePD("transfer")
+    fake.stream_error = True
+    report = fake.run(lengths=(33,), stream=True)
+    (r,) = report.results
+    assert not report.passed and "the stream ended with an error" in r.error and "boom" in r.error
 
 
 def test_parity_gate_fails_when_the_kv_did_not_travel():

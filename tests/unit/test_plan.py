@@ -403,3 +403,28 @@ def test_slurm_step_adds_the_nice_before_it_becomes_the_server(monkeypatch):
     assert calls == [("exec", ["serve"])]  # negative control: no --nice, niceness untouched
     calls.clear()
     assert slurm_step.main(["--nice", "x", "--", "serve"]) == 2 and calls == []  # a usage error, nothing run
+
+
+# -- first_token: the prefill's token streamed first (#17) -------------------------------------------------------
+
+
+def test_first_token_reaches_the_proxy_only_when_asked():
+    _, p = _fleet("proxy.first_token=auto")
+    argv = p.get("proxy").argv
+    assert argv[argv.index("--first-token") + 1] == "auto"
+    assert "--first-token" not in _fleet()[1].get("proxy").argv  # off: the argv (and goldens) unchanged
+
+
+def test_first_token_reads_yamls_bare_on_and_off_and_refuses_anything_else_with_its_place(run_cli, tmp_path):
+    f = tmp_path / "t.yaml"
+    text = (CONFIGS / "cpu-demo.yaml").read_text().replace("../.pdctl", str(REPO / ".pdctl"))
+    assert "\nproxy:\n" in text
+    for value, want in (("off", "off"), ("on", "on"), ("auto", "auto")):  # YAML 1.1 reads bare off/on as booleans
+        f.write_text(text.replace("\nproxy:\n", f"\nproxy:\n  first_token: {value}\n"))
+        assert load_topology(f).topology.proxy.first_token == want, value
+    f.write_text(text.replace("\nproxy:\n", "\nproxy:\n  first_token: sometimes\n"))
+    code, out, err = run_cli("validate", f)
+    line = f.read_text().splitlines().index("  first_token: sometimes") + 1
+    assert code != 0 and f"{f}:{line}: proxy.first_token" in out + err and "'auto'" in out + err
+    code, out, err = run_cli("validate", f, "--set", "proxy.first_token=on", "--set", "proxy.kind=vllm-router")
+    assert code != 0 and "proxy.first_token" in out + err and "vllm-router has no equivalent" in out + err
