@@ -268,10 +268,11 @@ def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: lis
     waterfall, ratios, hetero = {}, [], []
     for mode, *_ in modes:
         rs = [r for r in runs if r["mode"] == mode]
-        for side in sides[: len(pairs)]:
-            mine = [r["breakdown"] for r in rs if r["side"] == side and r.get("breakdown")]
+        for side, (field, tail) in ((sd, f) for sd in sides[: len(pairs)] for f in (
+                ("breakdown", ""), ("first_token_stages", " | first token from the prefill"))):
+            mine = [r[field] for r in rs if r["side"] == side and r.get(field)]
             if mine:
-                waterfall[f"{side} | {mode}"] = [
+                waterfall[f"{side} | {mode}{tail}"] = [
                     {**mine[0][i], "p50_ms": med(m[i]["p50_ms"] for m in mine),
                      "p99_ms": med(m[i]["p99_ms"] for m in mine), "mean_ms": med(m[i]["mean_ms"] for m in mine)}
                     for i in range(len(mine[0]))]

@@ -162,14 +162,17 @@ def plot(panels: dict[str, list[StageStat]], path, references: dict[str, float] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [s.name for s in STAGES]
+    names = list(dict.fromkeys(s.name for s in (*STAGES, *FIRST_STAGES)))
     colors = plt.get_cmap("tab20").colors
     fig, ax = plt.subplots(figsize=(11, 0.7 * len(panels) + 2))
+    labelled: set[str] = set()
     for row, stats in enumerate(panels.values()):
         left = 0.0
-        for i, s in enumerate(stats[: len(STAGES)]):
+        for s in stats[:-1]:  # the stages; the last is the total
             w = max(s.p50_ms, 0.0)
-            ax.barh(row, w, left=left, color=colors[i % len(colors)], label=names[i] if row == 0 else None)
+            i = names.index(s.name) if s.name in names else len(names)
+            ax.barh(row, w, left=left, color=colors[i % len(colors)], label=None if s.name in labelled else s.name)
+            labelled.add(s.name)
             left += w
         if stats:
             ax.text(left, row, f" {stats[-1].p50_ms:.1f} ms (p50 TTFT)", va="center", fontsize=8)

@@ -68,7 +68,9 @@ def test_table_and_plot(tmp_path):
     assert text.splitlines()[0] == "pair" and "KV read" in text and "#" in text
     assert all(len(ln) <= 80 for ln in text.splitlines())
     assert not math.isnan(stats[-1].p99_ms)
-    b.plot({"P32->D64 c=1": stats, "P64->D32 c=1": stats}, tmp_path / "w.png", {"P32->D64 c=1": 20.0})
+    first = b.summarize(b.first_token([_proxy("f", 1.0, first="prefill", client_first=1.0112)]), b.FIRST_STAGES)
+    b.plot({"P32->D64 c=1": stats, "P64->D32 c=1": stats, "P32->D64 c=1 first token": first}, tmp_path / "w.png",
+           {"P32->D64 c=1": 20.0})
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
 
 
