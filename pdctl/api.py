@@ -589,6 +589,9 @@ class CheckOptions:
     stream: bool = False  # streamed requests, compared as the text a client reads (proxy.first_token's path)
 
 
+PAIR_SEED_STRIDE = 7919  # `--seed N`: pair k of a fleet draws its prompts from seed N + k * this
+
+
 def check(target: Topology | Deployment | str | Path | None = None, *, proxy: str | None = None,
           reference: str | None = None, decodes: list[str] | None = None, model: str | None = None,
           options: CheckOptions | None = None, say: Say = _quiet, progress: Say = _quiet):
@@ -609,8 +612,14 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
 
     window: list[int | None] = [None]  # a hybrid model's sliding window, once the topology is known
 
+    asked = [0]  # a fleet asks once per pool pair, in order
+
     def prompts(blocks: list[int], vocab: int, max_prompt: int) -> list:
-        return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, o.seed, o.lengths, window[0])
+        # A seed of its own per pair: one seed for all would send two pairs that share a decode the same
+        # prompts, and the second would find them in the decode's prefix cache (no KV to prove it travelled).
+        seed = None if o.seed is None else o.seed + PAIR_SEED_STRIDE * asked[0]
+        asked[0] += 1
+        return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, seed, o.lengths, window[0])
 
     for flag, url in (("--proxy", proxy), ("--reference", reference), *(("--decode", u) for u in decodes or ())):
         _check_url(flag, url)

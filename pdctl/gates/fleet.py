@@ -158,7 +158,8 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
         routes: list[str] = []
         for i, n in enumerate((MIXED_LENGTHS * (mixed // len(MIXED_LENGTHS) + 1))[:mixed]):
             p, d = pairs[i % len(pairs)]
-            (prompt,) = random_prompts([n], vocab, None if seed is None else seed + i)
+            # seeds below the pairs' (api.PAIR_SEED_STRIDE): no mixed prompt repeats one a pair already sent
+            (prompt,) = random_prompts([n], vocab, None if seed is None else seed - 1 - i)
             prompt.label = f"{p}/{d} {prompt.label}"
             prompts.append(prompt)
             routes.append(f"{p}/{d}")

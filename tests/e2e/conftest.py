@@ -69,11 +69,12 @@ def tiny_model():
 class Up:
     """A topology brought up detached for a module's tests, always brought down."""
 
-    def __init__(self, config: str, state_dir: Path, *args: str, timeout: float = 400):
+    def __init__(self, config: str, state_dir: Path, *args: str, timeout: float = 400, up_timeout: int = 300):
         self.config, self.state_dir, self.args, self.timeout = CONFIGS / config, state_dir, args, timeout
+        self.up_timeout = up_timeout  # pdctl up's own --timeout (every instance ready)
 
     def __enter__(self):
-        r = pdctl("up", "-d", self.config, "--state-dir", self.state_dir, "--timeout", 300, *self.args,
+        r = pdctl("up", "-d", self.config, "--state-dir", self.state_dir, "--timeout", self.up_timeout, *self.args,
                   timeout=self.timeout)
         if r.returncode != 0:
             raise AssertionError(f"pdctl up failed:\n{r.stdout}\n{r.stderr}")

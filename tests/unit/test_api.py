@@ -150,3 +150,32 @@ def test_a_running_hybrid_models_window_is_read_from_its_servers_model(tmp_path)
     assert _sliding_window(d) == 96
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     assert _sliding_window(d) is None
+
+
+def test_a_seeded_fleet_check_draws_other_prompts_for_each_pair(monkeypatch):
+    """`--seed N` on a fleet: two pairs that share a decode must not get the same prompts (the second pair's would
+    be prefix-cache hits at the decode, no KV moved, and the gate would fail on its own prompts)."""
+    import pdctl.api as api
+
+    t = pdctl.load(CONFIGS / "cpu-fleet.yaml")
+    asked = []
+
+    class Running(api.Deployment):
+        def __init__(self):
+            pass
+
+        topology, plan, proxy_url, reference_url = t, pdctl.plan(t), "http://127.0.0.1:1", "http://127.0.0.1:2"
+
+    def fleet(p, proxy_url, reference, model, prompts_for, o, progress, key):
+        asked.extend(prompts_for(32, 64) for _ in range(2))  # two pairs with the same block sizes
+        return "report"
+
+    monkeypatch.setattr(api, "_check_fleet", fleet)
+    monkeypatch.setattr(api, "_reported", lambda report, o: report)
+    assert pdctl.check(Running(), options=api.CheckOptions(seed=5)) == "report"
+    first, second = ([p.ids for p in ps] for ps in asked)
+    assert len(first) == len(second) > 10 and not set(map(tuple, first)) & set(map(tuple, second))
+    again = []
+    monkeypatch.setattr(api, "_check_fleet", lambda *a: again.append(a[4](32, 64)) or "report")
+    pdctl.check(Running(), options=api.CheckOptions(seed=5))
+    assert [p.ids for p in again[0]] == first  # still reproducible: the same seed, the same prompts per pair
