@@ -589,9 +589,6 @@ class CheckOptions:
     stream: bool = False  # streamed requests, compared as the text a client reads (proxy.first_token's path)
 
 
-PAIR_SEED_STRIDE = 7919  # `--seed N`: pair k of a fleet draws its prompts from seed N + k * this
-
-
 def check(target: Topology | Deployment | str | Path | None = None, *, proxy: str | None = None,
           reference: str | None = None, decodes: list[str] | None = None, model: str | None = None,
           options: CheckOptions | None = None, say: Say = _quiet, progress: Say = _quiet):
@@ -601,7 +598,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
     Deployment (with `reference` URL, or its own reference); or None with `proxy` and `reference` URLs. A fleet is
     checked per pool pair. Returns a ParityReport or FleetReport (`.passed`, `.to_dict()`)."""
     from pdctl.gates import check as check_mod
-    from pdctl.gates import gsm8k, parity
+    from pdctl.gates import fleet, gsm8k, parity
 
     o = options or CheckOptions()
     if o.gsm8k_dir is not None:
@@ -612,14 +609,11 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
 
     window: list[int | None] = [None]  # a hybrid model's sliding window, once the topology is known
 
-    asked = [0]  # a fleet asks once per pool pair, in order
-
-    def prompts(blocks: list[int], vocab: int, max_prompt: int) -> list:
-        # A seed of its own per pair: one seed for all would send two pairs that share a decode the same
-        # prompts, and the second would find them in the decode's prefix cache (no KV to prove it travelled).
-        seed = None if o.seed is None else o.seed + PAIR_SEED_STRIDE * asked[0]
-        asked[0] += 1
+    def prompts(blocks: list[int], vocab: int, max_prompt: int, seed: int | None) -> list:
         return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, seed, o.lengths, window[0])
+
+    def pair_prompts(vocab: int, max_prompt: int):  # a fleet's: pair k draws from its own seed (fleet.pair_seed)
+        return lambda pb, db, k: prompts([pb, db], vocab, max_prompt, fleet.pair_seed(o.seed, k))
 
     for flag, url in (("--proxy", proxy), ("--reference", reference), *(("--decode", u) for u in decodes or ())):
         _check_url(flag, url)
@@ -640,7 +634,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
         vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
         max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
         report = _check_fleet(d.plan, d.proxy_url, ref, model or t.model.name,
-                              lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab), progress,
+                              pair_prompts(vocab, max_prompt), replace(o, vocab=vocab), progress,
                               key)
         return _reported(report, o)
     if not isinstance(target, Topology):
@@ -655,7 +649,7 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
             raise UserError("no decode URL to prove the transfer with: pass --decode URL")
         name = model or _served_model(reference)
         progress(f"sending prompts through P/D {proxy} and the reference {reference}")
-        report = parity.run_parity(proxy, reference, urls, name, prompts([], o.vocab, 1024), o.max_tokens,
+        report = parity.run_parity(proxy, reference, urls, name, prompts([], o.vocab, 1024, o.seed), o.max_tokens,
                                    o.concurrency, stream=o.stream)
         return _reported(report, o)
 
@@ -674,10 +668,10 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
                             "sends every pair's prompts at once)")
         with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name} and an aggregated reference") as d:
             report = _check_fleet(d.plan, d.proxy_url, ref.http_url, t.model.name,
-                                  lambda pb, db: prompts([pb, db], vocab, max_prompt), replace(o, vocab=vocab),
+                                  pair_prompts(vocab, max_prompt), replace(o, vocab=vocab),
                                   progress, key)
         return _reported(report, o)
-    ps = prompts([t.prefill[0].block_size, t.decode[0].block_size], vocab, max_prompt)
+    ps = prompts([t.prefill[0].block_size, t.decode[0].block_size], vocab, max_prompt, o.seed)
     answers: str | list = ref.http_url
     if o.reference_first:
         _preflight(p, t)  # the whole plan, before the reference alone starts

@@ -135,20 +135,35 @@ def _wanted(pair: PairReport, r: PromptResult) -> tuple[str, str]:
     return tuple(r.label.split(" ", 1)[0].split("/"))  # mixed phase: "P/D random-65"
 
 
+PAIR_SEED_STRIDE = 7919
+
+
+def pair_seed(seed: int | None, k: int) -> int | None:
+    """Pool pair k's prompt seed for a run seeded N: one seed for all would send two pairs into one decode the
+    same prompts, and the second would find them in that decode's prefix cache (no KV to prove it travelled)."""
+    return None if seed is None else seed + PAIR_SEED_STRIDE * k
+
+
+def mixed_seed(seed: int | None, i: int) -> int | None:
+    """The mixed phase's prompt i: seeds below every pair's, so no mixed prompt repeats one a pair sent."""
+    return None if seed is None else seed - 1 - i
+
+
 def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
                 concurrency: int = 1, mixed: int = 16, mixed_concurrency: int = 12, vocab: int = 1000,
                 seed: int | None = None, read_logs: bool = True, progress=lambda _: None,
                 api_key: str | None = None, stream: bool = False) -> FleetReport:
-    """prompts_for(prefill_block, decode_block) -> the prompts for one pair (boundaries of both sides); `api_key`
+    """prompts_for(prefill_block, decode_block, k) -> the prompts for pair k (boundaries of both sides; its own
+    seed: pair_seed); `api_key`
     goes with every call (auth.api_key_env)."""
     t = plan.topology
     blocks = {(role, g.name): g.block_size for role in ROLES for g in t.pools(role)}
     pairs = [(p.name, d.name) for p, d in t.pairs()]
     decodes = {d.name: [s.http_url for s in plan.by_role("decode") if s.pool == d.name] for d in t.decode}
     report = FleetReport([])
-    for p, d in pairs:
+    for k, (p, d) in enumerate(pairs):
         progress(f"pair {p} -> {d}")
-        prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)])
+        prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)], k)
         rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}",
                          api_key, stream)
         report.pairs.append(PairReport(p, d, rep))
@@ -158,8 +173,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
         routes: list[str] = []
         for i, n in enumerate((MIXED_LENGTHS * (mixed // len(MIXED_LENGTHS) + 1))[:mixed]):
             p, d = pairs[i % len(pairs)]
-            # seeds below the pairs' (api.PAIR_SEED_STRIDE): no mixed prompt repeats one a pair already sent
-            (prompt,) = random_prompts([n], vocab, None if seed is None else seed - 1 - i)
+            (prompt,) = random_prompts([n], vocab, mixed_seed(seed, i))
             prompt.label = f"{p}/{d} {prompt.label}"
             prompts.append(prompt)
             routes.append(f"{p}/{d}")
@@ -214,11 +228,11 @@ def per_decode_problems(grown: dict[str, dict[str, float]]) -> list[str]:
 
 def check_unpinned(plan: Plan, proxy_url: str, reference: str, model: str, prompts_for, max_tokens: int = 16,
                    concurrency: int = 1, progress=lambda _: None, stream: bool = False) -> UnpinnedReport:
-    """Every pool pair's prompts (prompts_for(prefill_block, decode_block)), sent through the proxy unpinned."""
+    """Every pool pair's prompts (prompts_for(prefill_block, decode_block, k)), sent through the proxy unpinned."""
     from pdctl.gates.parity import decode_counters
 
     t = plan.topology
-    prompts = [pr for p, d in t.pairs() for pr in prompts_for(p.block_size, d.block_size)]
+    prompts = [pr for k, (p, d) in enumerate(t.pairs()) for pr in prompts_for(p.block_size, d.block_size, k)]
     decodes = {s.name: s.http_url for s in plan.by_role("decode")}
     before = {n: decode_counters([u]) for n, u in decodes.items()}
     progress(f"{len(prompts)} prompts for {len(t.pairs())} pool pair(s), unpinned")

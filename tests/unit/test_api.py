@@ -167,7 +167,7 @@ def test_a_seeded_fleet_check_draws_other_prompts_for_each_pair(monkeypatch):
         topology, plan, proxy_url, reference_url = t, pdctl.plan(t), "http://127.0.0.1:1", "http://127.0.0.1:2"
 
     def fleet(p, proxy_url, reference, model, prompts_for, o, progress, key):
-        asked.extend(prompts_for(32, 64) for _ in range(2))  # two pairs with the same block sizes
+        asked.extend(prompts_for(32, 64, k) for k in range(2))  # two pairs with the same block sizes
         return "report"
 
     monkeypatch.setattr(api, "_check_fleet", fleet)
@@ -176,6 +176,6 @@ def test_a_seeded_fleet_check_draws_other_prompts_for_each_pair(monkeypatch):
     first, second = ([p.ids for p in ps] for ps in asked)
     assert len(first) == len(second) > 10 and not set(map(tuple, first)) & set(map(tuple, second))
     again = []
-    monkeypatch.setattr(api, "_check_fleet", lambda *a: again.append(a[4](32, 64)) or "report")
+    monkeypatch.setattr(api, "_check_fleet", lambda *a: again.append(a[4](32, 64, 0)) or "report")
     pdctl.check(Running(), options=api.CheckOptions(seed=5))
     assert [p.ids for p in again[0]] == first  # still reproducible: the same seed, the same prompts per pair

@@ -105,3 +105,19 @@ def test_a_read_after_the_prefill_released_the_kv_fails_the_pair(tmp_path):
     fine = _pair(other)
     attribute(fine, plan, {other: [("127.0.0.1", 5600)]}, pools, late)
     assert fine.passed and fine.problems == []
+
+
+def test_each_pair_and_the_mixed_phase_of_a_seeded_run_draw_their_own_prompts(monkeypatch):
+    """check_fleet hands every pool pair its index (prompts_for(..., k)), and a seeded run's pair seeds and mixed
+    seeds never meet (a repeat at one decode would be a prefix-cache hit, no KV to prove)."""
+    import pdctl.gates.fleet as fleet
+
+    asked, sent = [], []
+    monkeypatch.setattr(fleet, "run_parity", lambda *a, **kw: sent.append(a[4]) or ParityReport([], None))
+    fleet.check_fleet(_plan(), "http://p", "http://r", "m", lambda pb, db, k: asked.append(k) or [], mixed=16,
+                      seed=5, read_logs=False)
+    assert asked == list(range(len(_plan().topology.pairs())))
+    pair_seeds = {fleet.pair_seed(5, k) for k in range(100)}
+    mixed = {fleet.mixed_seed(5, i) for i in range(16)}
+    assert len(pair_seeds) == 100 and not pair_seeds & mixed and len(sent[-1]) == 16
+    assert fleet.pair_seed(None, 3) is None and fleet.mixed_seed(None, 3) is None
