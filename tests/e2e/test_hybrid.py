@@ -19,8 +19,9 @@ PAIRS = {("p32", "d64"), ("p32", "d128"), ("p32", "d32"), ("p64", "d32"), ("p128
 BLOCK = {"p32": 32, "p64": 64, "p128": 128, "d32": 32, "d64": 64, "d128": 128}
 WINDOW = 96
 # Lengths where vLLM keeps the window of the token after the prompt one key short for the recomputed last token
-# (n - 96 + 1 a multiple of 32), around the window, and several times longer than it.
-STOCK_LENGTHS = "65,95,97,127,159,191,223,255,287,319,351,383,415,447,479,511,543,700"
+# (n - 96 + 1 a multiple of 32), around the window, and several times longer than it. Few: the stock connector's
+# NIXL threads spin both cores, so each prompt is slow, and every one of 18 such lengths failed at token 0.
+STOCK_LENGTHS = "65,97,127,191,287,511"
 
 
 @pytest.fixture(scope="module", autouse=True)

