@@ -148,6 +148,24 @@ LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (HND(), NHD(), CpuVec(), 
 ISA_LAYOUT = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 
 
+# vLLM 0.32's KVCacheLayout names (vllm/v1/kv_cache_layout.py) -> the layout of one (layer, block) page. vLLM sees a
+# cache group as logical [L, B, H, N, C] (C: one token's K then V for one head) and each name orders those axes in
+# memory. pdctl.kv models a page as one contiguous run of bytes, which holds when H, N and C are the innermost axes:
+# the block-compact layouts. LHBNC and BHLNC put the layer or block axis between heads, so a page is scattered.
+VLLM_LAYOUTS = {"LBHNC": "HND", "BLHNC": "HND", "LBNHC": "NHD", "BLNHC": "NHD", "HND": "HND", "NHD": "NHD"}
+
+
+def vllm_layout(name: str) -> Layout:
+    """The layout of one (layer, block) page of a vLLM KV cache laid out as `name` (a KVCacheLayout name, or the
+    legacy HND/NHD aliases of LBHNC/LBNHC)."""
+    if name in ("LHBNC", "BHLNC"):
+        raise ValueError(f"vLLM KV cache layout {name} does not keep a (layer, block) page contiguous; pdctl.kv "
+                         f"models {', '.join(sorted(VLLM_LAYOUTS))}")
+    if name not in VLLM_LAYOUTS:
+        raise ValueError(f"unknown vLLM KV cache layout '{name}' (known: {', '.join(sorted(VLLM_LAYOUTS))})")
+    return LAYOUTS[VLLM_LAYOUTS[name]]
+
+
 def layout(name: str) -> Layout:
     name = ISA_LAYOUT.get(name, name)
     if name not in LAYOUTS:

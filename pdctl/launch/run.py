@@ -153,12 +153,15 @@ def pool_pairs(plan: Plan) -> list[tuple[str, str]]:
     return [(p.name, d.name) for p, d in plan.topology.pairs()]
 
 
-def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
+def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0, *,
+            sleep: Callable[[float], None] | None = None) -> None:
     """One P/D request per pool pair before `ready`: a pair the connector refuses fails here, at start, with its
     decode's log, instead of as an HTTP 500 on a user's first request. A NIXL handshake that timed out (vLLM
     waits 5 s for the prefill's side channel; the first request also compiles on a busy host) is tried again; a
     refusal is final. Through pdctl's proxy, pinned to each pair; vllm-router cannot pin a pair, so each pair
-    gets one request in vLLM's P/D protocol straight to its first instances, then one goes through the router."""
+    gets one request in vLLM's P/D protocol straight to its first instances, then one goes through the router.
+    `sleep` makes every pause (the readiness poll's, a retry's; time.sleep unless given): tests pass a fake one."""
+    sleep = sleep or time.sleep
     proxy = next((p for p in plan.processes if p.role == "proxy"), None)
     if proxy is None:
         return
@@ -168,7 +171,7 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + 60
     ready = proxy.http_url + ("/readiness" if router else "/ready")
     while probe.http_get(ready, timeout=5.0, headers=key)[0] != 200 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        sleep(0.5)
     model = plan.topology.model.name
     blocks = [p.block_size for p in plan.processes if p.block_size]
     n = 2 * max(blocks, default=16) + 1  # crosses a block boundary on both sides
@@ -189,10 +192,11 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0) -> None:
                 headers[ROUTE_HEADER] = f"{pool_p}/{pool_d}"
             send = functools.partial(_post, proxy.http_url, body, headers, timeout_s)
         label = f" (pool pair {pool_p} -> {pool_d})" if pool_p is not None and len(pool_pairs(plan)) > 1 else ""
-        _warm_one(send, rid, decodes, label, attempts)
+        _warm_one(send, rid, decodes, label, attempts, sleep)
 
 
-def _warm_one(send, rid: str, decodes: list[ProcessSpec], label: str, attempts: int) -> None:
+def _warm_one(send, rid: str, decodes: list[ProcessSpec], label: str, attempts: int,
+              sleep: Callable[[float], None]) -> None:
     decode = decodes[0]
     for attempt in range(1, attempts + 1):
         offsets = {d.log_path: _size(d.log_path) for d in decodes}
@@ -205,7 +209,7 @@ def _warm_one(send, rid: str, decodes: list[ProcessSpec], label: str, attempts: 
                 raise LaunchFailed(decode.name, f"warm-up P/D request failed{label}: {refused or failed}",
                                    decode.log_path)
             if failed:
-                time.sleep(2)
+                sleep(2)
                 continue
             return
         except (urllib.error.URLError, OSError) as e:
@@ -213,7 +217,7 @@ def _warm_one(send, rid: str, decodes: list[ProcessSpec], label: str, attempts: 
             # again (12-120 s; validate warns of the layout): worth another try, like a handshake that timed out.
             stalled = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
             if attempt < attempts and (stalled or _handshake_timed_out(decode.log_path)):
-                time.sleep(2)
+                sleep(2)
                 continue
             detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
             cause = _connector_error(decode.log_path)

@@ -95,7 +95,7 @@ def test_probe_http_get_keeps_the_query_string():
             pass
 
     srv = http.server.HTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         assert probe.http_get(f"http://127.0.0.1:{srv.server_port}/debug/timings?since=12.5") == (200, "[]")
         assert probe.http_get(f"http://127.0.0.1:{srv.server_port}/health") == (200, "[]")

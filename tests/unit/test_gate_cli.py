@@ -172,7 +172,7 @@ class _Hub:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.release = gate
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self):

@@ -400,11 +400,13 @@ class _Fake(BaseHTTPRequestHandler):
 
 def _serve(port: int, body) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", port), type("Fake", (_Fake,), {"body": staticmethod(body)}))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (bash scripts/install_tools.sh)")
+@pytest.mark.unit_time_limit(15, reason="Prometheus scrapes its first targets 5 s after it starts (its scrape "
+                             "manager's fixed reload tick), and rules need two scrapes after that")
 def test_a_real_prometheus_scrapes_every_target_and_evaluates_every_rule_and_panel(tmp_path):
     from pdctl.proxy.metrics import Metrics
     from pdctl.proxy.routing import Instance

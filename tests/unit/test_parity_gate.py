@@ -44,7 +44,9 @@ def test_only_a_handshake_timeout_is_worth_another_warm_up(tmp_path):
 
 
 def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path):
-    """A fleet's first read from a new prefill was seen to stall; the warm-up tries again, and pins each pair."""
+    """A fleet's first read from a new prefill was seen to stall; the warm-up tries again, and pins each pair. It
+    starts once the proxy says ready (here at its second /ready), pausing between polls and before the retry
+    (pauses it is given, so the test waits for nothing)."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -53,13 +55,21 @@ def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path
     from pdctl.topology import Topology
 
     seen: list[tuple[str, str]] = []
+    events: list[str] = []  # what the proxy was asked and when the warm-up paused, in order
+    unstall = threading.Event()
 
     class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            events.append(f"GET {self.path}")
+            self.send_response(200 if events.count(f"GET {self.path}") > 1 else 503)  # ready at the second
+            self.end_headers()
+
         def do_POST(self):  # noqa: N802 (http.server's name)
             self.rfile.read(int(self.headers["Content-Length"]))
             seen.append((self.headers.get("x-pdctl-route"), self.headers["X-Request-Id"]))
+            events.append("POST")
             if len(seen) == 1:
-                threading.Event().wait(1.0)  # longer than the warm-up waits: a stall
+                unstall.wait(10)  # a stall: no answer until the warm-up has given up on this request
             self.send_response(200)
             self.end_headers()
             self.wfile.write(json.dumps({"ok": True}).encode())
@@ -68,7 +78,7 @@ def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     port = server.server_address[1]
     spec = lambda name, role, pool: ProcessSpec(name, role, 0, [], {}, "127.0.0.1",  # noqa: E731
                                                 {"http": port if role == "proxy" else 1}, str(tmp_path / name),
@@ -80,11 +90,15 @@ def test_a_stalled_warm_up_is_tried_again_per_pair_with_the_pair_pinned(tmp_path
                                      spec("decode-d-0", "decode", "d"), spec("decode-e-0", "decode", "e"),
                                      spec("proxy", "proxy", None)], topo)
     try:
-        run_mod.warm_up(plan, timeout_s=0.3)
+        run_mod.warm_up(plan, timeout_s=0.3, sleep=lambda s: events.append("pause"))
     finally:
+        unstall.set()
         server.shutdown()
+        server.server_close()
     assert [r for r, _ in seen] == ["p1/d", "p1/d", "p1/e", "p2/e"]  # the stalled one again; p2/d is excluded
     assert seen[1][1].endswith("-2")
+    assert events[:3] == ["GET /ready", "pause", "GET /ready"]  # polled until ready, with a pause between
+    assert events[3:].count("pause") == 1 and events[3:].count("POST") == 4  # and one pause for the one retry
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -204,7 +218,7 @@ class FakePD:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def served(self, tokens: int) -> None:

@@ -326,6 +326,10 @@ def test_circuit_breaker_opens_then_lets_one_trial_through(pd):
     pd.prefill.mode = "error500"
     proxy = Proxy(ProxyConfig([pd.p_url, p2], [pd.d_url], policy="round_robin", breaker_failures=2,
                               breaker_open_s=1.0, health_interval_s=60))
+    # The breakers' clock stands still but for the test moving it: no wait, and the breaker stays open however
+    # long the requests below take on a busy machine.
+    now = [proxy.router.clock()]
+    proxy.router.clock = lambda: now[0]
     url = pd.loop.serve(proxy.app())
     for _ in range(8):
         assert post(url + "/v1/completions", BODY)[0] == 200  # retried on the second prefill: no client error
@@ -335,7 +339,7 @@ def test_circuit_breaker_opens_then_lets_one_trial_through(pd):
     who = {"role": "prefill", "pool": "default", "name": "prefill-0"}
     assert sample(metrics, "pdctl_proxy_breaker_open", **who) == 1
     assert sample(metrics, "pdctl_proxy_breaker_trips_total", **who) == 1
-    time.sleep(1.2)
+    now[0] += 1.2  # past breaker_open_s
     pd.prefill.mode = "ok"  # recovered: the half-open trial succeeds and closes the breaker
     for _ in range(4):
         assert post(url + "/v1/completions", BODY)[0] == 200
@@ -411,13 +415,14 @@ def test_unhealthy_instances_get_no_traffic_and_come_back(pd):
     second = Backend("decode")
     d2 = pd.loop.serve(second.app())
     proxy, url = pd.make(decodes=[d2], health_interval_s=0.2)
+    seen = next(i for i in proxy.router.instances if i.url == d2)  # the proxy's view of the second decode
     second.healthy = False
-    time.sleep(0.8)
+    assert wait_for(lambda: not seen.healthy, 5, interval=0.02)  # a probe saw it fail
     for _ in range(6):
         assert post(url + "/v1/completions", BODY)[0] == 200
     assert len(pd.decode.requests) == 6 and not second.requests
     second.healthy = True
-    time.sleep(0.8)
+    assert wait_for(lambda: seen.healthy, 5, interval=0.02)
     for _ in range(6):
         assert post(url + "/v1/completions", BODY)[0] == 200
     assert second.requests  # probed healthy again: back in the rotation
@@ -654,8 +659,9 @@ def test_a_cancelled_half_open_trial_does_not_keep_the_instance_out(pd):
 
     pd.prefill.mode = "error500"
     proxy, url = pd.make(breaker_failures=1, breaker_open_s=0.3, health_interval_s=60)
+    real = proxy.router.clock
     post(url + "/v1/completions", BODY)  # one failure: open
-    time.sleep(0.4)
+    proxy.router.clock = lambda: real() + 0.4  # the breakers' clock past breaker_open_s, instead of a wait
     pd.prefill.mode = "slow"
     port = int(url.rsplit(":", 1)[1])
     s = sk.create_connection(("127.0.0.1", port))
