@@ -128,7 +128,7 @@ class Plan:
             moved[s.http_url] = new.http_url
             out.append(new)
         return self.with_processes(
-            [replace(s, argv=[moved.get(a, a) for a in s.argv]) if s.role == "proxy" else s for s in out])
+            [replace(s, argv=[_moved_upstream(a, moved) for a in s.argv]) if s.role == "proxy" else s for s in out])
 
     def placement_of(self, spec: ProcessSpec) -> Placement:
         """Where a process must run on a cluster engine: its pool's placement, else its role's, else anywhere."""
@@ -165,6 +165,14 @@ class Plan:
         already holds); the rules that read files (model paths, config.json) ran when it was first loaded."""
         return cls(d["name"], d["state_dir"], [ProcessSpec(**p) for p in d["processes"]],
                    Topology.model_validate(d["topology"]))
+
+
+def _moved_upstream(arg: str, moved: dict[str, str]) -> str:
+    """A proxy argv item with its upstream URL moved: a bare URL, or a named pool's POOL=URL (proxy_argv)."""
+    if arg in moved:
+        return moved[arg]
+    pool, sep, url = arg.partition("=")
+    return f"{pool}={moved[url]}" if sep and url in moved else arg
 
 
 def connect_host(host: str) -> str:

@@ -454,3 +454,18 @@ def test_cpu_servers_at_tp1_run_their_worker_in_the_engine_core_and_no_other_doe
     own = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml", [mp]))
     argv = own.get("prefill-0").argv
     assert argv[-2:] == ["--distributed-executor-backend", "mp"] and argv.index("uni") < len(argv) - 2  # last wins
+
+
+def test_with_hosts_moves_every_named_pools_upstream_of_a_fleets_proxy():
+    """A fleet's proxy names its upstreams POOL=URL: each follows its instance to its node (a fleet on Ray or
+    Slurm must not keep its proxy pointed at the addresses from before placement)."""
+    _, p = _fleet()
+    hosts = {s.name: f"127.0.0.{i + 2}" for i, s in enumerate(p.processes) if s.role in ("prefill", "decode")}
+    q = p.with_hosts(hosts)
+    argv = q.get("proxy").argv
+    ups = [argv[i + 1] for i, a in enumerate(argv) if a in ("--prefill", "--decode")]
+    want = [f"{s.pool}={s.http_url}" for s in q.processes if s.role in ("prefill", "decode")]
+    assert ups == want and len(ups) == 4
+    assert all("127.0.0.1" not in u for u in ups)  # negative control: before the move, every one was on 127.0.0.1
+    before = p.get("proxy").argv
+    assert all("127.0.0.1" in before[i + 1] for i, a in enumerate(before) if a in ("--prefill", "--decode"))
