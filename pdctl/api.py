@@ -750,7 +750,8 @@ class EvalOptions:
     num_fewshot: int = 5
     concurrency: int = 1  # per-sample agreement with a baseline is exact only at 1
     data_dir: Path | None = None  # GSM8K jsonl here; else $GSM8K_DIR, a cached copy, the hub
-    expected: Path = Path("configs/expected.yaml")
+    expected: Path | None = None  # the expected-accuracy table (None: pdctl's own, gates.accuracy.DEFAULT_TABLE)
+    allow_ungated: bool = False  # a model the table does not know passes (UNGATED) instead of failing
     tokenizer: str | None = None
     min_agreement: float | None = None
     tolerance: float | None = None
@@ -766,22 +767,29 @@ class EvalResult:
     model: str
     summary: dict  # what lm-eval measured and how each gate judged it (written as summary.json)
     out_dir: Path
+    allow_ungated: bool = False
 
     @property
     def passed(self) -> bool:
-        return self.status != "FAIL"
+        """PASS; UNGATED (no gate for the model) only when allowed: a gate that judged nothing is not a pass."""
+        return self.status == "PASS" or (self.status == "UNGATED" and self.allow_ungated)
 
     def to_dict(self) -> dict:
         return self.summary
 
 
-def expected_table(path: str | Path, say: Say = _quiet) -> dict:
+def _table_name(path: Path | None) -> str:
+    return str(path) if path is not None else "pdctl's expected-accuracy table"
+
+
+def expected_table(path: str | Path | None, say: Say = _quiet) -> dict:
+    """The expected-accuracy table at `path` (None: pdctl's own); a path that is not a file is refused."""
     from pdctl.gates import accuracy
 
-    path = Path(path)
+    path = Path(path) if path is not None else accuracy.DEFAULT_TABLE
     if not path.is_file():
-        say(f"warning: {path} not found: nothing is gated")
-        return {}
+        raise UserError(f"--expected: {path} is not a file (the expected-accuracy table; leave it out for pdctl's "
+                        f"own, {accuracy.DEFAULT_TABLE})")
     try:
         return accuracy.load_expected(path)
     except (ValueError, OSError) as e:
@@ -833,7 +841,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
         s = accuracy.run_gate(proxy_url, ref_url, name, out_dir, table, tokenizer=tok, limit=o.limit,
                               num_fewshot=o.num_fewshot, concurrency=o.concurrency, data_dir=data_dir,
                               min_agreement=o.min_agreement, tolerance=o.tolerance, api_key=key)
-        return EvalResult(s["status"], name, s, out_dir)
+        return EvalResult(s["status"], name, s, out_dir, o.allow_ungated)
 
     if not isinstance(target, Topology):
         d = target if isinstance(target, Deployment) else None
@@ -842,9 +850,9 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
         baseline = baseline or (d.reference_url if d else None)
         name = model or (d.topology.model.name if d else _served_model(proxy_url, key))
         if accuracy.needs_baseline(table, name) and not baseline:
-            raise UserError(f"model '{name}' has a relative gsm8k gate in {o.expected} (per-sample agreement and "
-                            "accuracy delta against an aggregated reference): give --baseline URL of an aggregated "
-                            "server of the same model, or a TOPOLOGY (pdctl then starts one)")
+            raise UserError(f"model '{name}' has a relative gsm8k gate in {_table_name(o.expected)} (per-sample "
+                            "agreement and accuracy delta against an aggregated reference): give --baseline URL of an "
+                            "aggregated server of the same model, or a TOPOLOGY (pdctl then starts one)")
         say(_running_warning(d, "eval"))
         local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
         return run(proxy_url, baseline, name, o.tokenizer or (_served_path(d) if local else None),
@@ -855,8 +863,8 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     key = _api_key(t)  # before anything starts
     if accuracy.needs_baseline(table, t.model.name) and not baseline:
         baseline = "auto"  # the gate cannot be judged without it, and the topology says how to start one
-        say(f"model '{t.model.name}' has a relative gsm8k gate in {o.expected}: starting an aggregated reference "
-            "beside the topology to compare with (as --baseline auto)")
+        say(f"model '{t.model.name}' has a relative gsm8k gate in {_table_name(o.expected)}: starting an aggregated "
+            "reference beside the topology to compare with (as --baseline auto)")
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port if baseline == "auto" else None)
     tok = o.tokenizer or _model_path(t)
     out_dir = o.results or Path("results") / f"eval-{t.name}-{stamp}"

@@ -85,7 +85,8 @@ OutputOpt = Annotated[render.Output, typer.Option("--output", "-o", help="defaul
 StateDirOpt = Annotated[Path | None, typer.Option("--state-dir", help="default: .pdctl/<name>")]
 NameArg = Annotated[str | None, typer.Argument(help="topology name (default: the only one that is up)")]
 TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for readiness")]
-ExpectedOpt = Annotated[Path, typer.Option(help="expected accuracy table")]
+ExpectedOpt = Annotated[Path | None, typer.Option(help="expected-accuracy table (default: pdctl's own)")]
+AllowUngatedOpt = Annotated[bool, typer.Option(help="a model the table does not know passes (UNGATED), not fails")]
 DataDirOpt = Annotated[Path | None, typer.Option(help="GSM8K train.jsonl/test.jsonl here instead of the hub")]
 RefPortOpt = Annotated[int, typer.Option(help="port of the aggregated reference pdctl starts")]
 RateOpt = Annotated[float | None, typer.Option(help="load benchmark in open loop: Poisson arrivals at this many "
@@ -492,7 +493,7 @@ def eval_(
                                              "and baseline runs and so does float rounding: per-sample "
                                              "agreement is exact only at 1")] = 1,
     data_dir: DataDirOpt = None,
-    expected: ExpectedOpt = Path("configs/expected.yaml"),
+    expected: ExpectedOpt = None, allow_ungated: AllowUngatedOpt = False,
     model: Annotated[str | None, typer.Option(help="served model name (with --url)")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="tokenizer path or id (default: the model's path)")] = None,
     min_agreement: Annotated[float | None, typer.Option(help="with a baseline: minimum per-sample agreement "
@@ -507,7 +508,7 @@ def eval_(
     json_: JsonOpt = False,
     overrides: list = (),
 ) -> None:
-    """Accuracy gate: lm-eval's gsm8k through the P/D proxy, against configs/expected.yaml.
+    """Accuracy gate: lm-eval's gsm8k through the P/D proxy, against an expected-accuracy table (pdctl's own).
 
     Runs lm-eval's `local-completions` model (tokenized requests off) with gsm8k's strict-match and
     flexible-extract filters. With --data-dir, the dataset is read from local jsonl files (same prompts, few-shot
@@ -520,7 +521,7 @@ def eval_(
     agreement >= --min-agreement, |delta| <= --tolerance). A model with a relative gate needs a baseline: with a
     TOPOLOGY pdctl starts one beside it (as --baseline auto); with --url, give --baseline URL. The topology runs
     with proxy.on_prefill_down=reject and connector.kv_load_failure_policy=fail (unless set on the command line):
-    a fallback never counts as P/D. Exit 1 on FAIL; a model expected.yaml does not know is UNGATED, never PASS.
+    a fallback never counts as P/D. Exit 1 on FAIL, and on UNGATED (a model the table lacks) unless --allow-ungated.
 
     Examples:
 
@@ -529,8 +530,9 @@ def eval_(
       pdctl eval --url http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
     """
     opts = api.EvalOptions(limit=limit, num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir,
-                           expected=expected, tokenizer=tokenizer, min_agreement=min_agreement, tolerance=tolerance,
-                           reference_port=reference_port, timeout_s=timeout, results=results, state_dir=state_dir)
+                           expected=expected, allow_ungated=allow_ungated, tokenizer=tokenizer, results=results,
+                           min_agreement=min_agreement, tolerance=tolerance, reference_port=reference_port,
+                           timeout_s=timeout, state_dir=state_dir)
     if topology is not None:
         target = _load(topology, overrides, gated=True)
     else:
@@ -541,7 +543,7 @@ def eval_(
     if json_:
         print(json.dumps(r.summary, indent=2))
     else:
-        render.accuracy(out, err, r.summary, str(expected))
+        render.accuracy(out, err, r.summary, expected)
         out.print(f"{r.status}  (results: {r.out_dir})", highlight=False)
     raise typer.Exit(0 if r.passed else 1)
 
@@ -556,7 +558,7 @@ def bench(
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
     data_dir: DataDirOpt = None,
     limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate")] = 20,
-    expected: ExpectedOpt = Path("configs/expected.yaml"),
+    expected: ExpectedOpt = None, allow_ungated: AllowUngatedOpt = False,
     requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
     prompt_len: Annotated[int, typer.Option(help="load benchmark: prompt tokens")] = 256,
     max_tokens: Annotated[int, typer.Option(help="load benchmark: output tokens")] = 32,
@@ -588,17 +590,18 @@ def bench(
       pdctl bench configs/cpu-demo.yaml --skip-check --skip-eval --breakdown   # where P/D's TTFT goes
     """
     opts = api.BenchOptions(skip_check=skip_check, skip_eval=skip_eval, skip_perf=skip_perf, data_dir=data_dir,
-                            limit=limit, expected=expected, requests=requests, prompt_len=prompt_len,
-                            max_tokens=max_tokens, concurrency=concurrency, request_rate=request_rate,
-                            eval_concurrency=eval_concurrency, reference_port=reference_port, timeout_s=timeout,
-                            state_dir=state_dir, dataset=dataset, dataset_path=dataset_path, breakdown=breakdown)
+                            limit=limit, expected=expected, allow_ungated=allow_ungated, requests=requests,
+                            prompt_len=prompt_len, max_tokens=max_tokens, concurrency=concurrency,
+                            request_rate=request_rate, eval_concurrency=eval_concurrency, reference_port=reference_port,
+                            timeout_s=timeout, state_dir=state_dir, dataset=dataset, dataset_path=dataset_path,
+                            breakdown=breakdown)
     t = _load(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
     if json_:
         print(json.dumps(r.summary, indent=2))
     else:
-        render.bench(out, err, r.summary, str(expected), r.out_dir)
+        render.bench(out, err, r.summary, expected, r.out_dir)
     raise typer.Exit(0 if r.passed else 1)
 
 
@@ -609,7 +612,7 @@ def sweep(
     results: Annotated[Path | None, typer.Option(help="results directory (reuse it to resume)")] = None,
     data_dir: DataDirOpt = None,
     limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate per case")] = 20,
-    expected: ExpectedOpt = Path("configs/expected.yaml"),
+    expected: ExpectedOpt = None,
     requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
     request_rate: RateOpt = None, dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,

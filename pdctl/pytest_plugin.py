@@ -89,17 +89,19 @@ def _parity_problems(report) -> list[str]:
 
 
 def assert_accuracy(deployment, *, limit: int | None = None, data_dir: str | Path | None = None,
-                    expected: str | Path = "configs/expected.yaml", allow_ungated: bool = False, **options):
-    """lm-eval's gsm8k through the deployment's proxy passes expected.yaml's gate for the model (relative gates
-    against the deployment's reference). A model expected.yaml does not know fails unless allow_ungated.
-    options: pdctl.EvalOptions fields (num_fewshot, min_agreement, tolerance, results, ...)."""
+                    expected: str | Path | None = None, allow_ungated: bool = False, **options):
+    """lm-eval's gsm8k through the deployment's proxy passes the expected-accuracy table's gate for the model
+    (`expected`: a file; default pdctl's own; relative gates against the deployment's reference). A model the table
+    does not know fails unless allow_ungated. options: pdctl.EvalOptions fields (num_fewshot, min_agreement,
+    tolerance, results, ...)."""
     import pdctl
 
-    if not Path(expected).is_file():
+    if expected is not None and not Path(expected).is_file():
         raise pytest.UsageError(f"assert_accuracy: expected accuracy table {expected} not found (relative to "
-                                f"{Path.cwd()}); give expected=PATH")
+                                f"{Path.cwd()}); give expected=PATH, or leave it out for pdctl's own")
     r = pdctl.evaluate(deployment, options=pdctl.EvalOptions(
-        limit=limit, data_dir=Path(data_dir) if data_dir else None, expected=Path(expected), **options))
+        limit=limit, data_dir=Path(data_dir) if data_dir else None,
+        expected=Path(expected) if expected is not None else None, allow_ungated=allow_ungated, **options))
     if r.status == "FAIL" or (r.status == "UNGATED" and not allow_ungated):
         lines = list(r.summary.get("gates", [])) + [f"{v['metric']}: {v['status']} {v.get('message') or ''}".rstrip()
                                                      for v in r.summary.get("verdicts", [])]

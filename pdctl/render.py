@@ -281,8 +281,10 @@ def check(out: Console, report) -> None:
             out.print(f"[red]FAIL[/] {problem}", highlight=False)
 
 
-def accuracy(out: Console, err: Console, summary: dict, expected_file: str) -> None:
-    """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts."""
+def accuracy(out: Console, err: Console, summary: dict, expected_file: str | Path | None) -> None:
+    """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts (expected_file:
+    the table judged by; None: pdctl's own)."""
+    expected_file = str(expected_file) if expected_file is not None else "pdctl's expected-accuracy table"
     task, shots = summary["task"], summary["num_fewshot"]
     t = Table(box=boxed(out), title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
     for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Gate", "Expected", "Status"):
@@ -313,7 +315,7 @@ def accuracy(out: Console, err: Console, summary: dict, expected_file: str) -> N
                   style="yellow")
 
 
-def bench(out: Console, err: Console, s: dict, expected_file: str, out_dir: Path) -> None:
+def bench(out: Console, err: Console, s: dict, expected_file: str | Path | None, out_dir: Path) -> None:
     if "accuracy" in s:
         accuracy(out, err, s["accuracy"], expected_file)
     if "perf" in s:

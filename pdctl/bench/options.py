@@ -16,7 +16,8 @@ class BenchOptions:
     data_dir: Path | None = None  # GSM8K (the accuracy gate; the parity gate's 5-shot prompts too)
     limit: int | None = 20  # gsm8k rows
     num_fewshot: int = 5
-    expected: Path = Path("configs/expected.yaml")
+    expected: Path | None = None  # the expected-accuracy table (None: pdctl's own, gates.accuracy.DEFAULT_TABLE)
+    allow_ungated: bool = False  # a model the table does not know passes the accuracy gate (UNGATED)
     requests: int = 32  # load benchmark: requests per side
     prompt_len: int = 256
     max_tokens: int = 32

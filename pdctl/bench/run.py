@@ -20,6 +20,15 @@ from pdctl.topology import Loaded, resolved_model
 from pdctl.topology import summary as summary_line
 
 
+def overall_status(summary: dict, allow_ungated: bool = False) -> str:
+    """PASS when every gate that ran passed; an accuracy gate that judged nothing (UNGATED: the table does not know
+    the model) fails the run unless allowed."""
+    gates = [summary[k]["status"] for k in ("parity", "accuracy", "perf") if k in summary]
+    if "FAIL" in gates or ("UNGATED" in gates and not allow_ungated):
+        return "FAIL"
+    return "PASS"
+
+
 def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, out_dir: Path, o: BenchOptions,
               expected: dict, phase: Callable[[str], None] = lambda _: None) -> dict:
     """expected: the accuracy table read from o.expected (read before anything starts)."""
@@ -119,8 +128,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     finally:
         phase("down")
         run_mod.down(state, backend)
-    gates = [summary[k]["status"] for k in ("parity", "accuracy", "perf") if k in summary]
-    summary["status"] = "FAIL" if "FAIL" in gates else "PASS"
+    summary["status"] = overall_status(summary, o.allow_ungated)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -1,4 +1,5 @@
-"""The accuracy gate: lm-eval's gsm8k through the P/D proxy, judged against configs/expected.yaml."""
+"""The accuracy gate: lm-eval's gsm8k through the P/D proxy, judged against an expected-accuracy table (pdctl's own,
+DEFAULT_TABLE, shipped in the package; or a user's file)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdctl.gates.gsm8k import local_task_yaml
+
+# pdctl's own table: inside the package, so a gate finds it from any working directory and in an installed wheel.
+DEFAULT_TABLE = Path(__file__).with_name("expected.yaml")
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pdctl.gates import accuracy, gsm8k
-from tests.conftest import CONFIGS, SHARED
+from tests.conftest import SHARED
 
 GSM8K = SHARED / "data" / "gsm8k"
 EXPECTED = {"Qwen/Qwen3-0.6B": {"gsm8k": {"exact_match,strict-match": {"expected": 0.41, "rtol": 0.05}}}}
@@ -40,7 +40,7 @@ def test_missing_metric_fails():
 
 
 def test_shipped_expectations_include_vllms_gate():
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     qwen = accuracy.gate_spec(table, "Qwen/Qwen3-0.6B", "gsm8k")
     assert qwen.absolute == {"exact_match,strict-match": {"expected": 0.41, "rtol": 0.05}}
     assert qwen.kind == "absolute" and not accuracy.needs_baseline(table, "Qwen/Qwen3-0.6B")
@@ -49,7 +49,7 @@ def test_shipped_expectations_include_vllms_gate():
 def test_the_tiny_random_model_has_only_a_relative_gate():
     """Its accuracy is 0 by construction: an absolute 0.0 ± 0.05 could not fail. It is judged against the
     aggregated reference instead: every sample alike, no accuracy delta."""
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     tiny = accuracy.gate_spec(table, "tiny", "gsm8k")
     assert tiny.absolute == {} and tiny.kind == "relative"
     assert tiny.relative == {"min_agreement": 1.0, "max_delta": 0.0,
@@ -135,7 +135,7 @@ def _fake_lm_eval(monkeypatch, pd: dict, ref: dict, pd_texts=None, fallbacks=(No
 
 
 def test_run_gate_says_a_relative_gate_was_applied(monkeypatch, tmp_path):
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     _fake_lm_eval(monkeypatch, {STRICT: 0.0, FLEX: 0.0}, {STRICT: 0.0, FLEX: 0.0})
     s = accuracy.run_gate("http://proxy", "http://ref", "tiny", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
@@ -147,7 +147,7 @@ def test_run_gate_says_a_relative_gate_was_applied(monkeypatch, tmp_path):
 
 
 def test_run_gate_fails_the_relative_gate_on_one_diverged_sample(monkeypatch, tmp_path):
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     _fake_lm_eval(monkeypatch, {STRICT: 0.0, FLEX: 0.0}, {STRICT: 0.0, FLEX: 0.0}, pd_texts=["x", "x", "y", "x"])
     s = accuracy.run_gate("http://proxy", "http://ref", "tiny", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
@@ -157,7 +157,7 @@ def test_run_gate_fails_the_relative_gate_on_one_diverged_sample(monkeypatch, tm
 
 
 def test_run_gate_refuses_a_relative_gate_without_a_baseline(monkeypatch, tmp_path):
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     calls = _fake_lm_eval(monkeypatch, {STRICT: 0.0}, {})
     with pytest.raises(ValueError, match="model 'tiny' has a relative gsm8k gate in expected.yaml: it needs a "
                                          "baseline"):
@@ -167,7 +167,7 @@ def test_run_gate_refuses_a_relative_gate_without_a_baseline(monkeypatch, tmp_pa
 
 
 def test_run_gate_says_an_absolute_gate_was_applied(monkeypatch, tmp_path):
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     _fake_lm_eval(monkeypatch, {STRICT: 0.43, FLEX: 0.45}, {})
     s = accuracy.run_gate("http://proxy", None, "Qwen/Qwen3-0.6B", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
@@ -176,7 +176,7 @@ def test_run_gate_says_an_absolute_gate_was_applied(monkeypatch, tmp_path):
 
 
 def test_run_gate_fails_the_absolute_gate_on_a_metric_lm_eval_did_not_report(monkeypatch, tmp_path):
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     _fake_lm_eval(monkeypatch, {FLEX: 0.45}, {})
     s = accuracy.run_gate("http://proxy", None, "Qwen/Qwen3-0.6B", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
@@ -185,7 +185,7 @@ def test_run_gate_fails_the_absolute_gate_on_a_metric_lm_eval_did_not_report(mon
 
 
 def test_run_gate_fails_when_the_proxy_fell_back_to_a_decode_alone(monkeypatch, tmp_path):
-    table = accuracy.load_expected(CONFIGS / "expected.yaml")
+    table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     _fake_lm_eval(monkeypatch, {STRICT: 0.43}, {}, fallbacks=(5.0, 7.0))
     s = accuracy.run_gate("http://proxy", None, "Qwen/Qwen3-0.6B", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)

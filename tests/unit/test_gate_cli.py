@@ -5,6 +5,7 @@ are replaced by ones that fail the test, and the only network is loopback."""
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -210,15 +211,15 @@ def test_hub_probe_is_bounded_and_reads_the_answer(monkeypatch):
 def test_eval_on_a_running_system_refuses_a_relative_gate_without_a_baseline(offline, no_launch, run_cli):
     code, _, err = run_cli("eval", "--url", "http://127.0.0.1:9", "--model", "tiny", "--data-dir", GSM8K)
     assert code == 1 and no_launch == {}
-    assert ("error: model 'tiny' has a relative gsm8k gate in configs/expected.yaml (per-sample agreement and "
-            "accuracy delta against an aggregated reference): give --baseline URL") in err
+    assert ("error: model 'tiny' has a relative gsm8k gate in pdctl's expected-accuracy table (per-sample "
+            "agreement and accuracy delta against an aggregated reference): give --baseline URL") in err
 
 
 def test_eval_on_a_topology_starts_the_reference_a_relative_gate_needs(offline, no_launch, run_cli):
     code, _, err = run_cli("eval", CONFIGS / "cpu-demo.yaml", "--data-dir", GSM8K)
     assert no_launch["reference_port"] == 8300
-    assert ("model 'tiny' has a relative gsm8k gate in configs/expected.yaml: starting an aggregated reference "
-            "beside the topology to compare with (as --baseline auto)") in err
+    assert ("model 'tiny' has a relative gsm8k gate in pdctl's expected-accuracy table: starting an aggregated "
+            "reference beside the topology to compare with (as --baseline auto)") in err
 
 
 def test_eval_of_a_model_with_an_absolute_gate_starts_no_reference(offline, no_launch, run_cli, tmp_path):
@@ -350,3 +351,77 @@ def test_check_on_running_servers_says_why_the_kv_proof_failed(run_cli, mode, co
                 "token of 2 prompts (98 - 2); 98 computed locally") in flat
     else:
         assert "KV travelled" in flat and "FAIL" not in flat
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The default table, and a gate that judged nothing
+
+
+def test_the_default_table_is_in_the_package_and_found_from_any_directory(monkeypatch, tmp_path):
+    from pdctl import api
+    from pdctl.gates import accuracy
+
+    monkeypatch.chdir(tmp_path)  # not the repository: configs/ is not there (nor in a wheel)
+    assert accuracy.DEFAULT_TABLE.parent == Path(accuracy.__file__).parent
+    table = api.expected_table(None)
+    assert "tiny" in table and "Qwen/Qwen3-0.6B" in table
+
+
+def test_an_expected_table_that_is_not_there_is_refused_before_anything_starts(offline, no_launch, run_cli, tmp_path):
+    code, _, err = run_cli("eval", CONFIGS / "cpu-demo.yaml", "--data-dir", GSM8K, "--expected", tmp_path / "no.yaml")
+    assert code == 1 and no_launch == {}
+    assert f"error: --expected: {tmp_path / 'no.yaml'} is not a file" in err  # never "nothing is gated", exit 0
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+@pytest.mark.parametrize("allow", [False, True])
+def test_an_ungated_model_fails_eval_and_bench_unless_allowed(monkeypatch, run_cli, command, allow):
+    """The CLI's exit follows the result's `passed`, which counts UNGATED only when --allow-ungated was given."""
+    from pdctl import api
+    from pdctl.bench.run import overall_status
+
+    seen = {}
+
+    def fake_eval(target, *, options, **kw):
+        seen["allow"] = options.allow_ungated
+        return api.EvalResult("UNGATED", "tiny", {"status": "UNGATED", "gates": [], "verdicts": []}, Path("r"),
+                              options.allow_ungated)
+
+    def fake_bench(t, options, **kw):
+        seen["allow"] = options.allow_ungated
+        summary = {"accuracy": {"status": "UNGATED"}, "parity": {"status": "PASS"}}
+        status = overall_status(summary, options.allow_ungated)
+        return api.BenchResult(status, {**summary, "status": status}, Path("r"))
+
+    monkeypatch.setattr(api, "evaluate", fake_eval)
+    monkeypatch.setattr(api, "bench", fake_bench)
+    args = [command, "--url", "http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9"] if command == "eval" else \
+        [command, CONFIGS / "cpu-demo.yaml"]
+    code, _, _ = run_cli(*args, "--json", *(["--allow-ungated"] if allow else []))
+    assert seen["allow"] is allow and code == (0 if allow else 1)
+
+
+def test_a_bench_fails_on_any_failed_gate_and_on_an_ungated_accuracy_gate_unless_allowed():
+    from pdctl.bench.run import overall_status
+
+    ok = {"parity": {"status": "PASS"}, "accuracy": {"status": "PASS"}, "perf": {"status": "PASS"}}
+    assert overall_status(ok) == "PASS"
+    assert overall_status({**ok, "perf": {"status": "FAIL"}}, allow_ungated=True) == "FAIL"
+    ungated = {**ok, "accuracy": {"status": "UNGATED"}}
+    assert overall_status(ungated) == "FAIL" and overall_status(ungated, allow_ungated=True) == "PASS"
+    assert overall_status({"parity": {"status": "PASS"}}) == "PASS"  # --skip-eval: no accuracy gate ran
+
+
+@pytest.mark.unit_time_limit(30, reason="builds pdctl's wheel")
+def test_the_wheel_carries_the_default_table(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    from tests.conftest import REPO
+
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = tmp_path.glob("pdctl-*.whl")
+    assert "pdctl/gates/expected.yaml" in zipfile.ZipFile(wheel).namelist()
