@@ -1,7 +1,7 @@
 """Fault drills that need a topology of their own (cpu-homog, P32 -> D32): (d) a prefill killed between its
 answer and the decode's read with `kv_load_failure_policy: fail` (a clear error, no hang), then `pdctl down` on
 the same foreground `pdctl up` (nothing left behind); (e) Ctrl-C on a foreground `pdctl up` and `pdctl down` on a
-`pdctl up -d`, both while the servers are still starting (test_launch.py has Ctrl-C once ready)."""
+`pdctl up -d`, both while the servers are still starting, and Ctrl-C on a foreground `pdctl up` once it is ready."""
 
 from __future__ import annotations
 
@@ -97,3 +97,25 @@ def test_stopped_while_starting_leaves_nothing(tmp_path, how):
     assert code == (1 if detach else 130), proc.stderr.read()
     assert wait_for(lambda: not live(pgids), 10), live(pgids)
     assert wait_for(lambda: not processes_with_arg(str(tmp_path)), 10), processes_with_arg(str(tmp_path))
+
+
+def test_sigint_on_a_ready_foreground_up_leaves_nothing(tmp_path):
+    proc = subprocess.Popen([*PDCTL, "up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *_ports(50)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "state.json").exists(), 30)
+        pgids = state_pgids(tmp_path)
+
+        def ready():
+            r = pdctl("status", "--state-dir", tmp_path, "--json")
+            return r.returncode == 0 and json.loads(r.stdout)["ready"]
+
+        assert wait_for(ready, 300, 2), proc.stderr.read() if proc.poll() is not None else "not ready"
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130
+    assert wait_for(lambda: not live(pgids), 5), live(pgids)
+    assert not (tmp_path / "state.json").exists()

@@ -4,7 +4,7 @@ chat) equal to the aggregated reference, the proxy's metrics and logs; Prometheu
 proxy, pdctl's recording rules have series after 50 requests, every Grafana panel's query answers, no alert fires,
 a restart shows in Prometheus, /ready drops when the decode stops, and `pdctl down` leaves nothing (no server, no
 Prometheus, idempotent). The launch drills that need servers of their own (a crash at start, a taken port) start
-their own; Ctrl-C on a foreground `up` is in test_faults_stop.py.
+their own; the foreground `up` drills (Ctrl-C, `down` from another shell) are in test_faults_stop.py.
 
 The order of the tests matters: the destructive ones come last. Prometheus comes from the Debian package
 (`make test` installs it through scripts/install_tools.sh); without it the monitoring tests are skipped."""
