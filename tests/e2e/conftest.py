@@ -210,6 +210,34 @@ def wait_for(cond, timeout: float, interval: float = 0.5) -> bool:
     return _wait_for(cond, timeout, interval)
 
 
+class ExtraProxy:
+    """A second pdctl proxy over servers that are already up (a proxy-only setting needs no servers of its own):
+    `pdctl proxy ARGS --port PORT`, its log at `log`, stopped by its process group."""
+
+    def __init__(self, log: Path, port: int, *args: str):
+        self.log, self.port, self.args = log, port, args
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        from pdctl.launch import probe
+
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([*PDCTL, "proxy", *self.args, "--port", str(self.port)], cwd=REPO,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if not wait_for(lambda: probe.healthy(self.url + "/health") or self.proc.poll() is not None, 30) \
+                or self.proc.poll() is not None:
+            self.__exit__()
+            raise AssertionError(f"extra proxy never became healthy: {self.log.read_text()[-2000:]}")
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
 class Reference:
     """An aggregated vLLM server (no connector) for a topology, started and stopped by its process group."""
 

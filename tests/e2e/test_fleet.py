@@ -20,7 +20,7 @@ from pdctl.gates import fleet, parity
 from pdctl.launch import probe
 from pdctl.launch import state as state_mod
 from tests.conftest import REPO, SHARED, sample
-from tests.e2e.conftest import Reference, Up, get_text, live, pdctl, prompt_tokens_by_source, wait_for
+from tests.e2e.conftest import ExtraProxy, Reference, Up, get_text, live, pdctl, prompt_tokens_by_source, wait_for
 
 PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
 DTYPE = "model.dtype=float32"
@@ -144,18 +144,10 @@ def test_early_decode_p128_d32_token_for_token_with_every_request_handed_over(fl
     (p128,) = [s for s in fleet_up.plan.by_role("prefill") if s.pool == "p128"]
     sock = handover.name(d32.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(d32.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
     log = tmp_path / "proxy-early.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdctl", "proxy", "--prefill", p128.http_url, "--decode",
-                                 d32.http_url, "--port", "8012", "--handover", sock],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        assert wait_for(lambda: probe.healthy("http://127.0.0.1:8012/health"), 30), log.read_text()
-        r = pdctl("check", "--proxy", "http://127.0.0.1:8012", "--reference", fleet_up.reference, "--concurrency",
-                  "4", "--seed", "13", "--json", timeout=600)
+    with ExtraProxy(log, 8012, "--prefill", p128.http_url, "--decode", d32.http_url, "--handover", sock) as px:
+        r = pdctl("check", "--proxy", px.url, "--reference", fleet_up.reference, "--concurrency", "4", "--seed",
+                  "13", "--json", timeout=600)
         doc = json.loads(r.stdout)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
     failed = [(x["label"], x["first_divergence"], x["error"]) for x in doc["results"] if not x["passed"]]
     assert r.returncode == 0 and doc["passed"], (failed, doc["proof"])
     assert doc["proof"]["ok"] and doc["proof"]["external_kv_tokens"] > 0

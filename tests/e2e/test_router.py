@@ -6,18 +6,14 @@ reference, the router's own Prometheus endpoint counts the requests, and `down` 
 Own ports (router 8085, its metrics 8086, prefill 8185/5685, decode 8285/5785)."""
 
 import json
-import os
-import signal
 import socket
-import subprocess
 import urllib.request
 from types import SimpleNamespace
 
 import pytest
 
-from pdctl.launch import probe
-from tests.conftest import REPO, SHARED
-from tests.e2e.conftest import PDCTL, Up, live, pdctl, wait_for
+from tests.conftest import SHARED
+from tests.e2e.conftest import ExtraProxy, Up, live, pdctl, wait_for
 
 SETS = ("proxy.port=8085", "prefill.http_port=8185", "decode.http_port=8285", "prefill.side_channel_port=5685",
         "decode.side_channel_port=5785")
@@ -78,19 +74,12 @@ def test_first_token_from_the_prefill_streams_the_aggregated_text(routed, tmp_pa
     prefill answers; the decode's stream follows without it. What the client reads equals the aggregated
     reference's stream (pdctl check --stream), under 4 in flight, prefix prompts included."""
     log = tmp_path / "proxy-first-token.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*PDCTL, "proxy", "--prefill", "http://127.0.0.1:8185", "--decode",
-                                 "http://127.0.0.1:8285", "--port", "8087", "--first-token", "on"],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        assert wait_for(lambda: probe.healthy("http://127.0.0.1:8087/health"), 30), log.read_text()
+    with ExtraProxy(log, 8087, "--prefill", "http://127.0.0.1:8185", "--decode", "http://127.0.0.1:8285",
+                    "--first-token", "on") as px:
         # Its own seed: the router's check sent the decode other prompts (a prefix hit would move no KV).
-        r = pdctl("check", "--proxy", "http://127.0.0.1:8087", "--reference", routed.ref, "--stream",
-                  "--concurrency", "4", "--seed", "11", "--json", timeout=600)
+        r = pdctl("check", "--proxy", px.url, "--reference", routed.ref, "--stream", "--concurrency", "4",
+                  "--seed", "11", "--json", timeout=600)
         doc = json.loads(r.stdout)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
     failed = [(x["label"], x["first_divergence"], x["error"]) for x in doc["results"] if not x["passed"]]
     assert r.returncode == 0 and doc["passed"], (failed, doc["proof"])
     assert doc["proof"]["ok"] and doc["proof"]["external_kv_tokens"] > 0
