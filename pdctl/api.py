@@ -778,11 +778,7 @@ class EvalResult:
         return self.summary
 
 
-def _table_name(path: Path | None) -> str:
-    return str(path) if path is not None else "pdctl's expected-accuracy table"
-
-
-def expected_table(path: str | Path | None, say: Say = _quiet) -> dict:
+def expected_table(path: str | Path | None) -> dict:
     """The expected-accuracy table at `path` (None: pdctl's own); a path that is not a file is refused."""
     from pdctl.gates import accuracy
 
@@ -819,7 +815,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     from pdctl.gates import accuracy
 
     o = options or EvalOptions()
-    table = expected_table(o.expected, say)
+    table = expected_table(o.expected)
     _check_url("--url", url)
     if baseline != "auto":
         _check_url("--baseline", baseline)
@@ -850,9 +846,10 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
         baseline = baseline or (d.reference_url if d else None)
         name = model or (d.topology.model.name if d else _served_model(proxy_url, key))
         if accuracy.needs_baseline(table, name) and not baseline:
-            raise UserError(f"model '{name}' has a relative gsm8k gate in {_table_name(o.expected)} (per-sample "
-                            "agreement and accuracy delta against an aggregated reference): give --baseline URL of an "
-                            "aggregated server of the same model, or a TOPOLOGY (pdctl then starts one)")
+            raise UserError(f"model '{name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)} "
+                            "(per-sample agreement and accuracy delta against an aggregated reference): give "
+                            "--baseline URL of an aggregated server of the same model, or a TOPOLOGY (pdctl then "
+                            "starts one)")
         say(_running_warning(d, "eval"))
         local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
         return run(proxy_url, baseline, name, o.tokenizer or (_served_path(d) if local else None),
@@ -863,8 +860,8 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     key = _api_key(t)  # before anything starts
     if accuracy.needs_baseline(table, t.model.name) and not baseline:
         baseline = "auto"  # the gate cannot be judged without it, and the topology says how to start one
-        say(f"model '{t.model.name}' has a relative gsm8k gate in {_table_name(o.expected)}: starting an aggregated "
-            "reference beside the topology to compare with (as --baseline auto)")
+        say(f"model '{t.model.name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)}: starting "
+            "an aggregated reference beside the topology to compare with (as --baseline auto)")
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port if baseline == "auto" else None)
     tok = o.tokenizer or _model_path(t)
     out_dir = o.results or Path("results") / f"eval-{t.name}-{stamp}"

@@ -284,7 +284,9 @@ def check(out: Console, report) -> None:
 def accuracy(out: Console, err: Console, summary: dict, expected_file: str | Path | None) -> None:
     """The table vLLM PR #26759 reported its results in, plus the expected values and verdicts (expected_file:
     the table judged by; None: pdctl's own)."""
-    expected_file = str(expected_file) if expected_file is not None else "pdctl's expected-accuracy table"
+    from pdctl.gates.accuracy import table_name
+
+    expected_file = table_name(expected_file)
     task, shots = summary["task"], summary["num_fewshot"]
     t = Table(box=boxed(out), title=f"{summary['model']}: {task} ({shots}-shot, limit {summary['limit']}) via P/D")
     for col in ("Task", "Filter", "n-shot", "Metric", "Value", "Stderr", "Gate", "Expected", "Status"):

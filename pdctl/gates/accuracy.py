@@ -16,6 +16,11 @@ from pdctl.gates.gsm8k import local_task_yaml
 DEFAULT_TABLE = Path(__file__).with_name("expected.yaml")
 
 
+def table_name(path: str | Path | None) -> str:
+    """How messages name the table a gate judged by (None: pdctl's own)."""
+    return str(path) if path is not None else "pdctl's expected-accuracy table"
+
+
 @dataclass
 class Verdict:
     metric: str
