@@ -56,7 +56,12 @@ def main(argv: list[str]) -> int:
         print(f"  {secs:8.1f}  {module}")
     servers = d / "e2e-servers.json"
     if servers.is_file():
-        print(f"vLLM servers started by the e2e tests: {json.loads(servers.read_text())['vllm_servers_started']}")
+        doc = json.loads(servers.read_text())
+        per_module: dict[str, int] = defaultdict(int)
+        for nodeid, n in doc.get("by_test", {}).items():
+            per_module[nodeid.split("::", 1)[0]] += n
+        print(f"vLLM servers started by the e2e tests: {doc['vllm_servers_started']}"
+              + "".join(f"\n  {n:8d}  {m}" for m, n in sorted(per_module.items(), key=lambda kv: -kv[1])))
     walls = {name: run[0] for name, run in runs.items()}
     print("pytest wall clock: " + ", ".join(f"{n} {s / 60:.1f} min" for n, s in walls.items())
           + f", together {sum(walls.values()) / 60:.1f} min")

@@ -87,6 +87,8 @@ class ServerCounter:
 
     def __init__(self, interval: float = 0.25):
         self.interval, self.seen, self._stop = interval, set(), threading.Event()
+        self.by_test: dict[str, int] = {}
+        self._lock = threading.Lock()  # sampled by its thread and at each test's end
         self._thread = threading.Thread(target=self._run, daemon=True, name="vllm-server-counter")
 
     @staticmethod
@@ -104,9 +106,16 @@ class ServerCounter:
                 out.add((int(d.name), start))  # (pid, start time): a pid reused later is another server
         return out
 
+    def _sample(self):
+        with self._lock:
+            new = self.servers() - self.seen
+            if new:
+                self.seen |= new
+                self.by_test[_CURRENT_TEST] = self.by_test.get(_CURRENT_TEST, 0) + len(new)
+
     def _run(self):
         while not self._stop.is_set():
-            self.seen |= self.servers()
+            self._sample()
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -116,17 +125,35 @@ class ServerCounter:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(5)
-        self.seen |= self.servers()
+        self._sample()
+
+
+_COUNTER: ServerCounter | None = None
+_CURRENT_TEST = "(between tests)"  # each new server counts to the test whose setup, call or teardown runs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _CURRENT_TEST
+    _CURRENT_TEST = item.nodeid
+    yield
+    if _COUNTER is not None:
+        _COUNTER._sample()
+    _CURRENT_TEST = "(between tests)"
 
 
 @pytest.fixture(scope="session", autouse=True)
 def count_servers():
+    global _COUNTER  # for the hook above: a last sample at each test's end
     t0 = time.monotonic()
     with ServerCounter() as counter:
+        _COUNTER = counter
         yield counter
+        _COUNTER = None
     COUNT_FILE.parent.mkdir(parents=True, exist_ok=True)
     COUNT_FILE.write_text(json.dumps({"vllm_servers_started": len(counter.seen),
-                                      "seconds": round(time.monotonic() - t0, 1)}))
+                                      "seconds": round(time.monotonic() - t0, 1),
+                                      "by_test": counter.by_test}, indent=1))
     print(f"\ne2e: {len(counter.seen)} vLLM servers started")
 
 
