@@ -32,6 +32,15 @@ QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # How each platform is told which devices an instance owns.
+# UCX under NIXL, per placement (docs/notes/ucx-transports.md). UCX's defaults carry NIXL's notifications and
+# wire-up over TCP, which completes only when the *target's* worker is progressed: a fresh pair's first read then
+# waits for the prefill's next step. On one host with KV in host memory, shared-memory lanes (posix for messages,
+# cma for the zero-copy reads) serve NIXL's peer-failure endpoints once UCX_MM_ERROR_HANDLING allows it, and need
+# no wire-up round trip (UCX_RESOLVE_REMOTE_EP_ID=n). Across hosts UCX keeps its own transport choice (RDMA where
+# there is some); its TCP endpoints connect without blocking the worker. A pool's `env` overrides any of them.
+UCX_ONE_HOST = {"UCX_TLS": "posix,cma,self", "UCX_MM_ERROR_HANDLING": "y", "UCX_RESOLVE_REMOTE_EP_ID": "n"}
+UCX_ACROSS_HOSTS = {"UCX_TCP_CONN_NB": "y"}
+
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
 
 
@@ -238,11 +247,21 @@ def queue_spin_s(t: Topology, g: InstanceGroup) -> float | None:
     return spin if spin is not None else (0.0 if g.platform == "cpu" else None)
 
 
-def _server_env(g: InstanceGroup, index: int, queue_spin: float | None = None) -> dict[str, str]:
+def transport_env(t: Topology) -> dict[str, str]:
+    """UCX settings for every server of the topology, from where its pairs run: one host (the local engine) with
+    every pool's KV in host memory, or anything else (cluster engines place instances on several hosts; device
+    memory on one host needs UCX's device transports, which a shared-memory-only list would exclude)."""
+    one_host = t.engine.kind == "local"
+    host_memory = all(t.kv_buffer_device(g) == "cpu" for role in ROLES for g in t.pools(role))
+    return dict(UCX_ONE_HOST) if one_host and host_memory else dict(UCX_ACROSS_HOSTS)
+
+
+def _server_env(t: Topology, g: InstanceGroup, index: int, queue_spin: float | None = None) -> dict[str, str]:
     env = {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(g.host),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(g.side_channel_port_of(index)),
+        **transport_env(t),
     }
     devices = g.devices_of(index)
     if g.platform == "cpu":
@@ -324,7 +343,7 @@ def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "p
                 processes.append(ProcessSpec(
                     name=name, role=role, index=i,
                     argv=_server_argv(t, role, g, i, model, python),
-                    env=_server_env(g, i, queue_spin_s(t, g)),
+                    env=_server_env(t, g, i, queue_spin_s(t, g)),
                     host=g.host,
                     ports={"http": g.http_port_of(i), "side_channel": g.side_channel_port_of(i)},
                     log_path=str(logs / f"{name}.log"),
@@ -375,8 +394,8 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
     argv = _server_argv(t, "decode", g, 0, resolved_model(t, g, base_dir), python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
     calm = t.reference.calm_queues
-    env = {k: v for k, v in _server_env(g, 0, queue_spin_s(t, g) if calm else None).items()
-           if not k.startswith("VLLM_NIXL_") and (calm or k != QUEUE_SPIN_ENV)}
+    env = {k: v for k, v in _server_env(t, g, 0, queue_spin_s(t, g) if calm else None).items()
+           if not k.startswith(("VLLM_NIXL_", "UCX_")) and (calm or k != QUEUE_SPIN_ENV)}
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,

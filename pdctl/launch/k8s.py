@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import PurePosixPath
 
-from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
+from pdctl.plan import DEVICE_ENV, UCX_ACROSS_HOSTS, UCX_ONE_HOST, Plan, ProcessSpec
 from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Topology, is_local_path
 
 # The extended resource each platform's device plugin offers.
@@ -72,7 +72,10 @@ def _server_container(t: Topology, g: InstanceGroup, spec: ProcessSpec, image: s
     argv[argv.index("--host") + 1] = "0.0.0.0"
     model, local = _model_arg(t, g)
     argv[argv.index("--model") + 1] = model
-    env = [{"name": k, "value": v} for k, v in spec.env.items()
+    # Pods are hosts of their own: UCX's settings across hosts, never the plan's one-host shared-memory lanes
+    # (a pool's own env still wins).
+    own = {k: v for k, v in spec.env.items() if not (k in UCX_ONE_HOST and v == UCX_ONE_HOST[k])}
+    env = [{"name": k, "value": v} for k, v in {**UCX_ACROSS_HOSTS, **own}.items()
            if k not in HOST_ONLY_ENV and k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
     env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     env += secret_env(t, spec)

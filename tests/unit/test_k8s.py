@@ -59,6 +59,8 @@ def test_cuda_to_gaudi_requests_devices_and_uses_the_pod_ip():
         env = {e["name"]: e for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "CUDA_VISIBLE_DEVICES" not in env and "HABANA_VISIBLE_MODULES" not in env  # the device plugin's job
+        # Pods are hosts of their own: UCX across hosts, not the plan's one-host shared-memory lanes.
+        assert env["UCX_TCP_CONN_NB"]["value"] == "y" and "UCX_TLS" not in env and "UCX_MM_ERROR_HANDLING" not in env
         assert c["command"][c["command"].index("--host") + 1] == "0.0.0.0"
     assert dec["command"][dec["command"].index("--block-size") + 1] == str(t.decode[0].block_size)
     proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]

@@ -443,3 +443,39 @@ def test_with_hosts_moves_every_named_pools_upstream_of_a_fleets_proxy():
     assert all("127.0.0.1" not in u for u in ups)  # negative control: before the move, every one was on 127.0.0.1
     before = p.get("proxy").argv
     assert all("127.0.0.1" in before[i + 1] for i, a in enumerate(before) if a in ("--prefill", "--decode"))
+
+
+# UCX per placement: shared-memory lanes on one host with KV in host memory, UCX's own choice elsewhere.
+def test_servers_on_one_host_with_host_memory_kv_get_shared_memory_ucx_lanes():
+    from pdctl.plan import UCX_ONE_HOST
+
+    p = _plan()
+    for s in p.processes:
+        if s.role in ("prefill", "decode"):
+            assert {k: s.env.get(k) for k in UCX_ONE_HOST} == UCX_ONE_HOST, s.name
+            assert "UCX_TCP_CONN_NB" not in s.env
+    assert not any(k.startswith("UCX_") for k in p.get("proxy").env)
+
+
+@pytest.mark.parametrize("sets", [("engine.kind=ray", "engine.address=10.0.0.1:6379"), ("engine.kind=slurm",)])
+def test_servers_of_a_cluster_engine_keep_ucxs_transports_with_non_blocking_tcp_connects(sets):
+    p = _plan(overrides=[Override.parse_set(x) for x in sets])
+    for s in p.processes:
+        if s.role in ("prefill", "decode"):
+            assert s.env["UCX_TCP_CONN_NB"] == "y" and "UCX_TLS" not in s.env, s.name
+
+
+def test_device_memory_kv_on_one_host_keeps_ucxs_device_transports():
+    p = _plan("qwen3-0.6b-cuda-d64-tp2")
+    servers = [s for s in p.processes if s.role in ("prefill", "decode")]
+    assert servers and all("UCX_TLS" not in s.env and s.env["UCX_TCP_CONN_NB"] == "y" for s in servers)
+
+
+def test_a_pools_env_overrides_pdctls_ucx_settings_and_the_reference_gets_none():
+    from pdctl.plan import reference_spec
+
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml", [Override.parse_set('decode.env={"UCX_TLS": "tcp,self"}')])
+    p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), python="py")
+    assert p.get("decode-0").env["UCX_TLS"] == "tcp,self" and p.get("prefill-0").env["UCX_TLS"] == "posix,cma,self"
+    ref = reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), port=8300)
+    assert not any(k.startswith("UCX_") for k in ref.env)

@@ -1,0 +1,164 @@
+"""First KV reads of fresh pairs: repeated bring-ups of a fleet, each instance pair's first read timed from the
+decode's `connector.trace` lines, per placement and per UCX setting.
+
+For every bring-up (`pdctl up`'s own warm-up: one P/D request per pool pair, attached, then down), per warm-up
+request the decode's connector logs when its scheduler saw the request (`sched_seen`), when the worker issued
+the read (`read_issued`, after the NIXL handshake) and when the worker saw it done (`read_done`), and when the
+scheduler learned the KV was ready (`sched_kv_ready`). Reported per variant:
+  first read      sched_seen -> sched_kv_ready of each pair's first warm-up request (handshake + read + wake-up)
+  read            read_issued -> read_done (the NIXL READ alone)
+  retries         warm-up requests tried again (a request id ending -2 or -3)
+  handshakes      remote engines the decodes registered (vLLM's "Transfer plan:" line; one per prefill instance
+                  each, more is a re-handshake)
+  up              `pdctl up`'s time to ready, warm-up included
+
+Variants (interleaved: each repeat runs every variant once, in turn):
+  placement  split: the topology's own (prefills on core 0, decodes on core 1); shared: each prefill pool on the
+             core of one decode pool (the placement that stalled first reads for 12-120 s)
+  ucx        pdctl: the plan's transport settings; defaults: every UCX_* variable taken out of the servers'
+             environment (UCX's own choice)
+
+Usage: python scripts/bench_first_read.py [configs/cpu-fleet.yaml] [--repeat 20] [--placement split,shared]
+                                          [--ucx pdctl,defaults] [--out results/bench_first_read.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pdctl.connector.nixl import TRACE_MARK
+from pdctl.launch import run as run_mod
+from pdctl.launch.errors import LaunchFailed
+from pdctl.launch.local import LocalBackend
+from pdctl.plan import Plan, build_plan
+from pdctl.topology import Override, load_topology
+
+TRACE = re.compile(re.escape(TRACE_MARK) + r" (\w+) (\S+) ([0-9.]+)")
+WARM_UP = re.compile(r"pdctl-warm-up-(\S+?)-(\S+?)-(\d+)")
+HANDSHAKE = "Transfer plan: "  # vLLM logs it once per remote engine registered after a NIXL handshake
+
+
+def shared_cores(path: str) -> list[Override]:
+    """Each prefill pool on the core of one decode pool, in order (p32 with d64, p128 with d32 in cpu-fleet)."""
+    loaded = load_topology(path)
+    t = loaded.topology
+    out = []
+    for p, d in zip(t.pools("prefill"), t.pools("decode"), strict=False):
+        out.append(Override.parse_set(f"prefill.{p.name}.devices={list(d.devices or [0])}"))
+    return out
+
+
+def without_ucx(plan: Plan) -> Plan:
+    return plan.with_processes([replace(s, env={k: v for k, v in s.env.items() if not k.startswith("UCX_")})
+                                for s in plan.processes])
+
+
+def first_reads(plan: Plan) -> dict:
+    """Per pool pair: its first warm-up request's times (s) from the decodes' logs; and the retries."""
+    stages: dict[str, dict[str, float]] = {}
+    handshakes = 0
+    for s in plan.processes:
+        if s.role != "decode":
+            continue
+        text = Path(s.log_path).read_text(errors="replace")
+        handshakes += text.count(HANDSHAKE)
+        for stage, rid, at in TRACE.findall(text):
+            m = WARM_UP.search(rid)
+            if m:
+                stages.setdefault(m.group(0), {}).setdefault(stage, float(at))
+    pairs: dict[str, dict] = {}
+    retries = 0
+    for rid, st in sorted(stages.items()):
+        m = WARM_UP.search(rid)
+        pair, attempt = f"{m.group(1)}->{m.group(2)}", int(m.group(3))
+        retries += attempt > 1
+        if pair in pairs:
+            continue
+        pairs[pair] = {
+            "first_read_s": st["sched_kv_ready"] - st["sched_seen"] if {"sched_kv_ready", "sched_seen"} <= st.keys()
+            else None,
+            "read_s": st["read_done"] - st["read_issued"] if {"read_done", "read_issued"} <= st.keys() else None,
+        }
+    return {"pairs": pairs, "retries": retries, "handshake_lines": handshakes}
+
+
+def bring_up(plan: Plan, timeout_s: float) -> dict:
+    backend = LocalBackend()
+    problems = backend.preflight(plan)
+    if problems:
+        raise SystemExit("; ".join(problems))
+    for s in plan.processes:  # each bring-up's logs alone
+        Path(s.log_path).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    state, error = None, None
+    try:
+        state = run_mod.up(plan, backend, attached=True, timeout_s=timeout_s)
+    except LaunchFailed as e:
+        error = str(e)
+    took = time.perf_counter() - t0
+    if state is not None:
+        run_mod.down(state, backend)
+    return {"up_s": took, "error": error, **first_reads(plan)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("topology", nargs="?", default="configs/cpu-fleet.yaml")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--placement", default="split,shared")
+    ap.add_argument("--ucx", default="pdctl,defaults")
+    ap.add_argument("--timeout", type=float, default=600, help="pdctl up's time to ready, per bring-up")
+    ap.add_argument("--out", default="results/bench_first_read.json")
+    a = ap.parse_args()
+    variants: dict[str, Plan] = {}
+    for placement in a.placement.split(","):
+        sets = [Override.parse_set("connector.trace=true")]
+        sets += shared_cores(a.topology) if placement == "shared" else []
+        loaded = load_topology(a.topology, sets)
+        plan = build_plan(loaded.topology, base_dir=loaded.base_dir,
+                          state_dir=Path(f"/tmp/pdctl-bench-first-read/{placement}"), python=sys.executable)
+        for ucx in a.ucx.split(","):
+            variants[f"{placement} cores, UCX {ucx}"] = plan if ucx == "pdctl" else without_ucx(plan)
+    runs: dict[str, list[dict]] = {k: [] for k in variants}
+    for i in range(a.repeat):
+        for label, plan in variants.items():
+            r = bring_up(plan, a.timeout)
+            runs[label].append(r)
+            worst = max((p["first_read_s"] or 0.0 for p in r["pairs"].values()), default=0.0)
+            print(f"[{i + 1}/{a.repeat}] {label:32} up {r['up_s']:6.1f} s  worst first read {worst:7.3f} s  "
+                  f"retries {r['retries']}  {r['error'] or ''}", flush=True)
+    summary = {}
+    print(f"\n{'variant':32} {'bring-ups':>9} {'failed':>6} {'first read p50':>14} {'max':>8} {'read max':>8} "
+          f"{'>1 s':>5} {'retries':>7} {'up p50':>7}")
+    for label, rs in runs.items():
+        firsts = [p["first_read_s"] for r in rs for p in r["pairs"].values() if p["first_read_s"] is not None]
+        reads = [p["read_s"] for r in rs for p in r["pairs"].values() if p["read_s"] is not None]
+        summary[label] = row = {
+            "bring_ups": len(rs), "failed": sum(1 for r in rs if r["error"]),
+            "pairs_measured": len(firsts),
+            "first_read_p50_s": statistics.median(firsts) if firsts else None,
+            "first_read_max_s": max(firsts, default=None),
+            "read_max_s": max(reads, default=None),
+            "first_reads_over_1s": sum(1 for x in firsts if x > 1.0),
+            "retries": sum(r["retries"] for r in rs),
+            "up_p50_s": statistics.median(r["up_s"] for r in rs),
+        }
+        fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        print(f"{label:32} {row['bring_ups']:>9} {row['failed']:>6} {fmt(row['first_read_p50_s']):>14} "
+              f"{fmt(row['first_read_max_s']):>8} {fmt(row['read_max_s']):>8} {row['first_reads_over_1s']:>5} "
+              f"{row['retries']:>7} {row['up_p50_s']:>7.1f}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary, "runs": runs},
+                                      indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
