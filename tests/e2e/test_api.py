@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()
@@ -25,6 +27,7 @@ def test_readme_python_api_example(monkeypatch, capsys):
     assert "http://127.0.0.1:8000 ['prefill-0', 'decode-0'] True" in out
 
 
+@pytest.mark.full  # make test-all only (README, Tests): a bring-up and a reference of its own
 def test_readme_pytest_plugin_example(tmp_path):
     test_file = tmp_path / "test_pd_gate.py"
     test_file.write_text(readme_block("pytest-plugin"))

@@ -29,6 +29,7 @@ def _labels(doc) -> set[str]:
     return {r["label"] for r in doc["results"]}
 
 
+@pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
 def test_decode_tp2_from_prefill_tp1(tmp_path):
     """Decode TP 2 > prefill TP 1, P32 -> D64: each decode rank reads its head slice of every prefill block and
     merges it. The reference (TP 2, like the decode) runs alone first: 2 cores hold P, D's two ranks or the
@@ -45,6 +46,7 @@ def test_decode_tp2_from_prefill_tp1(tmp_path):
     assert proof["external_kv_tokens"] >= proof["prompt_tokens"] - 1 and proof["local_compute_tokens"] <= 2
 
 
+@pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
 def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
     # The prefill says (through pdctl's handshake tag) that it packs KV for AMX; this host's decode uses vec.
     # At equal block sizes nothing would convert it: refused at the warm-up, never misread.
@@ -58,6 +60,7 @@ def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
     assert "(ISA amx)" in r.stderr and "(ISA vec)" in r.stderr and "stores KV differently" in r.stderr
 
 
+@pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
 def test_unservable_pair_is_refused_at_start_with_both_sides_named(tmp_path):
     # A decode that reserved no staging area cannot take a bigger-block prefill: refused at the warm-up.
     try:

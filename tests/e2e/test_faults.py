@@ -29,6 +29,10 @@ from tests.e2e.faults import (
     wait_restarted,
 )
 
+# `make test-all` only (README, "Tests"): eleven server starts (four instances and seven restarts) do not fit CI's
+# budget beside the rest.
+pytestmark = pytest.mark.full
+
 PORTS = ["--set", "proxy.port=8060", "--set", "prefill.http_port=8160", "--set", "decode.http_port=8260",
          "--set", "prefill.side_channel_port=5660", "--set", "decode.side_channel_port=5760"]
 DELAY_S = 10

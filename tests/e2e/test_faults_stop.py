@@ -18,6 +18,9 @@ from tests.conftest import CONFIGS, REPO, processes_with_arg
 from tests.e2e.conftest import PDCTL, live, pdctl, state_pgids, wait_for
 from tests.e2e.faults import complete, fresh_prompt, kill_server
 
+# `make test-all` only (README, "Tests"): four foreground bring-ups of their own (eight server starts).
+pytestmark = pytest.mark.full
+
 DELAY_S = 8
 
 

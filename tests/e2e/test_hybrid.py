@@ -31,6 +31,7 @@ def tiny_hybrid():
     return TINY_HYBRID
 
 
+@pytest.mark.full  # make test-all only (README, Tests): three servers of their own
 def test_stock_connector_is_refused_and_forced_past_validation_fails_the_gate(tmp_path):
     """Negative control (first: before the fleet comes up). vLLM's NixlConnector at 32 -> 64 on the hybrid model:
     refused before launch; with connector.allow_unsafe_hybrid (a setting meant for this test) it runs, and the
