@@ -33,14 +33,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pdctl.connector.nixl import TRACE_MARK
 from pdctl.launch import run as run_mod
 from pdctl.launch.errors import LaunchFailed
 from pdctl.launch.local import LocalBackend
 from pdctl.plan import Plan, build_plan
+from pdctl.protocol import TRACE_LINE
 from pdctl.topology import Override, load_topology
 
-TRACE = re.compile(re.escape(TRACE_MARK) + r" (\w+) (\S+) ([0-9.]+)")
+TRACE = TRACE_LINE
 WARM_UP = re.compile(r"pdctl-warm-up-(\S+?)-(\S+?)-(\d+)")
 HANDSHAKE = "Transfer plan: "  # vLLM logs it once per remote engine registered after a NIXL handshake
 

@@ -29,7 +29,7 @@ import pdctl
 from pdctl.bench import breakdown, load
 from pdctl.bench.run import follow
 from pdctl.plan import with_plain_reference
-from pdctl.proxy.routing import EARLY_HEADER, FIRST_HEADER, ROUTE_HEADER
+from pdctl.protocol import EARLY_HEADER, FIRST_HEADER, ROUTE_HEADER
 from pdctl.topology import resolved_model
 
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}

@@ -8,13 +8,11 @@ the caller fetches the proxy's records and reads the decode logs.
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-# The connector's line: "... pdctl trace <stage> <vLLM request id> <time>" (pdctl.connector.nixl.trace).
-TRACE_LINE = re.compile(r"pdctl trace (\w+) (\S+) (\d+\.\d+)")
+from pdctl.protocol import TRACE_LINE
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pdctl.launch import probe
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
 from pdctl.plan import Plan, ProcessSpec
-from pdctl.proxy.routing import ROUTE_HEADER
+from pdctl.protocol import ROUTE_HEADER
 from pdctl.topology import Loaded, resolved_model
 from pdctl.topology import summary as summary_line
 

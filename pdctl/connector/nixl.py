@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.logger import init_logger
 
+from pdctl import protocol
 from pdctl.connector import seam
 from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask
 from pdctl.kv.index import (
@@ -81,13 +82,10 @@ def _settings(vllm_config) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
 
 
-TRACE_MARK = "pdctl trace"
-
-
 def trace(stage: str, req_id: str, at: float | None = None) -> None:
     """One timing line (wall clock `at`, default now: the proxy and every engine process on a host share it),
     read by pdctl.bench.breakdown. Only when the connector's `trace` setting is on."""
-    log.info("%s %s %s %.6f", TRACE_MARK, stage, req_id, time.time() if at is None else at)
+    log.info("%s", protocol.trace_line(stage, req_id, time.time() if at is None else at))
 
 
 class PdctlNixlWorker(NixlPullConnectorWorker):
@@ -174,7 +172,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                                                                             else ""))
 
         def refuse(why: str):
-            raise RuntimeError(f"pdctl connector: unsupported P/D pair ({remote}; {self._describe_local()}): {why}")
+            raise RuntimeError(f"{protocol.REFUSED_MARK} P/D pair ({remote}; {self._describe_local()}): {why}")
 
         self._remote_block[nixl_agent_meta.engine_id] = nixl_agent_meta.block_size
         if self._window_groups() and nixl_agent_meta.block_size != self.block_size:
@@ -350,10 +348,9 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         engine, host, port, blocks, tokens = got
         if ok:
             self._received_tokens[engine] = self._received_tokens.get(engine, 0) + (tokens or 0)
-        log.info("pdctl connector: %s request %s from engine %s at %s:%s (prefill block %s -> decode block %d): "
-                 "%d decode blocks, %s prompt tokens; %d tokens from this engine so far",
-                 "received" if ok else "FAILED", req_id, engine, host, port, self._remote_block.get(engine, "?"),
-                 self.block_size, blocks, tokens, self._received_tokens.get(engine, 0))
+        log.info(protocol.RECEIVED_FORMAT, "received" if ok else "FAILED", req_id, engine, host, port,
+                 self._remote_block.get(engine, "?"), self.block_size, blocks, tokens,
+                 self._received_tokens.get(engine, 0))
 
     # -- prefill block > decode block ------------------------------------------------------------------------
 

@@ -17,12 +17,9 @@ from pathlib import Path
 
 from pdctl.gates.parity import ParityReport, Prompt, PromptResult, random_prompts, run_parity
 from pdctl.plan import Plan
+from pdctl.protocol import LATE_READ, RECEIVED_LINE
 from pdctl.topology import ROLES
 
-RECEIVED = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
-# vLLM's prefill, when a decode's read arrives after the request's KV lease expired and its blocks were freed (and
-# maybe reused): the decode is not told, so the gate reads it from the prefill's log.
-LATE_READ = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved")
 MIXED_LENGTHS = (65, 129, 200, 300, 97, 515, 700, 33)
 # Shorter prompts may be computed by the decode itself (vLLM leaves it the last token): not every one logs a read.
 MIN_LOGGED_PROMPT = 32
@@ -95,7 +92,7 @@ def _gate_lines(log_paths: dict[str, str], pattern: re.Pattern):
 def received_from(log_paths: list[str]) -> dict[str, list[tuple[str, int]]]:
     """Request id (as the gate sent it, inside vLLM's own id) -> the prefill side channels its KV came from."""
     out: dict[str, list[tuple[str, int]]] = {}
-    for _, m, rid in _gate_lines({p: p for p in log_paths}, RECEIVED):
+    for _, m, rid in _gate_lines({p: p for p in log_paths}, RECEIVED_LINE):
         out.setdefault(rid, []).append((m.group(2), int(m.group(3))))
     return out
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdctl import auth
 from pdctl.launch import probe
-from pdctl.proxy.routing import ROUTE_HEADER
+from pdctl.protocol import DECODE_SERVED_HEADER, PREFILL_SERVED_HEADER, ROUTE_HEADER
 
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
 
@@ -308,7 +308,7 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
             complete(reference, model, p.body, max_tokens, headers=key, stream=stream))
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
-                            seen.get("x-pdctl-prefill"), seen.get("x-pdctl-decode"), resp.get("id"))
+                            seen.get(PREFILL_SERVED_HEADER), seen.get(DECODE_SERVED_HEADER), resp.get("id"))
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]

@@ -24,7 +24,7 @@ from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  #
 from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan, ProcessSpec, monitoring_dir
-from pdctl.proxy.routing import REJECT_HEADER, ROUTE_HEADER
+from pdctl.protocol import REFUSED_MARK, REJECT_HEADER, REMOTE_DECODE_PARAMS, ROUTE_HEADER, TRANSFER_FAILED_MARK
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 
@@ -236,9 +236,8 @@ def _direct_pd(prefill_url: str, decode_url: str, body: dict, key: dict[str, str
                ) -> dict:
     """vLLM's P/D protocol by hand (what a proxy does): the prefill computes the prompt and holds its KV, the
     decode reads it with the prefill's kv_transfer_params."""
-    pre = _post(prefill_url, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-        "remote_host": None, "remote_port": None}}, key, timeout_s, rid)
+    pre = _post(prefill_url, {**body, "max_tokens": 1, "stream": False,
+                              "kv_transfer_params": dict(REMOTE_DECODE_PARAMS)}, key, timeout_s, rid)
     params = pre.get("kv_transfer_params")
     if not params:
         raise OSError(f"the prefill {prefill_url} answered without kv_transfer_params (is its connector NIXL?)")
@@ -263,17 +262,17 @@ def _transfer_trouble(offsets: dict[str, int]) -> tuple[str | None, str | None]:
         except OSError:
             continue
         for line in new.splitlines():
-            if "pdctl connector: unsupported" in line and refused is None:
-                refused = line[line.index("pdctl connector: unsupported"):]
-            elif "NIXL transfer failure" in line and failed is None:
-                failed = line[line.index("NIXL transfer failure"):][:300]
+            if REFUSED_MARK in line and refused is None:
+                refused = line[line.index(REFUSED_MARK):]
+            elif TRANSFER_FAILED_MARK in line and failed is None:
+                failed = line[line.index(TRANSFER_FAILED_MARK):][:300]
     return refused, failed
 
 
 def _handshake_timed_out(log_path: str) -> bool:
     """The decode's NIXL handshake got no answer in time (zmq's EAGAIN), and nothing refused the pair."""
     lines = tail(log_path, 400)
-    return any("zmq.error.Again" in ln for ln in lines) and not any("pdctl connector: unsupported" in ln
+    return any("zmq.error.Again" in ln for ln in lines) and not any(REFUSED_MARK in ln
                                                                     for ln in lines)
 
 
@@ -282,7 +281,7 @@ def _connector_error(log_path: str) -> str | None:
     the connector's info lines also say "pdctl connector: ", so only error lines count."""
     found = None
     for line in tail(log_path, 400):
-        for marker in ("pdctl connector: unsupported", "NIXL transfer failure: ", "AssertionError: ",
+        for marker in (REFUSED_MARK, f"{TRANSFER_FAILED_MARK}: ", "AssertionError: ",
                        "RuntimeError: "):
             if marker in line:
                 found = line[line.index(marker):].removeprefix("RuntimeError: ")

@@ -16,14 +16,6 @@ from dataclasses import dataclass, field
 from itertools import count
 
 POLICIES = ("least_outstanding", "round_robin", "prefix_affinity")
-ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
-REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall back to decode-only (warm-up)
-# With proxy.early_decode, per request: "off": the ordinary way; "proxy": early, but the proxy hands the KV
-# parameters over, not the prefill; "on" (or absent): early, handed over by the prefill. A/B runs of both.
-EARLY_HEADER = "x-pdctl-early-decode"
-# Per request, whatever proxy.first_token says: "on": the prefill's token first (when the request allows it),
-# "off": the decode's stream as it is. A/B runs.
-FIRST_HEADER = "x-pdctl-first-token"
 
 
 @dataclass(eq=False)

@@ -26,18 +26,19 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pdctl import auth
+from pdctl.protocol import (
+    DECODE_SERVED_HEADER,
+    EARLY_HEADER,
+    FALLBACK_HEADER,
+    FIRST_HEADER,
+    PREFILL_SERVED_HEADER,
+    REJECT_HEADER,
+    REMOTE_DECODE_PARAMS,
+    ROUTE_HEADER,
+)
 from pdctl.proxy import first_token, handover
 from pdctl.proxy.metrics import Metrics
-from pdctl.proxy.routing import (
-    EARLY_HEADER,
-    FIRST_HEADER,
-    REJECT_HEADER,
-    ROUTE_HEADER,
-    Instance,
-    NoRoute,
-    Router,
-    affinity_key,
-)
+from pdctl.proxy.routing import Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
 from pdctl.topology import DEFAULT_POOL, instance_name
 
@@ -45,8 +46,6 @@ log = logging.getLogger("pdctl.proxy")
 
 PASS_HEADERS = ("Authorization",)
 TIMINGS_KEPT = 4096
-REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 def _refusal(message: str) -> bytes:
@@ -718,11 +717,11 @@ class _Route:
     def headers(self) -> dict[str, str]:
         h = {}
         if self.prefill is not None or self.fallback:
-            h["x-pdctl-prefill"] = self.prefill.name if self.prefill is not None else "none"
+            h[PREFILL_SERVED_HEADER] = self.prefill.name if self.prefill is not None else "none"
         if self.decode is not None:
-            h["x-pdctl-decode"] = self.decode.name
+            h[DECODE_SERVED_HEADER] = self.decode.name
         if self.fallback:
-            h["x-pdctl-fallback"] = f"decode-only ({self.fallback})"
+            h[FALLBACK_HEADER] = f"decode-only ({self.fallback})"
         return h
 
 

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from pdctl.bench import load
-from pdctl.proxy.routing import ROUTE_HEADER
+from pdctl.protocol import ROUTE_HEADER
 from tests.conftest import CONFIGS, REPO
 
 TINY = REPO / ".pdctl" / "models" / "tiny"

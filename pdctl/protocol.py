@@ -1,0 +1,50 @@
+"""Contracts between pdctl's processes, one definition each: the proxy's headers, vLLM's P/D request parameters,
+and the log lines pdctl's connector (and vLLM) write that launch, the gates and bench read. Pure: names, formats
+and their parsers, standard library only (the connector imports it inside vLLM's processes)."""
+
+from __future__ import annotations
+
+import re
+
+# -- HTTP headers of pdctl's proxy ------------------------------------------------------------------------------
+ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
+REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall back to decode-only (warm-up)
+# With proxy.early_decode, per request: "off": the ordinary way; "proxy": early, but the proxy hands the KV
+# parameters over, not the prefill; "on" (or absent): early, handed over by the prefill. A/B runs of both.
+EARLY_HEADER = "x-pdctl-early-decode"
+# Per request, whatever proxy.first_token says: "on": the prefill's token first (when the request allows it),
+# "off": the decode's stream as it is. A/B runs.
+FIRST_HEADER = "x-pdctl-first-token"
+# In the proxy's answers: the instances that served the request, and why a request was served decode-only.
+PREFILL_SERVED_HEADER = "x-pdctl-prefill"
+DECODE_SERVED_HEADER = "x-pdctl-decode"
+FALLBACK_HEADER = "x-pdctl-fallback"
+
+# -- vLLM's P/D protocol ----------------------------------------------------------------------------------------
+# The prefill's request: compute the prompt, hold its KV for a decode, answer with the kv_transfer_params the
+# decode reads it with.
+REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+# -- log lines --------------------------------------------------------------------------------------------------
+# pdctl's connector, with its `trace` setting: "... pdctl trace <stage> <vLLM request id> <wall-clock time>".
+TRACE_MARK = "pdctl trace"
+TRACE_LINE = re.compile(re.escape(TRACE_MARK) + r" (\w+) (\S+) (\d+\.\d+)")
+
+
+def trace_line(stage: str, req_id: str, at: float) -> str:
+    return f"{TRACE_MARK} {stage} {req_id} {at:.6f}"
+
+
+# pdctl's connector, per completed (or failed) read on a decode: which prefill engine (host:port of its side
+# channel) it came from; the fleet gate keys it by request id.
+RECEIVED_FORMAT = ("pdctl connector: %s request %s from engine %s at %s:%s (prefill block %s -> decode block %d): "
+                   "%d decode blocks, %s prompt tokens; %d tokens from this engine so far")
+RECEIVED_LINE = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
+# pdctl's connector, when it refuses a P/D pair (the text after the mark says why, naming both sides).
+REFUSED_MARK = "pdctl connector: unsupported"
+# vLLM's decode, when a NIXL transfer failed.
+TRANSFER_FAILED_MARK = "NIXL transfer failure"
+# vLLM's prefill, when a decode's read arrives after the request's KV lease expired and its blocks were freed (and
+# maybe reused): the decode is not told, so the gate reads it from the prefill's log.
+LATE_READ = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved")
