@@ -118,7 +118,6 @@ def _gated(t: Topology, say: Say) -> Topology:
     updates: dict[str, dict] = {}
     for (section, name), value in gated_mod.GATE_SETTINGS:
         updates.setdefault(section, {})[name] = value
-    updates["proxy"]["strict"] = None  # the deprecated alias of on_prefill_down must not contradict it
     gt = t.model_copy(update={s: getattr(t, s).model_copy(update=u) for s, u in updates.items()})
     gt._origin = replace(t.origin, topology=gt) if t.origin else None
     say(_gate_note())

@@ -353,7 +353,6 @@ def proxy(
     on_prefill_down: Annotated[str, typer.Option(help="no prefill answers with usable KV: fallback (a decode "
                                                  "computes the prompt, counted) | reject (error at once)")]
     = "fallback",
-    strict: Annotated[bool, typer.Option(help="deprecated: --on-prefill-down reject")] = False,
     connect_timeout: Annotated[float, typer.Option(help="upstream connect timeout, s")] = 10.0,
     first_byte_timeout: Annotated[float, typer.Option(help="request sent -> first byte of the answer, s")] = 600.0,
     read_timeout: Annotated[float, typer.Option(help="upstream read timeout between bytes, s")] = 600.0,
@@ -385,7 +384,7 @@ def proxy(
         --decode d32=http://h:8201 --exclude-pair p128/d32 --weight decode/d64=2 --policy prefix_affinity
     """
     api.serve_proxy(prefill, decode, host=host, port=port, policy=policy,
-                    on_prefill_down="reject" if strict else on_prefill_down, connect_timeout_s=connect_timeout,
+                    on_prefill_down=on_prefill_down, connect_timeout_s=connect_timeout,
                     read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
                     breaker_failures=breaker_failures, breaker_open_s=breaker_open,
                     weights=api.proxy_weights(weight or []), exclude_pairs=api.proxy_pairs(exclude_pair or []),

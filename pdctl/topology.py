@@ -220,7 +220,6 @@ class ProxySpec(_Strict):
         "an answer without kv_transfer_params): 'fallback' sends the request to a decode as a plain request "
         "(the decode computes the prompt; counted in pdctl_decode_only_fallback_total), 'reject' answers an "
         "error at once. The gates run with 'reject'")
-    strict: bool | None = Field(None, description="deprecated: 'strict: true' is 'on_prefill_down: reject'")
     connect_timeout_s: float = Field(10.0, gt=0, description="upstream TCP connect")
     first_byte_timeout_s: float = Field(600.0, gt=0, description="request sent -> first byte of the answer "
                                         "(a prefill computing a long prompt, a decode waiting for its KV)")
@@ -247,15 +246,6 @@ class ProxySpec(_Strict):
     def router_metrics_port(self) -> int | None:
         """Where vllm-router serves /metrics (None for pdctl's proxy, which serves it on its own port)."""
         return (self.metrics_port or self.port + 1) if self.kind == "vllm-router" else None
-
-    @model_validator(mode="after")
-    def _strict_is_reject(self) -> ProxySpec:
-        if self.strict is not None:
-            if self.strict and "on_prefill_down" in self.model_fields_set and self.on_prefill_down != "reject":
-                raise ValueError("strict: true means on_prefill_down: reject; drop strict (it is deprecated)")
-            if self.strict:
-                self.on_prefill_down = "reject"
-        return self
 
 
 class ConnectorSpec(_Strict):

@@ -60,7 +60,6 @@ def gated_lines(applied: list[str], kept: list[str]) -> tuple[str | None, str | 
 def running_warning(topology: Topology) -> str | None:
     """What a running system's plan says that a gate cannot change: fallback or recompute let a request be
     answered without its KV travelling (the transfer proof and the proxy's fallback counter still fail on it)."""
-    # A plan written before these fields existed reads back with the model's defaults (strict: true is reject).
     on_down = topology.proxy.on_prefill_down
     policy = topology.connector.kv_load_failure_policy
     loose = [f"proxy.on_prefill_down={on_down}"] if on_down != "reject" else []

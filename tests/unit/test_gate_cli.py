@@ -305,8 +305,9 @@ def test_running_systems_are_warned_about_what_a_gate_cannot_change():
     w = running_warning(plan_topology(proxy={"on_prefill_down": "fallback"},
                                       connector={"kv_load_failure_policy": "fail"}))
     assert w.startswith("warning: the running system has proxy.on_prefill_down=fallback, which a gate cannot change")
-    old = running_warning(plan_topology(proxy={"strict": True}))  # a plan from before the fields existed
-    assert old.startswith("warning: the running system has connector.kv_load_failure_policy=recompute, which")
+    both = running_warning(plan_topology())
+    assert both.startswith("warning: the running system has proxy.on_prefill_down=fallback, "
+                           "connector.kv_load_failure_policy=recompute, which")
 
 
 def test_check_on_a_running_topology_warns_from_its_plan(monkeypatch, run_cli, tmp_path):
