@@ -1,0 +1,123 @@
+"""Goodput: the highest request rate a deployment sustains while at least 90 % of its requests meet both a TTFT
+and a TPOT SLO (DistServe's definition; vLLM's serving benchmark counts the same per request). Pure: SLOs, per
+request verdicts, attainment, and the rate search's decisions; the runs themselves live in pdctl.bench.
+
+Two deployments are compared on the same devices: the P/D topology and the **baseline**, an aggregated deployment
+of the same devices (not the gates' single-server reference)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ATTAINMENT = 0.90  # of the requests sent at a rate, the share that must meet both SLOs
+AUTO_TTFT_X = 5.0  # --slo auto: the unloaded baseline instance's TTFT p50 times this
+AUTO_TPOT_X = 3.0  # ... and its TPOT p50 times this
+RESOLUTION = 1.05  # the rate search stops when the first miss is within 5 % of the last pass
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float
+    tpot_ms: float
+    origin: str  # how it was set: the flag, or the unloaded measurement it came from
+
+    def __str__(self) -> str:
+        return f"TTFT <= {self.ttft_ms:g} ms, TPOT <= {self.tpot_ms:g} ms ({self.origin})"
+
+
+class SloError(ValueError):
+    """A --slo value that is not one; the message names the flag and says what is expected."""
+
+
+def parse_slo(text: str) -> Slo | None:
+    """`--slo ttft=MS,tpot=MS` -> Slo; `--slo auto` -> None (measured first: auto_slo)."""
+    if text.strip() == "auto":
+        return None
+    got: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("ttft", "tpot") or key in got:
+            raise SloError(f"--slo {text!r}: expected ttft=MS,tpot=MS (both, once each) or auto")
+        try:
+            got[key] = float(value)
+        except ValueError:
+            raise SloError(f"--slo {text!r}: {key}={value!r} is not a number of milliseconds") from None
+        if not math.isfinite(got[key]) or got[key] <= 0:
+            raise SloError(f"--slo {text!r}: {key} must be a positive number of milliseconds")
+    if set(got) != {"ttft", "tpot"}:
+        raise SloError(f"--slo {text!r}: expected ttft=MS,tpot=MS (both, once each) or auto")
+    return Slo(got["ttft"], got["tpot"], f"--slo {text}")
+
+
+def auto_slo(ttft_ms: Sequence[float], tpot_ms: Sequence[float]) -> Slo:
+    """--slo auto: 5x the TTFT p50 and 3x the TPOT p50 of one unloaded baseline instance (concurrency 1) on the
+    workload, fixed before any P/D number exists."""
+    if not ttft_ms or not tpot_ms:
+        raise SloError("--slo auto: the unloaded baseline run completed no request to measure the SLO from")
+    t, p = statistics.median(ttft_ms), statistics.median(tpot_ms)
+    return Slo(round(AUTO_TTFT_X * t, 1), round(AUTO_TPOT_X * p, 2),
+               f"auto: {AUTO_TTFT_X:g} x TTFT p50 {t:.1f} ms, {AUTO_TPOT_X:g} x TPOT p50 {p:.2f} ms unloaded")
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """One request as the client saw it; ttft_ms None: it failed (a failed request misses every SLO)."""
+
+    ttft_ms: float | None
+    tpot_ms: float | None  # None with a TTFT: one output token, no TPOT to miss (as vLLM counts it)
+
+
+def request_times(vllm_result: dict) -> list[RequestTimes]:
+    """Every sent request of one vLLM benchmark() result, failed ones included."""
+    out = []
+    for i, (n, err) in enumerate(zip(vllm_result["output_lens"], vllm_result["errors"], strict=True)):
+        if not n or err:
+            out.append(RequestTimes(None, None))
+            continue
+        ttft, latency = vllm_result["ttfts"][i], vllm_result["latencies"][i]
+        out.append(RequestTimes(ttft * 1e3, (latency - ttft) * 1e3 / (n - 1) if n > 1 else None))
+    return out
+
+
+def meets(r: RequestTimes, slo: Slo) -> bool:
+    return r.ttft_ms is not None and r.ttft_ms <= slo.ttft_ms and (r.tpot_ms is None or r.tpot_ms <= slo.tpot_ms)
+
+
+def attainment(requests: Iterable[RequestTimes], slo: Slo) -> float:
+    """The share of the sent requests that met both SLOs (0 when none was sent)."""
+    rs = list(requests)
+    return sum(meets(r, slo) for r in rs) / len(rs) if rs else 0.0
+
+
+def sustained(points: dict[float, float]) -> float | None:
+    """The highest offered rate whose attainment, and that of every lower rate tried, is at least ATTAINMENT
+    ("up to the first miss": a noisy pass above a miss does not count). None: the lowest rate tried missed."""
+    best = None
+    for rate in sorted(points):
+        if points[rate] < ATTAINMENT:
+            break
+        best = rate
+    return best
+
+
+def next_rate(points: dict[float, float], start: float, ceiling: float) -> float | None:
+    """The rate search's next rate to try, or None when it is done: double from `start` until the first miss
+    (or `ceiling`), then bisect (geometrically) between the highest sustained rate and the first miss above it
+    until they are within RESOLUTION."""
+    if not points:
+        return start
+    ok = sustained(points)
+    if ok is None:
+        low = min(points)
+        return None if low <= start / 8 else low / 2  # even the start missed: look below, up to 3 halvings
+    above = [r for r in points if r > ok]
+    if not above:
+        return None if ok >= ceiling else min(ok * 2, ceiling)
+    miss = min(above)
+    if miss / ok <= RESOLUTION:
+        return None
+    return round(math.sqrt(ok * miss), 4)
