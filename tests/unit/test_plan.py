@@ -479,3 +479,32 @@ def test_a_pools_env_overrides_pdctls_ucx_settings_and_the_reference_gets_none()
     assert p.get("decode-0").env["UCX_TLS"] == "tcp,self" and p.get("prefill-0").env["UCX_TLS"] == "posix,cma,self"
     ref = reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"), port=8300)
     assert not any(k.startswith("UCX_") for k in ref.env)
+
+
+def test_the_baseline_serves_aggregated_on_every_pd_instances_devices_behind_a_round_robin_router():
+    from pdctl.plan import baseline_plan
+
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    t = loaded.topology
+    pd = build_plan(t, base_dir=loaded.base_dir, state_dir=Path("/s"), python="py")
+    b = baseline_plan(t, base_dir=loaded.base_dir, state_dir=Path("/s"), python="py")
+    servers = [s for s in b.processes if s.role == "baseline"]
+    assert [s.name for s in servers] == ["baseline-prefill-0", "baseline-decode-0"]
+    for s, twin in zip(servers, pd.by_role("prefill") + pd.by_role("decode"), strict=True):
+        assert s.env["VLLM_CPU_OMP_THREADS_BIND"] == twin.env["VLLM_CPU_OMP_THREADS_BIND"]  # the same cores
+        assert "--kv-transfer-config" not in s.argv and s.ports["http"] == twin.ports["http"]
+        assert s.argv[s.argv.index("--block-size") + 1] == str(twin.block_size)
+        assert not any(k.startswith(("UCX_", "VLLM_NIXL_")) for k in s.env)
+    (router,) = [s for s in b.processes if s.role == "proxy"]
+    assert router.ports["http"] == pd.get("proxy").ports["http"]
+    assert router.argv[router.argv.index("--policy") + 1] == "round_robin"
+    assert router.argv[router.argv.index("--worker-urls") + 1:] == [s.http_url for s in servers]
+    assert "--vllm-pd-disaggregation" not in router.argv
+
+
+def test_a_fleets_baseline_has_one_aggregated_server_per_instance():
+    from pdctl.plan import baseline_plan
+
+    t, p = _fleet()
+    b = baseline_plan(t, base_dir=CONFIGS, state_dir=Path("/s"))
+    assert len([s for s in b.processes if s.role == "baseline"]) == len(p.by_role("prefill") + p.by_role("decode"))
