@@ -37,7 +37,7 @@ from pdctl.plan import Plan, ProcessSpec, build_plan, reference_spec
 from pdctl.topology import Loaded, Override, Topology, TopologyError, load_topology
 
 Say = Callable[[str], None]
-DASHBOARD = "configs/grafana/pdctl-fleet.json"  # pdctl's Grafana dashboard over its Prometheus (docs/operations.md: Monitoring)
+DASHBOARD = "configs/grafana/pdctl-fleet.json"  # over its Prometheus (docs/operations.md: Monitoring)
 
 
 def _quiet(_: str) -> None:

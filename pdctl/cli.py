@@ -218,7 +218,8 @@ def up(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="return once ready; `pdctl down` stops it")] = False,
     timeout: Annotated[float, typer.Option(help="seconds to wait for every instance to be ready")] = 300.0,
     state_dir: StateDirOpt = None,
-    monitoring: Annotated[bool, typer.Option(help="also run Prometheus (monitoring.enabled; docs/operations.md)")] = False,
+    monitoring: Annotated[bool, typer.Option(
+        help="also run Prometheus (monitoring.enabled; docs/operations.md)")] = False,
     overrides: list = (),
 ) -> None:
     """Start the topology's prefill and decode servers and the proxy, wait until all are ready.

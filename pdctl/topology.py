@@ -187,8 +187,8 @@ Policy = Literal["least_outstanding", "round_robin", "prefix_affinity"]
 
 
 ProxyKind = Literal["pdctl", "vllm-router"]
-# pdctl's policies as vllm-router's (docs/operations.md, "vllm-router"): least_outstanding has no exact peer; power_of_two
-# (the less loaded of two random instances) is the closest.
+# pdctl's policies as vllm-router's (docs/operations.md, "vllm-router"): least_outstanding has no exact peer;
+# power_of_two (the less loaded of two random instances) is the closest.
 ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware", "least_outstanding": "power_of_two"}
 # Proxy fields vllm-router has no equivalent for: refused when the topology sets them.
 ROUTER_UNSUPPORTED = {
