@@ -227,17 +227,17 @@ def test_every_recording_rule_has_a_series_and_the_kv_travelled(loaded):
 @needs_prometheus
 def test_every_dashboard_panel_resolves_to_series(loaded):
     url = loaded.prometheus
-    dash = monitoring.load_dashboard(REPO / DASHBOARD)
-    queries = monitoring.dashboard_queries(REPO / DASHBOARD)
+    dash = prom.load_dashboard(REPO / DASHBOARD)
+    queries = prom.dashboard_queries(REPO / DASHBOARD)
     have = prom.metric_names(url)
-    used = {n for _, e in queries for n in monitoring.series_names(e)}
+    used = {n for _, e in queries for n in prom.series_names(e)}
     assert sorted(used - have) == [], "the dashboard reads series Prometheus does not have"
     window = monitoring.window(loaded.plan)
     empty = [(title, expr) for title, expr in queries
-             if not prom.query(url, monitoring.expand(expr, dash, rate_interval=window))]
+             if not prom.query(url, prom.expand(expr, dash, rate_interval=window))]
     assert empty == []
     # Control: the same check on a misspelt query reports it.
-    bad = monitoring.expand('pdctl:pair_requests:rates{prefill_pool=~"$prefill_pool"}', dash, rate_interval=window)
+    bad = prom.expand('pdctl:pair_requests:rates{prefill_pool=~"$prefill_pool"}', dash, rate_interval=window)
     assert prom.query(url, bad) == [] and "pdctl:pair_requests:rates" not in have
 
 

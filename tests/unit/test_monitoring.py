@@ -147,7 +147,7 @@ def test_rules_read_only_series_the_proxy_vllm_or_other_rules_provide(tmp_path):
     assert len(recorded) == len(set(recorded))
     exprs = [r["expr"] for f in (monitoring.recording_rules, monitoring.alerting_rules) for g in f(p)["groups"]
              for r in g["rules"]]
-    assert monitoring.unknown_series([("rule", e) for e in exprs], recorded) == []
+    assert prom.unknown_series([("rule", e) for e in exprs], recorded) == []
     assert set(monitoring.alert_names(p)) >= {"PdctlInstanceDown", "PdctlDecodeOnlyFallbacks", "PdctlInstanceRestarted",
                                               "PdctlKvTransferFailures", "PdctlKvTransferMissing"}
 
@@ -308,12 +308,12 @@ def test_alerts_fire_when_they_should_and_not_before(tmp_path):
     ("sum without (engine) (pdctl:pool_kv_cache_usage:max)", {"pdctl:pool_kv_cache_usage:max"}),
 ])
 def test_series_names(expr, names):
-    assert monitoring.series_names(expr) == names
+    assert prom.series_names(expr) == names
 
 
 def test_expand_sets_every_variable_to_all():
     dash = {"templating": {"list": [{"name": "pool", "type": "query", "allValue": ".*"}]}}
-    got = monitoring.expand('rate(x{pool=~"$pool", p=~"${pool}"}[$__rate_interval])', dash, rate_interval="7s")
+    got = prom.expand('rate(x{pool=~"$pool", p=~"${pool}"}[$__rate_interval])', dash, rate_interval="7s")
     assert got == 'rate(x{pool=~".*", p=~".*"}[7s])'
 
 
@@ -322,12 +322,12 @@ def test_expand_sets_every_variable_to_all():
 
 
 def test_dashboard_loads_and_every_panel_queries_prometheus():
-    dash = monitoring.load_dashboard(DASHBOARD_FILE)
+    dash = prom.load_dashboard(DASHBOARD_FILE)
     assert dash["schemaVersion"] >= 36 and dash["uid"] == "pdctl-fleet"
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
     assert {"pool", "prefill_pool", "decode_pool"} <= set(variables)
-    panels = monitoring.dashboard_panels(dash)
+    panels = prom.dashboard_panels(dash)
     assert len(panels) >= 15 and len({p["id"] for p in panels}) == len(panels)
     for p in panels:
         assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
@@ -337,9 +337,9 @@ def test_dashboard_loads_and_every_panel_queries_prometheus():
 
 def test_dashboard_reads_only_recorded_or_known_series(tmp_path):
     recorded = monitoring.recorded_names(_plan(tmp_path, config="cpu-fleet"))
-    queries = monitoring.dashboard_queries(DASHBOARD_FILE)
-    assert monitoring.unknown_series(queries, recorded) == []
-    used = {n for _, e in queries for n in monitoring.series_names(e)}
+    queries = prom.dashboard_queries(DASHBOARD_FILE)
+    assert prom.unknown_series(queries, recorded) == []
+    used = {n for _, e in queries for n in prom.series_names(e)}
     # Every pool and pair view the issue asks for is on it.
     assert {"pdctl:pair_requests:rate", "pdctl:pair_ttft_seconds:p99", "pdctl:pool_ttft_seconds:p50",
             "pdctl:pool_tpot_seconds:p99", "pdctl:pool_kv_transfer_seconds:p99", "pdctl:pool_kv_transfer_bytes:rate",
@@ -348,14 +348,14 @@ def test_dashboard_reads_only_recorded_or_known_series(tmp_path):
 
 
 def test_a_misspelt_metric_in_the_dashboard_is_caught(tmp_path):
-    dash = monitoring.load_dashboard(DASHBOARD_FILE)
+    dash = prom.load_dashboard(DASHBOARD_FILE)
     bad = copy.deepcopy(dash)
-    target = monitoring.dashboard_panels(bad)[3]["targets"][0]
+    target = prom.dashboard_panels(bad)[3]["targets"][0]
     target["expr"] = target["expr"].replace("pdctl:pool_", "pdctl:poool_", 1)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
     recorded = monitoring.recorded_names(_plan(tmp_path, config="cpu-fleet"))
-    problems = monitoring.unknown_series(monitoring.dashboard_queries(path), recorded)
+    problems = prom.unknown_series(prom.dashboard_queries(path), recorded)
     assert len(problems) == 1 and "pdctl:poool_kv_transfer_failures:rate" in problems[0]
 
 
@@ -450,9 +450,9 @@ def test_a_real_prometheus_scrapes_every_target_and_evaluates_every_rule_and_pan
         loaded = prom.rules(url)
         assert {r["name"] for r in loaded} == set(recorded) | set(monitoring.alert_names(p))
         assert [(r["name"], r["lastError"]) for r in loaded if r["health"] != "ok"] == []
-        dash = monitoring.load_dashboard(DASHBOARD_FILE)
-        panels = [(t, monitoring.expand(e, dash, rate_interval=monitoring.window(p)))
-                  for t, e in monitoring.dashboard_queries(DASHBOARD_FILE)]
+        dash = prom.load_dashboard(DASHBOARD_FILE)
+        panels = [(t, prom.expand(e, dash, rate_interval=monitoring.window(p)))
+                  for t, e in prom.dashboard_queries(DASHBOARD_FILE)]
         assert [t for t, e in panels if not prom.query(url, e)] == []
         # Control: a misspelt series answers nothing, so the checks above can fail.
         assert prom.query(url, "pdctl:pair_request:rate") == []
