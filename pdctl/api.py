@@ -936,8 +936,11 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
     from pdctl.bench.run import run_bench
 
     _local_engine(t)
+    o = o.resolved()
     if o.breakdown:
         t = _traced(t, o)
+    if o.goodput:
+        _goodput_options(t, o, say)
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
     backend = _preflight(p, t)
     t0 = time.monotonic()
@@ -948,10 +951,72 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
 
     with _interruptible():
         try:
-            s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
+            if not o.goodput:
+                s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
+            else:
+                s = _bench_goodput(t, p, backend, out_dir, o, table, phase)
         except WorkloadError as e:  # the load's prompts, refused before anything started
             raise UserError(str(e)) from None
     return BenchResult(s["status"], s, out_dir)
+
+
+def parse_rates(text: str | None) -> tuple[float, ...] | None:
+    """--rates 2,4,8 -> (2.0, 4.0, 8.0); None -> None (the rate search)."""
+    if text is None:
+        return None
+    try:
+        rates = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--rates {text}: expected offered request rates separated by commas, e.g. 2,4,8") from None
+    if not all(0 < r < float("inf") for r in rates):
+        raise UserError(f"--rates {text}: offered request rates must be positive numbers")
+    return rates
+
+
+def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
+    """What --goodput refuses before anything starts, and what it warns of."""
+    from pdctl.bench import goodput
+
+    try:
+        goodput.parse_slo(o.slo)
+    except goodput.SloError as e:
+        raise UserError(str(e)) from None
+    if o.breakdown or o.request_rate is not None:
+        raise UserError("--goodput runs its own rates (--rates, or a search): drop --request-rate and --breakdown")
+    if o.rates is not None and (not o.rates or any(not r > 0 for r in o.rates)):
+        raise UserError(f"rates {o.rates}: offered request rates must be positive")
+    if o.repeat < 1:
+        raise UserError(f"--repeat {o.repeat}: at least 1")
+    if t.auth is not None:
+        raise UserError("--goodput: the baseline's vllm-router does not take auth.api_key_env yet; bench a "
+                        "topology without auth")
+    if o.requests < goodput.MIN_REQUESTS:
+        say(f"warning: --requests {o.requests} per rate: fewer than {goodput.MIN_REQUESTS}, one request moves "
+            f"the attainment by {100 / o.requests:.1f} %: too few to decide on")
+
+
+def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions, table: dict, phase: Say) -> dict:
+    """The gates on the topology beside its reference (unless skipped), then goodput: the topology alone against
+    its baseline on the same devices."""
+    from pdctl.bench.goodput_run import run_goodput
+    from pdctl.bench.run import overall_status, run_bench
+    from pdctl.plan import baseline_plan
+    from pdctl.topology import summary as summary_line
+
+    if o.skip_check and o.skip_eval:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        s: dict = {"name": t.name, "pools": summary_line(t)}
+    else:
+        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, replace(o, skip_perf=True), table, phase)
+    loaded = origin(t)
+    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=Path(p.state_dir) / "baseline",
+                         python=sys.executable)
+    pd = p.with_processes([x for x in p.processes if x.role != "reference"])
+    s["goodput"] = run_goodput(loaded, pd, base, backend, out_dir, o, phase,
+                               auth.headers(auth.api_key(t)) or None)
+    s["status"] = overall_status(s, o.allow_ungated)
+    (out_dir / "summary.json").write_text(json.dumps(s, indent=2))
+    return s
 
 
 def _traced(t: Topology, o: BenchOptions) -> Topology:

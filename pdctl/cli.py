@@ -44,6 +44,12 @@ def say(line: str | None) -> None:
 # Shared options
 
 
+def _options(cls, values: dict, **extra):
+    """Options (a dataclass) from a command's parameters of the same names, plus `extra`."""
+    names = set(cls.__dataclass_fields__) - set(extra)
+    return cls(**{k: v for k, v in values.items() if k in names}, **extra)
+
+
 def _override_params() -> list[inspect.Parameter]:
     params = []
     for key, (flag, path) in topo_mod.OVERRIDE_FLAGS.items():
@@ -461,10 +467,7 @@ def check(
         only = [int(n) for n in lengths.split(",")] if lengths else None
     except ValueError:
         raise UserError(f"--lengths {lengths}: expected token counts separated by commas, e.g. 65,129,300") from None
-    opts = api.CheckOptions(max_tokens=max_tokens, concurrency=concurrency, vocab=vocab, gsm8k_dir=gsm8k_dir,
-                            seed=seed, lengths=only, mixed_prompts=mixed_prompts, mixed_concurrency=mixed_concurrency,
-                            reference_first=reference_first, reference_port=reference_port, timeout_s=timeout,
-                            junit=junit, state_dir=state_dir, stream=stream)
+    opts = _options(api.CheckOptions, locals(), timeout_s=timeout, lengths=only)
     if topology is not None:
         target = _load(topology, overrides, gated=True)
     else:  # a topology that is up (`pdctl up -d`), or running servers
@@ -529,10 +532,7 @@ def eval_(
 
       pdctl eval --url http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
     """
-    opts = api.EvalOptions(limit=limit, num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir,
-                           expected=expected, allow_ungated=allow_ungated, tokenizer=tokenizer, results=results,
-                           min_agreement=min_agreement, tolerance=tolerance, reference_port=reference_port,
-                           timeout_s=timeout, state_dir=state_dir)
+    opts = _options(api.EvalOptions, locals(), timeout_s=timeout)
     if topology is not None:
         target = _load(topology, overrides, gated=True)
     else:
@@ -559,13 +559,17 @@ def bench(
     data_dir: DataDirOpt = None,
     limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate")] = 20,
     expected: ExpectedOpt = None, allow_ungated: AllowUngatedOpt = False,
-    requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
-    prompt_len: Annotated[int, typer.Option(help="load benchmark: prompt tokens")] = 256,
-    max_tokens: Annotated[int, typer.Option(help="load benchmark: output tokens")] = 32,
+    requests: Annotated[int | None, typer.Option(help="load: requests per side [32; --goodput: per rate, 200]")] = None,
+    prompt_len: Annotated[int | None, typer.Option(help="load: prompt tokens [256; --goodput: 2048]")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="load: output tokens [32; --goodput: 64]")] = None,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
     request_rate: RateOpt = None,
     dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
+    goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
+    slo: Annotated[str, typer.Option(help="--goodput: ttft=MS,tpot=MS, or auto")] = "auto",
+    rates: Annotated[str | None, typer.Option(help="--goodput: offered req/s, e.g. 2,4,8 [search]")] = None,
+    repeat: Annotated[int, typer.Option(help="--goodput: interleaved repetitions (median)")] = 3,
     eval_concurrency: EvalConcOpt = 1, reference_port: RefPortOpt = 8300,
     timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False,
     overrides: list = (),
@@ -576,6 +580,8 @@ def bench(
     accuracy gate (P/D and reference, per-sample agreement), then the same prompts (--dataset) through vLLM's
     serving benchmark against both (TTFT, TPOT, ITL, end-to-end p50/p99, throughput, NIXL transfer time and bytes),
     with P/D / aggregated ratios. Exit 1 if a gate failed; every artefact (resolved topology too) lands in --results.
+    --goodput instead measures the highest request rate at which 90 % of requests meet both SLOs, for the topology
+    and for aggregated servers on the same devices (docs/benchmarks.md).
 
     The accuracy gate is expected.yaml's for the model. GSM8K: --data-dir, else $GSM8K_DIR, else a cached
     openai/gsm8k, else the hub (none: it stops before anything starts). The topology runs with
@@ -588,13 +594,10 @@ def bench(
       pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --decode-block-size 64 --limit 256
 
       pdctl bench configs/cpu-demo.yaml --skip-check --skip-eval --breakdown   # where P/D's TTFT goes
+
+      pdctl bench configs/cpu-demo.yaml --skip-check --skip-eval --goodput --slo auto   # does P/D pay here?
     """
-    opts = api.BenchOptions(skip_check=skip_check, skip_eval=skip_eval, skip_perf=skip_perf, data_dir=data_dir,
-                            limit=limit, expected=expected, allow_ungated=allow_ungated, requests=requests,
-                            prompt_len=prompt_len, max_tokens=max_tokens, concurrency=concurrency,
-                            request_rate=request_rate, eval_concurrency=eval_concurrency, reference_port=reference_port,
-                            timeout_s=timeout, state_dir=state_dir, dataset=dataset, dataset_path=dataset_path,
-                            breakdown=breakdown)
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates))
     t = _load(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -633,10 +636,7 @@ def sweep(
 
       pdctl sweep configs/qwen3-0.6b-cuda-d64.yaml --matrix configs/upstream-matrix.yaml --results results/pr26759
     """
-    opts = api.BenchOptions(skip_check=skip_check, skip_eval=skip_eval, skip_perf=skip_perf, data_dir=data_dir,
-                            limit=limit, expected=expected, requests=requests, concurrency=concurrency,
-                            request_rate=request_rate, eval_concurrency=eval_concurrency, dataset=dataset,
-                            reference_port=reference_port, timeout_s=timeout, dataset_path=dataset_path)
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout)
     r = api.sweep(topology, matrix, opts, results=results, say=say)
     render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)

@@ -347,6 +347,8 @@ def bench(out: Console, err: Console, s: dict, expected_file: str | Path | None,
                                              "requests followed; ms)"), highlight=False)
             if bd["unread_logs"]:
                 err.print(f"breakdown: could not read the logs of {', '.join(bd['unread_logs'])} on this host")
+    if "goodput" in s:
+        goodput(out, s["goodput"])
     summary = Table(box=boxed(out), title=f"bench {s['pools']}")
     for col in ("gate", "result", "detail"):
         summary.add_column(col, overflow="fold")
@@ -367,8 +369,32 @@ def bench(out: Console, err: Console, s: dict, expected_file: str | Path | None,
         r = s["perf"]["ratio"]
         summary.add_row("load", s["perf"]["status"], f"TTFT {r['ttft_ms_p50']:.2f}x, TPOT {r['tpot_ms_p50']:.2f}x "
                         "of aggregated (p50)")
-    summary.add_row("overall", s["status"], f"time to ready {s['time_to_ready_s']:.0f} s; results {out_dir}")
+    if "goodput" in s:
+        g = s["goodput"]
+        ratio = g["ratio_pd_over_baseline"]
+        summary.add_row("goodput", g["status"], f"P/D sustains {g['pd']['sustained_req_s']:g} req/s, aggregated "
+                        f"{g['baseline']['sustained_req_s']:g}" + (f" ({ratio:.2f}x)" if ratio else ""))
+    ready = f"time to ready {s['time_to_ready_s']:.0f} s; " if "time_to_ready_s" in s else ""
+    summary.add_row("overall", s["status"], f"{ready}results {out_dir}")
     out.print(summary)
+
+
+def goodput(out: Console, g: dict) -> None:
+    """Per offered rate, the share of requests within the SLOs (median over the repetitions), then the highest
+    rate each deployment sustained at >= 90 %."""
+    rates = sorted({float(r) for side in ("pd", "baseline") for r in g[side]["attainment_median"]})
+    t = Table(box=boxed(out), title=f"goodput: requests within {g['slo']['origin'].split(':')[0]} SLO "
+              f"(TTFT <= {g['slo']['ttft_ms']:g} ms, TPOT <= {g['slo']['tpot_ms']:g} ms), median of {g['repeat']}")
+    for col in ("offered req/s", "P/D", "aggregated, same devices"):
+        t.add_column(col, overflow="fold")
+    for r in rates:
+        cells = [g[side]["attainment_median"].get(f"{r:g}") for side in ("pd", "baseline")]
+        t.add_row(f"{r:g}", *("-" if c is None else f"{100 * c:.0f}%" for c in cells))
+    t.add_row("sustained (>= 90 %)", f"{g['pd']['sustained_req_s']:g} req/s", f"{g['baseline']['sustained_req_s']:g} "
+              "req/s")
+    out.print(t)
+    out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
+              f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
 
 
 def sweep(out: Console, result, matrix: Path) -> None:

@@ -16,6 +16,9 @@ ATTAINMENT = 0.90  # of the requests sent at a rate, the share that must meet bo
 AUTO_TTFT_X = 5.0  # --slo auto: the unloaded baseline instance's TTFT p50 times this
 AUTO_TPOT_X = 3.0  # ... and its TPOT p50 times this
 RESOLUTION = 1.05  # the rate search stops when the first miss is within 5 % of the last pass
+MIN_REQUESTS = 200  # per rate: below it one request moves the attainment by more than 0.5 %
+START_RATE = 1.0  # req/s: the search's first rate (it doubles from here, or halves when even this misses)
+MAX_RATE = 64.0  # req/s: the search's ceiling
 
 
 @dataclass(frozen=True)

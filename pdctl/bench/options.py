@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+# The load's shape when nothing says otherwise: the gates' latency comparison, and goodput's long prompts (what P/D
+# users run: vLLM's random dataset, 2048 prompt tokens, 64 output tokens, at least 200 requests per rate).
+LOAD_DEFAULTS = {"requests": 32, "prompt_len": 256, "max_tokens": 32}
+GOODPUT_DEFAULTS = {"requests": 200, "prompt_len": 2048, "max_tokens": 64}
 
 
 @dataclass
@@ -18,9 +23,9 @@ class BenchOptions:
     num_fewshot: int = 5
     expected: Path | None = None  # the expected-accuracy table (None: pdctl's own, gates.accuracy.DEFAULT_TABLE)
     allow_ungated: bool = False  # a model the table does not know passes the accuracy gate (UNGATED)
-    requests: int = 32  # load benchmark: requests per side
-    prompt_len: int = 256
-    max_tokens: int = 32
+    requests: int | None = None  # load benchmark: requests per side (goodput: per rate); None: the defaults above
+    prompt_len: int | None = None
+    max_tokens: int | None = None
     concurrency: int = 4
     request_rate: float | None = None  # open loop (Poisson arrivals) instead of `concurrency`
     breakdown: bool = False  # follow every P/D load request stage by stage (connector.trace on for the bring-up)
@@ -30,3 +35,13 @@ class BenchOptions:
     reference_port: int = 8300
     timeout_s: float = 300.0
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
+    # Goodput (pdctl.bench.goodput): the P/D topology against the baseline (aggregated, same devices) under SLOs.
+    goodput: bool = False
+    slo: str = "auto"  # "ttft=MS,tpot=MS", or auto: measured on one unloaded baseline instance first
+    rates: tuple[float, ...] | None = None  # offered req/s to run; None: search for the highest sustained one
+    repeat: int = 3  # interleaved repetitions (median)
+
+    def resolved(self) -> BenchOptions:
+        """The options with the load's shape filled in from the defaults of its mode."""
+        d = GOODPUT_DEFAULTS if self.goodput else LOAD_DEFAULTS
+        return replace(self, **{k: v for k, v in d.items() if getattr(self, k) is None})

@@ -163,7 +163,7 @@ def warm_up(plan: Plan, attempts: int = 3, timeout_s: float = 120.0, *,
     `sleep` makes every pause (the readiness poll's, a retry's; time.sleep unless given): tests pass a fake one."""
     sleep = sleep or time.sleep
     proxy = next((p for p in plan.processes if p.role == "proxy"), None)
-    if proxy is None:
+    if proxy is None or not plan.by_role("decode"):  # no P/D pair (goodput's aggregated baseline): nothing to prove
         return
     router = plan.topology.proxy.kind == "vllm-router"
     key = auth.headers(auth.api_key(plan.topology))

@@ -1,0 +1,97 @@
+"""`pdctl bench --goodput`: the P/D topology and its baseline (the aggregated alternative on the same devices,
+pdctl.plan.baseline_plan) in turn, each brought up alone, sent the same prompts with the same seeded Poisson
+arrivals at each offered rate through vLLM's serving benchmark; the share of requests within the SLOs per rate,
+and the highest rate sustained. Repeated, interleaved (baseline first, so `--slo auto` is fixed before any P/D
+number exists; then the order flips every repetition), medians reported."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdctl.bench import goodput, load
+from pdctl.bench.options import BenchOptions
+from pdctl.launch import run as run_mod
+from pdctl.launch.backend import Backend
+from pdctl.plan import Plan
+from pdctl.topology import Loaded, resolved_model
+
+UNLOADED_REQUESTS = 20  # --slo auto: one baseline instance at concurrency 1
+
+
+def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend, out_dir: Path, o: BenchOptions,
+                phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
+    """o: resolved (requests per rate, prompt and output lengths). pd_plan without its reference: nothing but
+    the deployment under test runs on the devices."""
+    t = loaded.topology
+    model = t.model.name
+    slo = goodput.parse_slo(o.slo)
+    tok = load.load_tokenizer(resolved_model(t, t.decode[0], loaded.base_dir))
+    vocab = loaded.model_info.vocab_size or 1000
+    seed = int(time.time())
+    works: dict[tuple, load.Workload] = {}
+
+    def prompts(key: tuple, n: int) -> load.Workload:
+        # One workload per (repetition, point): both deployments get the same prompts and arrivals; each
+        # bring-up starts with empty prefix caches, a point's prompts are new to the servers that get them.
+        if key not in works:
+            works[key] = load.workload(n, o.prompt_len, vocab, seed + len(works), max_tokens=o.max_tokens,
+                                       tokenizer=tok, dataset=o.dataset, dataset_path=o.dataset_path)
+        return works[key]
+
+    (out_dir / "goodput").mkdir(parents=True, exist_ok=True)
+    legs: dict[str, list[dict]] = {"baseline": [], "pd": []}
+    unloaded: dict | None = None
+    for rep in range(o.repeat):
+        order = ("baseline", "pd") if rep % 2 == 0 else ("pd", "baseline")
+        for name in order:
+            plan = base_plan if name == "baseline" else pd_plan
+            phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
+            state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+            url = plan.get("proxy").http_url if name == "pd" else plan.get("baseline-router").http_url
+            try:
+                if slo is None:  # the first leg is the baseline's
+                    one = plan.by_role("baseline")[0]
+                    r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS),
+                                      o.max_tokens, 1, seed=seed, headers=headers)
+                    times = goodput.request_times(r.vllm)
+                    slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
+                                           [x.tpot_ms for x in times if x.tpot_ms is not None])
+                    unloaded = r.to_dict()
+                    phase(f"SLO: {slo}")
+                points: dict[float, float] = {}
+                k = 0
+                rate = o.rates[0] if o.rates else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
+                while rate is not None:
+                    r = load.run_load(name, url, model, prompts((rep, k), o.requests), o.max_tokens, 1,
+                                      request_rate=rate, seed=seed + 1000 * rep + k, headers=headers)
+                    points[rate] = goodput.attainment(goodput.request_times(r.vllm), slo)
+                    (out_dir / "goodput" / f"{name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
+                    phase(f"  {name} at {rate:g} req/s: {points[rate]:.0%} of {o.requests} within the SLO "
+                          f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms)")
+                    k += 1
+                    rate = (o.rates[k] if k < len(o.rates) else None) if o.rates else \
+                        goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
+            finally:
+                run_mod.down(state, backend)
+            legs[name].append({"points": {f"{r:g}": a for r, a in points.items()},
+                               "sustained": goodput.sustained(points)})
+    assert slo is not None
+    out: dict = {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "origin": slo.origin},
+                 "unloaded": unloaded, "requests_per_rate": o.requests, "repeat": o.repeat,
+                 "dataset": o.dataset, "prompt_len": o.prompt_len, "max_tokens": o.max_tokens, "seed": seed,
+                 "attainment_target": goodput.ATTAINMENT}
+    for name, runs in legs.items():
+        sustained = [r["sustained"] or 0.0 for r in runs]
+        rates = sorted({float(x) for r in runs for x in r["points"]})
+        out[name] = {"runs": runs, "sustained_req_s": statistics.median(sustained),
+                     "attainment_median": {f"{x:g}": statistics.median(r["points"][f"{x:g}"] for r in runs
+                                                                        if f"{x:g}" in r["points"]) for x in rates}}
+    b, p = out["baseline"]["sustained_req_s"], out["pd"]["sustained_req_s"]
+    out["ratio_pd_over_baseline"] = p / b if b else None
+    out["status"] = "PASS"  # a measurement: the ratio is the finding, whichever way it goes
+    (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
+    return out

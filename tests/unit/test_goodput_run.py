@@ -1,0 +1,120 @@
+"""`pdctl bench --goodput`: what it refuses before anything starts, and its run's order and arithmetic over fake
+servers (the load through vLLM's benchmark replaced; the e2e test runs it for real)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pdctl.bench import goodput_run
+from pdctl.bench.options import BenchOptions
+from pdctl.plan import baseline_plan, build_plan
+from pdctl.topology import load_topology
+from tests.conftest import CONFIGS
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--slo", "ttft=500"], "--slo 'ttft=500': expected ttft=MS,tpot=MS"),
+    (["--rates", "2,x"], "--rates 2,x: expected offered request rates"),
+    (["--rates", "0,2"], "--rates 0,2: offered request rates must be positive"),
+    (["--request-rate", "2"], "--goodput runs its own rates"),
+    (["--repeat", "0"], "--repeat 0: at least 1"),
+])
+def test_bad_goodput_flags_are_refused_before_anything_starts(run_cli, args, says, monkeypatch):
+    monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip-check", "--skip-eval", "--goodput", *args)
+    assert code == 1 and says in err and "Traceback" not in err, err
+
+
+def test_the_loads_shape_defaults_to_long_prompts_for_goodput_and_short_for_the_gates():
+    g = BenchOptions(goodput=True).resolved()
+    assert (g.requests, g.prompt_len, g.max_tokens) == (200, 2048, 64)
+    assert (BenchOptions().resolved().requests, BenchOptions(requests=7).resolved().requests) == (32, 7)
+
+
+class FakeServers:
+    """Deployments whose requests meet a TTFT SLO up to `capacity` req/s; records every leg and load."""
+
+    def __init__(self, capacity: dict[str, float]):
+        self.capacity, self.legs, self.loads = capacity, [], []
+        self.current = None
+
+    def up(self, plan, backend, attached, timeout_s):
+        self.current = "pd" if plan.by_role("decode") else "baseline"
+        self.legs.append(self.current)
+        return plan
+
+    def down(self, state, backend):
+        self.current = None
+
+    def run_load(self, target, url, model, w, max_tokens, concurrency, decode_urls=(), request_rate=None, seed=0,
+                 headers=None):
+        self.loads.append((self.current, target, request_rate, id(w), seed))
+        n = len(w)
+        ok = request_rate is None or request_rate <= self.capacity[self.current]
+        ttft = 0.1 if ok else 5.0
+        vllm = {"output_lens": [4] * n, "errors": [""] * n, "ttfts": [ttft] * n, "latencies": [ttft + 0.03] * n}
+        return SimpleNamespace(vllm=vllm, ttft_ms_p50=ttft * 1e3, tpot_ms_p50=10.0, vllm_json=lambda: "{}",
+                               to_dict=lambda: {"ttft_ms_p50": ttft * 1e3})
+
+
+def _run(tmp_path, monkeypatch, o, capacity):
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    t = loaded.topology
+    pd = build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
+    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py")
+    fake = FakeServers(capacity)
+    monkeypatch.setattr(goodput_run.run_mod, "up", fake.up)
+    monkeypatch.setattr(goodput_run.run_mod, "down", fake.down)
+    monkeypatch.setattr(goodput_run.load, "run_load", fake.run_load)
+    monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
+    phases = []
+    out = goodput_run.run_goodput(loaded, pd, base, None, tmp_path, o.resolved(), phases.append)
+    return out, fake, phases
+
+
+def test_auto_slo_comes_from_the_unloaded_baseline_first_then_legs_interleave(tmp_path, monkeypatch):
+    o = BenchOptions(goodput=True, rates=(1.0, 2.0, 4.0), repeat=3, requests=10)
+    out, fake, phases = _run(tmp_path, monkeypatch, o, {"pd": 3.0, "baseline": 1.5})
+    assert fake.legs == ["baseline", "pd", "pd", "baseline", "baseline", "pd"]
+    assert fake.loads[0][:3] == ("baseline", "unloaded", None)  # concurrency 1, before any P/D number
+    assert out["slo"]["ttft_ms"] == pytest.approx(500) and out["slo"]["tpot_ms"] == pytest.approx(30)
+    assert any(p.startswith("SLO: TTFT <= 500 ms") for p in phases)
+    # The same prompts and arrivals for both at each (repetition, rate).
+    by = {}
+    for dep, _, rate, w, seed in fake.loads[1:]:
+        by.setdefault((rate, seed), set()).add((dep, w))
+    assert all(len({w for _, w in v}) == 1 and {d for d, _ in v} == {"pd", "baseline"} for v in by.values())
+    assert out["pd"]["sustained_req_s"] == 2.0 and out["baseline"]["sustained_req_s"] == 1.0
+    assert out["ratio_pd_over_baseline"] == 2.0 and out["pd"]["attainment_median"] == {"1": 1.0, "2": 1.0, "4": 0.0}
+    assert (tmp_path / "goodput" / "summary.json").is_file()
+
+
+def test_the_search_finds_each_deployments_rate_and_a_tight_slo_sustains_nothing(tmp_path, monkeypatch):
+    o = BenchOptions(goodput=True, repeat=1, requests=10)
+    out, _, _ = _run(tmp_path, monkeypatch, o, {"pd": 5.3, "baseline": 2.2})
+    assert 5.3 / 1.05 <= out["pd"]["sustained_req_s"] <= 5.3
+    assert 2.2 / 1.05 <= out["baseline"]["sustained_req_s"] <= 2.2
+    # Negative control: an SLO nothing meets (TTFT 0.01 ms) sustains no rate on either side.
+    o = BenchOptions(goodput=True, repeat=1, requests=10, rates=(1.0,), slo="ttft=0.01,tpot=0.01")
+    out, _, _ = _run(tmp_path / "neg", monkeypatch, o, {"pd": 5.3, "baseline": 2.2})
+    assert out["pd"]["sustained_req_s"] == out["baseline"]["sustained_req_s"] == 0.0
+    assert out["ratio_pd_over_baseline"] is None and out["slo"]["origin"].startswith("--slo")
+
+
+def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
+    from rich.console import Console
+
+    from pdctl import render
+
+    g = {"slo": {"ttft_ms": 500.0, "tpot_ms": 9.6, "origin": "auto: 5 x TTFT p50 100.0 ms"}, "repeat": 3,
+         "requests_per_rate": 200, "dataset": "random", "prompt_len": 2048, "max_tokens": 64, "status": "PASS",
+         "pd": {"attainment_median": {"2": 1.0, "4": 0.95, "8": 0.29}, "sustained_req_s": 4.0},
+         "baseline": {"attainment_median": {"2": 0.96, "4": 0.75}, "sustained_req_s": 2.0},
+         "ratio_pd_over_baseline": 2.0}
+    c = Console(record=True, width=160)
+    render.bench(c, c, {"goodput": g, "pools": "P32 -> D64", "status": "PASS"}, None, Path("r"))
+    text = " ".join(c.export_text().split())  # a table's title wraps at the table's width
+    assert "TTFT <= 500 ms, TPOT <= 9.6 ms" in text and "29%" in text and "75%" in text
+    assert "P/D sustains 4 req/s, aggregated 2 (2.00x)" in text
