@@ -3,6 +3,7 @@ load's requests followed stage by stage (--breakdown)."""
 
 import json
 
+from pdctl.bench import goodput
 from tests.conftest import CONFIGS, SHARED
 from tests.e2e.conftest import pdctl
 
@@ -31,3 +32,34 @@ def test_bench_p32_d128_end_to_end(tmp_path):
     res = tmp_path / "res"
     for f in ("summary.json", "topology.json", "parity.json", "eval/summary.json"):
         assert (res / f).is_file(), f
+
+
+def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
+    """`pdctl bench --goodput` on real servers: --slo auto measured on one unloaded baseline instance first, then
+    the baseline (two aggregated servers on the P/D pair's two cores behind vllm-router) and the P/D topology at
+    the same offered rate with the same prompts. One rate, one repetition, few requests: the path, not a finding
+    (docs/benchmarks.md has the measured one)."""
+    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--skip-check", "--skip-eval", "--goodput", "--rates", "3",
+              "--requests", "24", "--repeat", "1", "--prompt-len", "512", "--max-tokens", "16",
+              "--results", tmp_path / "res", "--state-dir", tmp_path / "state", "--json", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "too few to decide on" in r.stderr  # 24 < 200 requests per rate: said
+    g = json.loads(r.stdout)["goodput"]
+    assert g["slo"]["origin"].startswith("auto") and g["unloaded"]["requests"] == 20
+    assert g["slo"]["ttft_ms"] == round(5 * g["unloaded"]["ttft_ms_p50"], 1)
+    out = tmp_path / "res" / "goodput"
+    for side in ("pd", "baseline"):
+        assert set(g[side]["attainment_median"]) == {"3"}
+        doc = json.loads((out / f"{side}-0-3.vllm.json").read_text())
+        assert doc["completed"] == 24 and doc["failed"] == 0, side
+        # Negative control on the same real requests: an SLO nothing meets is met by none of them.
+        times = goodput.request_times(doc)
+        assert goodput.attainment(times, goodput.Slo(0.01, 0.01, "impossible")) == 0.0
+        assert goodput.attainment(times, goodput.parse_slo(f"ttft={g['slo']['ttft_ms']},tpot={g['slo']['tpot_ms']}")) \
+            == g[side]["attainment_median"]["3"]
+    # The baseline really served aggregated: its servers' logs show no KV transfer configuration.
+    logs = (tmp_path / "state" / "baseline" / "logs")
+    assert sorted(p.name for p in logs.glob("baseline-*.log")) == ["baseline-decode-0.log", "baseline-prefill-0.log",
+                                                                    "baseline-router.log"]
+    assert all("kv_transfer_config" not in p.read_text() or "kv_transfer_config': None" in p.read_text()
+               for p in logs.glob("baseline-*-0.log"))
