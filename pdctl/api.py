@@ -136,11 +136,16 @@ def default_state_dir(t: Topology) -> Path:
 
 
 def plan(t: Topology, *, state_dir: str | Path | None = None, reference_port: int | None = None,
-         python: str | None = None) -> Plan:
+         python: str | None = None, baseline: bool = False) -> Plan:
     """The exact processes `up` starts (pure: same topology, same plan); with `reference_port`, plus an
-    aggregated reference server (the first decode pool's settings, no connector) for the gates."""
+    aggregated reference server (the first decode pool's settings, no connector) for the gates. `baseline`:
+    instead, the aggregated deployment `bench --goodput` compares the topology with (plan.baseline_plan)."""
     o = origin(t)
     sd = Path(state_dir).absolute() if state_dir else default_state_dir(t)
+    if baseline:
+        from pdctl.plan import baseline_plan
+
+        return baseline_plan(t, base_dir=o.base_dir, state_dir=sd / "baseline", python=python or sys.executable)
     p = build_plan(t, base_dir=o.base_dir, state_dir=sd, python=python or sys.executable)
     if reference_port:
         ref = reference_spec(t, base_dir=o.base_dir, state_dir=sd, port=reference_port, python=python or sys.executable)

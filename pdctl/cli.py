@@ -144,11 +144,12 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
     else:
         out.print(f"[green]valid[/green] {summary}", highlight=False, soft_wrap=True)
 
+BaselineOpt = Annotated[bool, typer.Option(help="bench --goodput's aggregated baseline on the same devices")]
 
 @app.command()
 @topology_command
 def plan(topology: TopologyArg, json_: JsonOpt = False, output: OutputOpt = render.Output.default,
-         state_dir: StateDirOpt = None, overrides: list = ()) -> None:
+         state_dir: StateDirOpt = None, baseline: BaselineOpt = False, overrides: list = ()) -> None:
     """Show the exact processes `pdctl up` would start: argv, env, ports, log, readiness URL.
 
     Examples:
@@ -159,7 +160,7 @@ def plan(topology: TopologyArg, json_: JsonOpt = False, output: OutputOpt = rend
 
       pdctl plan configs/cpu-slurm.yaml --engine slurm -o wide
     """
-    p = api.plan(_load(topology, overrides), state_dir=state_dir)
+    p = api.plan(_load(topology, overrides), state_dir=state_dir, baseline=baseline)
     render.plan(out, p, render.Output.json if json_ else output, api.slurm_batch(p))
 
 

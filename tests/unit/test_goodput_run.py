@@ -1,6 +1,7 @@
 """`pdctl bench --goodput`: what it refuses before anything starts, and its run's order and arithmetic over fake
 servers (the load through vLLM's benchmark replaced; the e2e test runs it for real)."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -118,3 +119,10 @@ def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
     text = " ".join(c.export_text().split())  # a table's title wraps at the table's width
     assert "TTFT <= 500 ms, TPOT <= 9.6 ms" in text and "29%" in text and "75%" in text
     assert "P/D sustains 4 req/s, aggregated 2 (2.00x)" in text
+
+
+def test_plan_baseline_shows_the_aggregated_deployment_bench_goodput_compares_with(run_cli):
+    code, out, err = run_cli("plan", CONFIGS / "cpu-demo.yaml", "--baseline", "--json")
+    assert code == 0, err
+    names = [p["name"] for p in json.loads(out)["processes"]]
+    assert names == ["baseline-prefill-0", "baseline-decode-0", "baseline-router"]
