@@ -992,9 +992,6 @@ def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
         raise UserError(f"rates {o.rates}: offered request rates must be positive")
     if o.repeat < 1:
         raise UserError(f"--repeat {o.repeat}: at least 1")
-    if t.auth is not None:
-        raise UserError("--goodput: the baseline's vllm-router does not take auth.api_key_env yet; bench a "
-                        "topology without auth")
     if o.requests < goodput.MIN_REQUESTS:
         say(f"warning: --requests {o.requests} per rate: fewer than {goodput.MIN_REQUESTS}, one request moves "
             f"the attainment by {100 / o.requests:.1f} %: too few to decide on")

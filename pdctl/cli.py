@@ -345,12 +345,12 @@ def logs(
 
 @app.command()
 def proxy(
-    prefill: Annotated[list[str], typer.Option("--prefill", help="prefill [POOL=]URL (repeatable)")],
     decode: Annotated[list[str], typer.Option("--decode", help="decode [POOL=]URL (repeatable)")],
+    prefill: Annotated[list[str] | None, typer.Option("--prefill", help="prefill [POOL=]URL (repeatable; none: "
+                                                      "aggregated, each request to one --decode)")] = None,
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="listen port")] = 8000,
-    policy: Annotated[str, typer.Option(help="least_outstanding | round_robin | prefix_affinity")]
-    = "least_outstanding",
+    policy: Annotated[str, typer.Option(help="least_outstanding|round_robin|prefix_affinity")] = "least_outstanding",
     weight: Annotated[list[str] | None, typer.Option("--weight", help="ROLE/POOL=W: a pool's share of traffic "
                                               "(repeatable)")] = None,
     exclude_pair: Annotated[list[str] | None, typer.Option("--exclude-pair", help="PREFILL_POOL/DECODE_POOL never "
@@ -380,7 +380,7 @@ def proxy(
 
     Each request goes to a prefill, then to a decode of a pool allowed for that prefill's pool. The header
     `x-pdctl-route: PREFILL_POOL/DECODE_POOL` pins the pair; the response says which instances served it
-    (`x-pdctl-prefill`, `x-pdctl-decode`).
+    (`x-pdctl-prefill`, `x-pdctl-decode`). Without --prefill, aggregated serving over the --decode servers.
 
     Examples:
 
@@ -391,7 +391,7 @@ def proxy(
       pdctl proxy --prefill p32=http://h:8100 --prefill p128=http://h:8101 --decode d64=http://h:8200 \\
         --decode d32=http://h:8201 --exclude-pair p128/d32 --weight decode/d64=2 --policy prefix_affinity
     """
-    api.serve_proxy(prefill, decode, host=host, port=port, policy=policy,
+    api.serve_proxy(prefill or [], decode, host=host, port=port, policy=policy,
                     on_prefill_down=on_prefill_down, connect_timeout_s=connect_timeout,
                     read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
                     breaker_failures=breaker_failures, breaker_open_s=breaker_open,

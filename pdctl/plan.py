@@ -402,14 +402,12 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
                        block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, secret_env=server_secret_env(t))
 
 
-BASELINE_POLICY = "round_robin"
-
-
 def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
     """Goodput's baseline: the aggregated alternative on the same devices as the P/D topology. Each P/D instance's
-    devices serve one aggregated server instead (no connector; its pool's block size, TP, mode, host and ports),
-    behind vllm-router's round robin on the proxy's host and port, so a client sends the same requests to the same
-    address. Never up at the same time as the topology (they share devices and ports)."""
+    devices serve one aggregated server instead (no connector; its pool's block size, TP, mode, nice, queue
+    treatment, host and ports), behind pdctl's proxy in aggregated mode (no --prefill) with the topology's routing
+    policy and timeouts on the proxy's host and port, so a client sends the same requests to the same address.
+    Never up at the same time as the topology (they share devices and ports)."""
     logs = state_dir / "logs"
     servers: list[ProcessSpec] = []
     for role in ROLES:
@@ -428,17 +426,19 @@ def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str =
                     block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
                     secret_env=server_secret_env(t), nice=g.nice))
     px = t.proxy
-    metrics = px.metrics_port or px.port + 1
-    router = ProcessSpec(
-        name="baseline-router", role="proxy", index=0,
-        argv=[python, "-m", ROUTER_MODULE, "--host", px.host, "--port", str(px.port), "--policy", BASELINE_POLICY,
-              "--prometheus-host", px.host, "--prometheus-port", str(metrics),
-              "--request-timeout-secs", str(int(px.first_byte_timeout_s)),
-              "--worker-startup-check-interval", "1", "--worker-urls", *[s.http_url for s in servers]],
-        env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}, host=px.host, ports={"http": px.port, "metrics": metrics},
-        log_path=str(logs / "baseline-router.log"), readiness_url=f"http://{connect_host(px.host)}:{px.port}/health",
-        platform="cpu")
-    return Plan(name=f"{t.name}-baseline", state_dir=str(state_dir), processes=[*servers, router], topology=t)
+    argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
+            "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s),
+            "--first-byte-timeout", str(px.first_byte_timeout_s), "--breaker-failures", str(px.breaker_failures),
+            "--breaker-open", str(px.breaker_open_s)]
+    argv += [a for s in servers for a in ("--decode", s.http_url)]
+    if key_env(t):
+        argv += [PROXY_FLAG, key_env(t)]
+    proxy = ProcessSpec(
+        name="baseline-proxy", role="proxy", index=0, argv=argv, env={"PYTHONUNBUFFERED": "1"}, host=px.host,
+        ports={"http": px.port}, log_path=str(logs / "baseline-proxy.log"),
+        readiness_url=f"http://{connect_host(px.host)}:{px.port}/health", platform="cpu",
+        secret_env={key_env(t): key_env(t)} if key_env(t) else {})
+    return Plan(name=f"{t.name}-baseline", state_dir=str(state_dir), processes=[*servers, proxy], topology=t)
 
 
 def with_plain_reference(plan: Plan, port: int) -> Plan:

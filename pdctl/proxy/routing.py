@@ -100,15 +100,19 @@ class _Group:
 
 
 class Router:
-    """Picks a prefill, then a decode allowed for that prefill's pool, under one policy."""
+    """Picks a prefill, then a decode allowed for that prefill's pool, under one policy. Without prefill
+    instances it routes aggregated serving: every request to one of the `decode` instances (each serves it
+    whole), under the same policy."""
 
     def __init__(self, prefill: list[Instance], decode: list[Instance], policy: str = "least_outstanding",
                  exclude_pairs: Iterable[tuple[str, str]] = (), epsilon: float = 0.25, prefix_chars: int = 256,
                  vnodes: int = 64, clock: Callable[[], float] = time.monotonic):
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; one of: {', '.join(POLICIES)}")
-        if not prefill or not decode:
-            raise ValueError("the router needs at least one prefill and one decode instance")
+        if not decode:
+            raise ValueError("the router needs at least one decode instance (and prefills, unless aggregated)")
+        if not prefill and exclude_pairs:
+            raise ValueError("excluded pairs without prefill instances: aggregated serving has no pairs")
         names = [i.name for i in (*prefill, *decode)]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -136,7 +140,7 @@ class Router:
         self._pair_set = set(self.pairs)
         self._excluded = excluded
         for pools, side, idx in ((p_pools, "prefill", 0), (d_pools, "decode", 1)):
-            for name in pools:
+            for name in pools if prefill else ():
                 if not any(pair[idx] == name for pair in self.pairs):
                     raise ValueError(f"{side} pool {name} has no allowed partner pool: every pair with it is "
                                      "excluded")
@@ -156,7 +160,9 @@ class Router:
         self._decode_for = {p: group("decode", [i for i in decode if (p, i.pool) in self._pair_set])
                             for p in p_pools}
         self._decode_pool = {d: group("decode", m) for d, m in d_pools.items()}
-        self._decode_all = group("decode", [i for i in decode if i.pool in {d for _, d in self.pairs}])
+        self._decode_all = group("decode", [i for i in decode if i.pool in {d for _, d in self.pairs}]
+                                 if prefill else decode)
+        self.aggregated = not prefill
         self._rr = {"prefill": count(), "decode": count()}
 
     # -- public ----------------------------------------------------------------------------------------------

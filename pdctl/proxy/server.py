@@ -120,6 +120,8 @@ class Proxy:
         if cfg.first_token not in first_token.MODES:
             raise ValueError(f"first_token must be one of {', '.join(first_token.MODES)}, got {cfg.first_token!r}")
         decodes = instances("decode", cfg.decode, cfg.weights)
+        if not cfg.prefill and (cfg.handovers or cfg.first_token != "off"):
+            raise ValueError("aggregated serving (no prefill instances) has no early decode and no prefill token")
         if cfg.handovers and len(cfg.handovers) != len(decodes):
             raise ValueError(f"{len(cfg.handovers)} hand-over sockets for {len(decodes)} decodes: give one per "
                              "--decode, in the same order")
@@ -207,9 +209,9 @@ class Proxy:
             inst.healthy = ok
         up = {i.pool for i, ok in zip(insts, oks, strict=True) if ok and i.role == "prefill"}, {
             i.pool for i, ok in zip(insts, oks, strict=True) if ok and i.role == "decode"}
-        # Ready when some allowed pair has a healthy instance on both sides.
+        # Ready when some allowed pair has a healthy instance on both sides (aggregated: some instance).
         pairs = {f"{p}/{d}": p in up[0] and d in up[1] for p, d in self.router.pairs}
-        ready = any(pairs.values())
+        ready = bool(up[1]) if self.router.aggregated else any(pairs.values())
         instances = [{"name": i.name, "role": i.role, "pool": i.pool, "url": i.url, "healthy": ok}
                      for i, ok in zip(insts, oks, strict=True)]
         return web.json_response({"ready": ready, "instances": instances, "pairs": pairs},
@@ -334,6 +336,8 @@ class Proxy:
             return web.json_response(error_body(f"{ROUTE_HEADER}: {e}", "invalid_request", 400), status=400)
         key = affinity_key(body, router.prefix_chars) if router.policy == "prefix_affinity" else None
 
+        if router.aggregated:  # every request served whole by one instance: no prefill leg, nothing to fall back
+            return await self._decode_leg(req, route, body, headers, key, pin, rt, None, "off")
         rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
         how = req.headers.get(EARLY_HEADER, "").lower()  # off: the ordinary way; proxy: the proxy hands over
         if how not in ("", "on", "off", "proxy"):
@@ -362,12 +366,21 @@ class Proxy:
                 self.metrics.early[(rt.early,)] += 1
         if isinstance(pre, web.Response):
             return pre
+        return await self._decode_leg(req, route, body, headers, key, pin, rt, pre, first, t0)
+
+    async def _decode_leg(self, req: web.Request, route: str, body: dict, headers: dict[str, str], key: str | None,
+                          pin: tuple[str, str] | None, rt: _Route, pre: dict | None, first: str,
+                          t0: float | None = None) -> web.StreamResponse:
+        """The decode leg: with the prefill's KV parameters, or without (decode-only, or aggregated serving), on
+        one decode and once more on another when the first never saw the request."""
+        router = self.router
         dec_body = dict(body)
         if pre is not None:
             dec_body["kv_transfer_params"] = pre
         else:
             dec_body.pop("kv_transfer_params", None)  # decode-only: the decode computes the prompt itself
-        self.metrics.prefill_done(time.perf_counter() - t0, rt.prefill.pool if rt.prefill else None)
+        if t0 is not None:
+            self.metrics.prefill_done(time.perf_counter() - t0, rt.prefill.pool if rt.prefill else None)
 
         tried: list[Instance] = []
         out, text = None, None

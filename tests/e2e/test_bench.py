@@ -36,7 +36,7 @@ def test_bench_p32_d128_end_to_end(tmp_path):
 
 def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
     """`pdctl bench --goodput` on real servers: --slo auto measured on one unloaded baseline instance first, then
-    the baseline (two aggregated servers on the P/D pair's two cores behind vllm-router) and the P/D topology at
+    the baseline (two aggregated servers on the P/D pair's two cores behind pdctl's proxy) and the P/D topology at
     the same offered rate with the same prompts. One rate, one repetition, few requests: the path, not a finding
     (docs/benchmarks.md has the measured one)."""
     r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--skip-check", "--skip-eval", "--goodput", "--rates", "3",
@@ -60,6 +60,6 @@ def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
     # The baseline really served aggregated: its servers' logs show no KV transfer configuration.
     logs = (tmp_path / "state" / "baseline" / "logs")
     assert sorted(p.name for p in logs.glob("baseline-*.log")) == ["baseline-decode-0.log", "baseline-prefill-0.log",
-                                                                    "baseline-router.log"]
+                                                                    "baseline-proxy.log"]
     assert all("kv_transfer_config" not in p.read_text() or "kv_transfer_config': None" in p.read_text()
                for p in logs.glob("baseline-*-0.log"))

@@ -125,4 +125,4 @@ def test_plan_baseline_shows_the_aggregated_deployment_bench_goodput_compares_wi
     code, out, err = run_cli("plan", CONFIGS / "cpu-demo.yaml", "--baseline", "--json")
     assert code == 0, err
     names = [p["name"] for p in json.loads(out)["processes"]]
-    assert names == ["baseline-prefill-0", "baseline-decode-0", "baseline-router"]
+    assert names == ["baseline-prefill-0", "baseline-decode-0", "baseline-proxy"]

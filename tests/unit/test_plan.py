@@ -481,7 +481,7 @@ def test_a_pools_env_overrides_pdctls_ucx_settings_and_the_reference_gets_none()
     assert not any(k.startswith("UCX_") for k in ref.env)
 
 
-def test_the_baseline_serves_aggregated_on_every_pd_instances_devices_behind_a_round_robin_router():
+def test_the_baseline_serves_aggregated_on_every_pd_instances_devices_behind_pdctls_proxy_without_prefills():
     from pdctl.plan import baseline_plan
 
     loaded = load_topology(CONFIGS / "cpu-demo.yaml")
@@ -497,9 +497,9 @@ def test_the_baseline_serves_aggregated_on_every_pd_instances_devices_behind_a_r
         assert not any(k.startswith(("UCX_", "VLLM_NIXL_")) for k in s.env)
     (router,) = [s for s in b.processes if s.role == "proxy"]
     assert router.ports["http"] == pd.get("proxy").ports["http"]
-    assert router.argv[router.argv.index("--policy") + 1] == "round_robin"
-    assert router.argv[router.argv.index("--worker-urls") + 1:] == [s.http_url for s in servers]
-    assert "--vllm-pd-disaggregation" not in router.argv
+    assert router.argv[router.argv.index("--policy") + 1] == t.proxy.policy  # the topology's routing
+    assert [router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--decode"] == [s.http_url for s in servers]
+    assert "--prefill" not in router.argv and router.argv[2:4] == ["pdctl", "proxy"]
 
 
 def test_a_fleets_baseline_has_one_aggregated_server_per_instance():

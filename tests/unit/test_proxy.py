@@ -889,3 +889,24 @@ def test_a_hand_over_nobody_takes_is_undone_and_the_decode_asked_the_ordinary_wa
     status, text, _ = post(early.url + "/v1/completions", BODY)
     assert status == 200 and json.loads(text)["echo_kvp"] == KVP
     assert early.proxy.router.instances[1].inflight == 0
+
+
+def test_aggregated_mode_sends_each_request_whole_to_one_instance_and_counts_no_fallback(pd):
+    """No --prefill (goodput's baseline): the request as the client sent it, to one of the servers, no
+    kv_transfer_params, no decode-only fallback counted; ready once an instance is."""
+    other = Backend("decode")
+    proxy = Proxy(ProxyConfig([], [pd.d_url, pd.loop.serve(other.app())], policy="round_robin"))
+    url = pd.loop.serve(proxy.app())
+    for _ in range(4):
+        status, text, headers = post(url + "/v1/completions", BODY)
+        assert status == 200 and json.loads(text)["echo_kvp"] is None, text
+        assert "x-pdctl-fallback" not in {k.lower() for k in headers}
+    assert len(pd.decode.requests) == len(other.requests) == 2 and not pd.prefill.requests
+    body, _ = other.requests[0]
+    assert body == BODY  # untouched: max_tokens, min_tokens, stream_options as sent
+    assert _counted(get(url + "/metrics")[1], "pdctl_decode_only_fallback_total") == 0
+    assert get(url + "/ready")[0] == 200
+    pd.decode.healthy = other.healthy = False
+    assert get(url + "/ready")[0] == 503
+    with pytest.raises(ValueError, match="aggregated serving"):
+        Proxy(ProxyConfig([], [pd.d_url], first_token="on"))

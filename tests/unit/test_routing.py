@@ -51,12 +51,13 @@ def test_constructor_errors(kwargs, match):
         Router(pre, dec, **kwargs)
 
 
-def test_constructor_needs_both_roles_and_positive_weights():
+def test_constructor_needs_decodes_and_positive_weights():
     pre, dec = fleet({"default": 1}, {"default": 1})
-    with pytest.raises(ValueError, match="at least one prefill and one decode"):
-        Router([], dec)
-    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+    assert Router([], dec).aggregated and not Router(pre, dec).aggregated  # no prefills: aggregated serving
+    with pytest.raises(ValueError, match="at least one decode instance"):
         Router(pre, [])
+    with pytest.raises(ValueError, match="aggregated serving has no pairs"):
+        Router([], dec, exclude_pairs=[("default", "default")])
     dec[0].weight = 0
     with pytest.raises(ValueError, match="decode-default-0: weight must be > 0"):
         Router(pre, dec)
@@ -412,3 +413,11 @@ def test_decode_only_fallback_picks_any_paired_decode_or_the_pinned_pool():
     r = Router(pre, dec)
     assert {r.pick_decode(None).name for _ in range(4)} == {"decode-a-0", "decode-b-0"}
     assert {r.pick_decode(None, pin=("p", "b")).name for _ in range(4)} == {"decode-b-0"}
+
+
+def test_aggregated_routing_spreads_requests_over_every_instance_under_the_policy():
+    _, dec = fleet({}, {"a": 2, "b": 1})
+    r = Router([], dec, "round_robin")
+    picks = [r.pick_decode(None).name for _ in range(6)]
+    assert sorted(set(picks)) == sorted(i.name for i in dec) and picks[:3] != picks[:1] * 3
+    assert r.pairs == [] and r.pick_prefill() is None
