@@ -33,6 +33,7 @@ starts on CPU, aggregated ones included.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import time
 from typing import Any
@@ -132,10 +133,6 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
         self._received_tokens: dict[str, int] = {}  # remote engine -> prompt tokens received so far
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-        # Test-only: hold each read this long after the decode got the request (a fault drill kills the prefill
-        # in that gap, deterministically).
-        self._read_delay_s = float(s.get("test_read_delay_s", 0))
-        self._read_delay_match = str(s.get("test_read_delay_match", ""))  # only requests whose id holds this
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
@@ -150,13 +147,16 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
-        # advertise_isa: claim another ISA than this host's, to prove the mismatch is caught (tests).
-        isa = self._isa(self.block_size) and (self.pdctl_settings.get("advertise_isa") or self._isa(self.block_size))
+        isa = self._advertised_isa()
         # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other.
         if isa and seam.rewrite_handshake_metadata(
                 self, lambda meta: dataclasses.replace(meta, attn_backend_name=tag_backend(meta.attn_backend_name,
                                                                                            isa))):
             log.info("pdctl connector: advertising CPU attention ISA %s (block %d)", isa, self.block_size)
+
+    def _advertised_isa(self) -> str | None:
+        """The CPU attention ISA this worker tells its peers it packs KV for (this host's own)."""
+        return self._isa(self.block_size)
 
     def _describe_local(self) -> str:
         isa = self._isa(self.block_size)
@@ -229,10 +229,6 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
     # -- pairing ---------------------------------------------------------------------------------------------
 
     def _read_blocks_for_req(self, req_id: str, meta):
-        if self._read_delay_s and self._read_delay_match in req_id:
-            log.warning("pdctl connector: test_read_delay_s: holding the read of request %s for %g s", req_id,
-                        self._read_delay_s)
-            time.sleep(self._read_delay_s)
         # The decode's own prefix-cache hit (blocks already computed) for this request, per group: vLLM's
         # sub-block pairing does not know it and shifts every pair when it is non-zero.
         prefix_hit = tuple(meta.local_num_computed_blocks or ())
@@ -704,3 +700,11 @@ class NixlConnector(NixlPullConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = PdctlNixlWorker(vllm_config, self.engine_id, kv_cache_config)
+
+
+# Extensions: modules named by PDCTL_CONNECTOR_EXTENSIONS (comma-separated), imported once this module is loaded,
+# in every vLLM process that loads the connector; each may wrap the classes above (the e2e fault drills hold a
+# read and claim a foreign ISA this way: tests/e2e/connector_hooks.py). The same trust as PYTHONPATH's.
+EXTENSIONS_ENV = "PDCTL_CONNECTOR_EXTENSIONS"
+for _module in filter(None, (m.strip() for m in os.environ.get(EXTENSIONS_ENV, "").split(","))):
+    importlib.import_module(_module)

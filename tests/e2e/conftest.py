@@ -157,6 +157,14 @@ def count_servers():
     print(f"\ne2e: {len(counter.seen)} vLLM servers started")
 
 
+def hooks_env(*roles: str, **settings: str) -> list[str]:
+    """`--set ROLE.env=...` for each role's (single) pool: its servers load tests/e2e/connector_hooks.py with
+    these settings (PDCTL_TEST_* names, e.g. READ_DELAY_S="8" -> PDCTL_TEST_READ_DELAY_S=8)."""
+    env = {"PYTHONPATH": str(REPO), "PDCTL_CONNECTOR_EXTENSIONS": "tests.e2e.connector_hooks",
+           **{f"PDCTL_TEST_{k}": str(v) for k, v in settings.items()}}
+    return [a for role in roles for a in ("--set", f"{role}.env={json.dumps(env)}")]
+
+
 def pdctl(*args, timeout: float = 400, check: bool = False) -> subprocess.CompletedProcess:
     r = subprocess.run([*PDCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if check and r.returncode != 0:

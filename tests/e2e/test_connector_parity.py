@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import CONFIGS, SHARED
-from tests.e2e.conftest import Up, pdctl
+from tests.e2e.conftest import Up, hooks_env, pdctl
 
 
 def _check(tmp_path, config: str, *args: str):
@@ -52,7 +52,7 @@ def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
     # At equal block sizes nothing would convert it: refused at the warm-up, never misread.
     try:
         r = pdctl("up", "-d", CONFIGS / "cpu-demo.yaml", "--state-dir", tmp_path, "--decode-block-size", "32",
-                  "--set", 'connector.extra_config={"pdctl": {"advertise_isa": "amx"}}', timeout=400)
+                  *hooks_env("prefill", "decode", ADVERTISE_ISA="amx"), timeout=400)
     finally:
         pdctl("down", "--state-dir", tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.conftest import PDCTL, Up, get_text, pdctl, prompt_tokens_by_source, wait_for
+from tests.e2e.conftest import PDCTL, Up, get_text, hooks_env, pdctl, prompt_tokens_by_source, wait_for
 from tests.e2e.faults import (
     Load,
     complete,
@@ -46,8 +46,7 @@ def fleet(tmp_path_factory):
     args = ["--prefill-count", "2", "--decode-count", "2", "--set", "prefill.devices=[0,0]",
             "--set", "decode.devices=[1,1]", "--set", "supervision.backoff_s=1", "--set",
             "supervision.health_interval_s=2", "--set", "supervision.health_window_s=10", *PORTS,
-            "--set", f'connector.extra_config={{"pdctl": {{"test_read_delay_s": {DELAY_S}, '
-                     '"test_read_delay_match": "delay-read"}}']
+            *hooks_env("decode", READ_DELAY_S=DELAY_S, READ_DELAY_MATCH="delay-read")]
     with Up("cpu-demo.yaml", d, *args, timeout=600) as up:
         up.proxy = up.urls["proxy"]
         yield up

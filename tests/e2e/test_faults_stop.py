@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.conftest import CONFIGS, REPO, processes_with_arg
-from tests.e2e.conftest import PDCTL, live, pdctl, state_pgids, wait_for
+from tests.e2e.conftest import PDCTL, hooks_env, live, pdctl, state_pgids, wait_for
 from tests.e2e.faults import complete, fresh_prompt, kill_server
 
 # `make test-all` only (README, "Tests"): four foreground bring-ups of their own (eight server starts).
@@ -32,8 +32,7 @@ def _ports(base: int) -> list[str]:
 
 def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(tmp_path):
     args = [*_ports(70), "--set", "connector.kv_load_failure_policy=fail", "--set", "prefill.restart=never",
-            "--set", f'connector.extra_config={{"pdctl": {{"test_read_delay_s": {DELAY_S}, '
-                     '"test_read_delay_match": "delay-read"}}']
+            *hooks_env("decode", READ_DELAY_S=DELAY_S, READ_DELAY_MATCH="delay-read")]
     proc = subprocess.Popen([*PDCTL, "up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
