@@ -331,26 +331,35 @@ def router_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[st
     return argv
 
 
-def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
-    logs = state_dir / "logs"
-    processes: list[ProcessSpec] = []
+def _servers(t: Topology, base_dir: Path, logs: Path, python: str, baseline: bool = False) -> list[ProcessSpec]:
+    """One server per instance of every pool: the P/D topology's, or (`baseline`) an aggregated server in each
+    instance's place (no connector, no NIXL settings)."""
+    out: list[ProcessSpec] = []
     for role in ROLES:
         for g in t.pools(role):
             model = resolved_model(t, g, base_dir)
             for i in range(g.count):
-                name = instance_name(role, g.name, i)
-                host = connect_host(g.host)
-                processes.append(ProcessSpec(
-                    name=name, role=role, index=i,
-                    argv=_server_argv(t, role, g, i, model, python),
-                    env=_server_env(t, g, i, queue_spin_s(t, g)),
-                    host=g.host,
-                    ports={"http": g.http_port_of(i), "side_channel": g.side_channel_port_of(i)},
-                    log_path=str(logs / f"{name}.log"),
-                    readiness_url=f"http://{host}:{g.http_port_of(i)}/health",
+                name = ("baseline-" if baseline else "") + instance_name(role, g.name, i)
+                env = _server_env(t, g, i, queue_spin_s(t, g))
+                ports = {"http": g.http_port_of(i)}
+                if baseline:
+                    env = {k: v for k, v in env.items() if not k.startswith(("VLLM_NIXL_", "UCX_"))}
+                else:
+                    ports["side_channel"] = g.side_channel_port_of(i)
+                out.append(ProcessSpec(
+                    name=name, role="baseline" if baseline else role, index=len(out) if baseline else i,
+                    argv=_server_argv(t, role, g, i, model, python, connector=not baseline), env=env, host=g.host,
+                    ports=ports, log_path=str(logs / f"{name}.log"),
+                    readiness_url=f"http://{connect_host(g.host)}:{g.http_port_of(i)}/health",
                     platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
                     secret_env=server_secret_env(t), nice=g.nice,
                 ))
+    return out
+
+
+def build_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
+    logs = state_dir / "logs"
+    processes = _servers(t, base_dir, logs, python)
     px = t.proxy
     router = px.kind == "vllm-router"
     name = key_env(t)
@@ -409,22 +418,7 @@ def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str =
     policy and timeouts on the proxy's host and port, so a client sends the same requests to the same address.
     Never up at the same time as the topology (they share devices and ports)."""
     logs = state_dir / "logs"
-    servers: list[ProcessSpec] = []
-    for role in ROLES:
-        for g in t.pools(role):
-            model = resolved_model(t, g, base_dir)
-            for i in range(g.count):
-                name = "baseline-" + instance_name(role, g.name, i)
-                env = {k: v for k, v in _server_env(t, g, i, queue_spin_s(t, g)).items()
-                       if not k.startswith(("VLLM_NIXL_", "UCX_"))}
-                host = connect_host(g.host)
-                servers.append(ProcessSpec(
-                    name=name, role="baseline", index=len(servers),
-                    argv=_server_argv(t, role, g, i, model, python, connector=False), env=env, host=g.host,
-                    ports={"http": g.http_port_of(i)}, log_path=str(logs / f"{name}.log"),
-                    readiness_url=f"http://{host}:{g.http_port_of(i)}/health", platform=g.platform,
-                    block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
-                    secret_env=server_secret_env(t), nice=g.nice))
+    servers = _servers(t, base_dir, logs, python, baseline=True)
     px = t.proxy
     argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
             "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s),
