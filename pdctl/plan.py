@@ -314,7 +314,7 @@ def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str
 
 def router_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
     """vllm-router in vLLM P/D mode over the topology's instances: pdctl's policy, breaker and first-byte timeout
-    mapped onto its flags (topology._router_problems refuses what has no equivalent)."""
+    mapped onto its flags (topology.rules_proxy refuses what has no equivalent)."""
     px = t.proxy
     argv = [python, "-m", ROUTER_MODULE, "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--host", px.host, "--port", str(px.port), "--policy", ROUTER_POLICY[px.policy],

@@ -1,0 +1,116 @@
+"""Command-line changes to a topology (--set dotted.path=value, and the typed flags such as --decode-block-size),
+applied to the YAML's data before it is validated; a problem one causes names its flag."""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdctl import yamlsrc
+from pdctl.topology.problems import Loc, Problem, Source, TopologyError
+from pdctl.topology.schema import ROLES, InstanceGroup
+
+
+@dataclass(frozen=True)
+class Override:
+    """One command-line change: `flag` is how the user wrote it, for error messages."""
+
+    path: Loc
+    value: Any
+    flag: str
+
+    @classmethod
+    def parse_set(cls, text: str) -> Override:
+        """`--set dotted.path=value`; a TopologyError naming the flag when it is not one."""
+        flag = f"--set {text}"
+        key, sep, raw = text.partition("=")
+        if not sep or not key.strip():
+            raise TopologyError(Source(flag), [Problem(
+                (), f"--set {text!r}: expected dotted.path=value, e.g. --set decode.block_size=64")])
+        value = _flag_value(raw, flag) if raw.strip() else ""
+        # A list index is ASCII digits only ('²'.isdigit() is true, and int() refuses it), and not absurdly long.
+        path = tuple(int(k) if re.fullmatch(r"[0-9]{1,9}", k) else k for k in key.strip().split("."))
+        return cls(path, value, flag)
+
+
+def _flag_value(raw: str, flag: str) -> Any:
+    """A flag's value as YAML (64 -> int, [0,1] -> list); text that is not YAML stays text. A value that breaks
+    the loader's limits (a deep or alias-expanding document) is a TopologyError naming the flag."""
+    try:
+        return yamlsrc.parse_value(raw)
+    except yamlsrc.YamlLimitError as e:
+        raise TopologyError(Source(flag), [Problem((), e.message)]) from None
+    except yamlsrc.YamlSourceError:
+        return raw
+
+
+def _pool_override(data: dict, o: Override) -> Override:
+    """Overrides of a role written as a list of pools address a pool by name (--set decode.d64.block_size=128);
+    a role-level flag (--decode-block-size) applies to a role with one pool and is refused with several."""
+    role = o.path[0] if o.path else None
+    pools = data.get(role) if role in ROLES else None
+    if not isinstance(pools, list) or len(o.path) < 2 or isinstance(o.path[1], int):
+        return o
+    names = [p.get("name") for p in pools if isinstance(p, dict)]
+    if o.path[1] in names:
+        return replace(o, path=(role, names.index(o.path[1]), *o.path[2:]))
+    if len(pools) == 1:
+        return replace(o, path=(role, 0, *o.path[1:]))
+    field_ = ".".join(map(str, o.path[1:]))
+    raise TopologyError(Source(o.flag), [Problem(
+        o.path, f"the topology has {len(pools)} {role} pools ({', '.join(map(str, names))}); say which",
+        f"--set {role}.{names[0]}.{field_}=..." if names and o.path[1] in InstanceGroup.model_fields else
+        f"{role} pools: {', '.join(map(str, names))}" if names else f"add a {role} pool first")])
+
+
+def apply_overrides(data: dict, overrides: list[Override]) -> tuple[dict, list[Override]]:
+    """The data with the overrides applied, and the overrides with pool names resolved to list indices."""
+    data = copy.deepcopy(data)  # plain YAML data, bounded by yamlsrc (dates and bytes too, which JSON refuses)
+    overrides = [_pool_override(data, o) for o in overrides]
+    for o in overrides:
+        node: Any = data
+        for k in o.path[:-1]:
+            if isinstance(node, list) and isinstance(k, int) and k < len(node):
+                node = node[k]
+            elif isinstance(node, dict):
+                node = node.setdefault(k, {})
+                if not isinstance(node, (dict, list)):
+                    raise TopologyError(Source(o.flag), [Problem(o.path, f"'{k}' is not a section")])
+            else:
+                raise TopologyError(Source(o.flag), [Problem(o.path, "no such place in the topology")])
+        if isinstance(node, list):
+            if not (isinstance(o.path[-1], int) and o.path[-1] < len(node)):
+                raise TopologyError(Source(o.flag), [Problem(o.path, "list index out of range")])
+        node[o.path[-1]] = o.value
+    return data, overrides
+
+
+# The typed override flags every topology-taking command accepts: option name -> (flag, path).
+OVERRIDE_FLAGS: dict[str, tuple[str, Loc]] = {
+    "prefill_block_size": ("--prefill-block-size", ("prefill", "block_size")),
+    "decode_block_size": ("--decode-block-size", ("decode", "block_size")),
+    "prefill_tp": ("--prefill-tp", ("prefill", "tp")),
+    "decode_tp": ("--decode-tp", ("decode", "tp")),
+    "decode_layout": ("--decode-layout", ("decode", "kv_layout")),
+    "prefill_count": ("--prefill-count", ("prefill", "count")),
+    "decode_count": ("--decode-count", ("decode", "count")),
+    "engine": ("--engine", ("engine", "kind")),
+    "address": ("--address", ("engine", "address")),
+}
+
+
+# `pdctl up --monitoring`: monitoring.enabled set from the command line (a problem it causes names the flag).
+MONITORING_ON = Override(("monitoring", "enabled"), True, "--monitoring")
+
+
+def overrides_from_flags(flags: dict[str, str | None], sets: list[str] = ()) -> list[Override]:
+    """Typed flags arrive as text so a bad value is a topology error (exit 1), not a usage error."""
+    out = []
+    for key, raw in flags.items():
+        if raw is None:
+            continue
+        flag, path = OVERRIDE_FLAGS[key]
+        out.append(Override(path, _flag_value(raw, f"{flag} {raw}"), f"{flag} {raw}"))
+    return out + [Override.parse_set(s) for s in sets]

@@ -1,0 +1,72 @@
+"""Rules within one pool: CPU block sizes, TP against the model's KV heads, devices, the KV buffer device, what
+no process can be started with, and the KV cache's capacity (rules_capacity)."""
+
+from __future__ import annotations
+
+from pdctl.topology.facts import ModelInfo, hma_enabled, model_attention
+from pdctl.topology.problems import Problem, pool_loc
+from pdctl.topology.rules_capacity import _capacity_problems
+from pdctl.topology.rules_hybrid import _hybrid_cpu_blocks
+from pdctl.topology.schema import CPU_BLOCK_MULTIPLE, InstanceGroup, Role, Topology
+
+
+def _pool_problems(t: Topology, role: Role, g: InstanceGroup, info: ModelInfo) -> list[Problem]:
+    """Rules that hold within one pool."""
+    out: list[Problem] = []
+    loc = pool_loc(t, role, g)
+    assert g.block_size is not None
+    if g.platform == "cpu" and g.block_size % CPU_BLOCK_MULTIPLE:
+        up = -(-g.block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+        if model_attention(t, info) == "hybrid" and hma_enabled(g):
+            sw, full, nixl = _hybrid_cpu_blocks(g.block_size)
+            out.append(Problem((*loc, "block_size"),
+                               f"a hybrid model (sliding-window + full attention) with vLLM's hybrid KV cache "
+                               f"manager on needs a block size that is a multiple of {CPU_BLOCK_MULTIPLE} on CPU (got "
+                               f"{g.block_size}): vLLM gives the sliding-window layers a block that is a multiple of "
+                               f"{CPU_BLOCK_MULTIPLE} ({sw} here; the full-attention layers {full}), and NIXL's "
+                               f"block becomes {'their lcm, ' if sw != full else ''}{nixl}, not {g.block_size}",
+                               f"use {up}"))
+        else:
+            out.append(Problem((*loc, "block_size"),
+                               f"the CPU attention backend needs a block size that is a multiple of "
+                               f"{CPU_BLOCK_MULTIPLE} (got {g.block_size})",
+                               f"use {up}"))
+    if info.kv_heads and info.kv_heads % g.tp:
+        # TP is at most 64: the hint lists the divisors a pool can use (a huge head count stays cheap).
+        divisors = [n for n in range(1, min(info.kv_heads, 64) + 1) if info.kv_heads % n == 0]
+        out.append(Problem((*loc, "tp"),
+                           f"TP {g.tp} does not divide the model's {info.kv_heads} KV heads",
+                           f"use one of {divisors}"))
+    if g.platform == "cpu" and g.gpu_memory_utilization is not None:
+        out.append(Problem((*loc, "gpu_memory_utilization"), "has no meaning on the cpu platform",
+                           "set kv_cache_memory (e.g. '256MiB') instead"))
+    if g.devices is not None and len(g.devices) < g.count * g.tp:
+        out.append(Problem((*loc, "devices"),
+                           f"{g.count} instance(s) x TP {g.tp} need {g.count * g.tp} devices, "
+                           f"{len(g.devices)} listed", f"list {g.count * g.tp} device ids"))
+    # Two instances on one CPU core only slow each other down (a warning, with the cross-pool collisions); on an
+    # accelerator the second runs out of memory.
+    if g.platform != "cpu" and g.devices is not None and len(set(g.devices)) != len(g.devices):
+        out.append(Problem((*loc, "devices"), "lists a device more than once"))
+    if g.platform != "cpu" and g.devices is None:
+        out.append(Problem((*loc, "devices"),
+                           f"{g.platform} instances need explicit device ids, or every instance takes them all",
+                           f"add e.g. devices: {list(range(g.count * g.tp))}"))
+    buf = t.kv_buffer_device(g)
+    if buf not in ("cpu", g.platform):
+        own = g.kv_buffer_device is not None
+        out.append(Problem((*loc, "kv_buffer_device") if own else ("connector", "kv_buffer_device"),
+                           f"'{buf}' does not exist on the {role}'s {g.platform} platform",
+                           f"use 'cpu' or '{g.platform}', or leave it out to use each platform's",
+                           related=((*loc, "platform"),)))
+    # What no process can be started with (exec refuses a NUL byte; an environment name cannot hold '=').
+    for k, v in g.env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            out.append(Problem((*loc, "env", k), f"{k!r}: {v!r} cannot be an environment variable",
+                               "a name is non-empty without '=', and neither holds a NUL character"))
+    for i, a in enumerate(g.extra_args):
+        if "\0" in a:
+            out.append(Problem((*loc, "extra_args", i), f"{a!r} holds a NUL character, which no argument can"))
+    if g.model and "\0" in g.model:
+        out.append(Problem((*loc, "model"), "holds a NUL character, which no path can"))
+    return out + _capacity_problems(t, role, g, info)

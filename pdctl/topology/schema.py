@@ -1,0 +1,417 @@
+"""The topology's schema: the pydantic models of the YAML (model, pools per role, proxy, connector, engine,
+supervision, reference, monitoring, auth, and Topology itself), with the defaults they fill in.
+
+Pure: no file is read here, and no rule between fields of different sections is checked (the rules_* modules).
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+
+from pdctl.auth import ENV_NAME_PATTERN
+
+Platform = Literal["cuda", "cpu", "xpu", "hpu"]
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+# vLLM names the per-layer cache layout by its dimension order; HND/NHD are the short forms used by the
+# NIXL connector (kv_cache_layout), LBHNC/LBNHC the long ones.
+_LAYOUT_ALIASES = {"HND": "HND", "NHD": "NHD", "LBHNC": "HND", "LBNHC": "NHD"}
+
+# Platform defaults when a role leaves block_size out (the attention backends' usual kernel block).
+DEFAULT_BLOCK_SIZE: dict[str, int] = {"cuda": 16, "cpu": 32, "xpu": 64, "hpu": 128}
+CPU_BLOCK_MULTIPLE = 32  # CPU_ATTN kernel: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
+
+
+def _layout(v: Any) -> Any:
+    if isinstance(v, str) and v.upper() in _LAYOUT_ALIASES:
+        return _LAYOUT_ALIASES[v.upper()]
+    return v
+
+
+def _on_off(v: Any) -> Any:
+    """YAML 1.1 reads a bare off / on as a boolean: take it as the word it was."""
+    return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(v: Any) -> Any:
+    """'256MiB' -> 268435456; ints pass through; anything else is left for pydantic to reject."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([a-zA-Z]*)\s*", v)
+        if m and m.group(2).lower() in _UNITS:
+            # Exact arithmetic: float() of a long digit string is inf, and int(inf) an OverflowError.
+            return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"{v!r} is not a size; write e.g. 268435456, '256MiB' or '1GiB'")
+    return v
+
+
+KvLayout = Annotated[Literal["HND", "NHD"], BeforeValidator(_layout)]
+ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+Port = Annotated[int, Field(ge=1024, le=65535)]
+BufferDevice = Literal["cpu", "cuda", "xpu", "hpu"]
+
+DEFAULT_POOL = "default"  # a role written as one mapping is one pool of this name; its instances: prefill-0, ...
+POOL_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,31}$"
+# Where each role's automatic ports start (http, NIXL side channel).
+ROLE_PORTS: dict[str, tuple[int, int]] = {"prefill": (8100, 5600), "decode": (8200, 5700)}
+
+
+def instance_name(role: str, pool: str, index: int) -> str:
+    """prefill-0 in a single-pool role (today's names), prefill-p32-0 in a named pool."""
+    return f"{role}-{index}" if pool == DEFAULT_POOL else f"{role}-{pool}-{index}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSpec(_Strict):
+    path: str = Field(min_length=1, description="local directory or hub id")
+    served_name: str | None = None
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    kv_heads: int | None = Field(None, ge=1, le=2**16, description="KV heads, when config.json is not local")
+    attention: Literal["full", "hybrid"] | None = Field(
+        None, description="the model's attention, when config.json is not local: full, or hybrid (sliding-window "
+        "and full-attention layers, e.g. gpt-oss, Gemma 2/3), which vLLM's hybrid KV cache manager keeps in one KV "
+        "cache group per kind and the connector rules treat apart. A local config.json decides; this field must "
+        "then agree with it")
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.path
+
+
+class Placement(_Strict):
+    """Where one role's instances run on a cluster engine. Ray: resources/labels/node; Slurm: the rest."""
+
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray custom resources a node must have")
+    labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels a node must carry")
+    node: str | None = Field(None, description="Ray: node IP; for the proxy also 'local' (where pdctl runs)")
+    partition: str | None = Field(None, description="Slurm partition")
+    nodelist: list[str] | None = Field(None, min_length=1, description="Slurm node names")
+    gres: str | None = Field(None, description="Slurm generic resources per instance, e.g. gpu:1")
+
+
+class InstanceGroup(_Strict):
+    """One pool: instances of one role that share hardware and settings. Instance i gets http_port+i,
+    side_channel_port+i, devices[i*tp:(i+1)*tp]. Ports left out are assigned after every explicit one
+    (Topology._assign_ports), so pools never collide."""
+
+    name: str = Field(pattern=POOL_NAME_PATTERN,
+                      description="pool name (an identifier): in instance names, logs, metrics and reports")
+    platform: Platform = "cpu"
+    count: int = Field(1, ge=1, le=64)
+    block_size: int | None = Field(None, ge=1, le=2048)
+    tp: int = Field(1, ge=1, le=64)
+    devices: list[Annotated[int, Field(ge=0)]] | None = None
+    kv_layout: KvLayout = "HND"
+    host: str = "127.0.0.1"
+    http_port: Port | None = None
+    side_channel_port: Port | None = None
+    kv_cache_memory: ByteSize | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    enforce_eager: bool | None = None
+    model: str | None = Field(None, description="model path on this pool's hosts, if it differs")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    kv_buffer_device: BufferDevice | None = Field(
+        None, description="where this pool's KV is registered for NIXL (default: connector.kv_buffer_device, "
+        "else the platform's own memory)")
+    weight: float = Field(1.0, gt=0, description="share of traffic relative to other pools (unequal hardware)")
+    placement: Placement | None = Field(None, description="cluster placement of this pool (default: the "
+                                        "role's engine.placement)")
+    restart: Literal["on-failure", "always", "never"] = Field(
+        "on-failure", description="what the supervisor does when an instance exits or fails its health checks "
+        "persistently: on-failure (not after a clean exit 0), always, never")
+    nice: int = Field(
+        0, ge=-20, le=19, strict=True, description="added to the niceness of every process of each instance (API "
+        "server, engine core, workers), like `nice -n`: 10 on a decode pool that shares a host's cores with prefill "
+        "pools lets the prefill's work go first (lower TTFT under load); below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _platform_defaults(self) -> InstanceGroup:
+        if self.block_size is None:
+            self.block_size = DEFAULT_BLOCK_SIZE[self.platform]
+        if self.enforce_eager is None:
+            # Compiled and eager numerics differ on CPU; exact-match gates need every server in one mode.
+            self.enforce_eager = self.platform == "cpu"
+        if self.platform == "cpu" and self.kv_cache_memory is None and self.gpu_memory_utilization is None:
+            self.kv_cache_memory = 256 * 2**20
+        return self
+
+    def http_port_of(self, index: int) -> int:
+        assert self.http_port is not None  # assigned by the topology
+        return self.http_port + index
+
+    def side_channel_port_of(self, index: int) -> int:
+        # vLLM's NIXL side channel is one listener per engine (base + DP index), whatever the TP.
+        assert self.side_channel_port is not None
+        return self.side_channel_port + index
+
+    def devices_of(self, index: int) -> list[int] | None:
+        if self.devices is None:
+            return None
+        return self.devices[index * self.tp : (index + 1) * self.tp]
+
+
+Policy = Literal["least_outstanding", "round_robin", "prefix_affinity"]
+
+
+ProxyKind = Literal["pdctl", "vllm-router"]
+# pdctl's policies as vllm-router's (docs/operations.md, "vllm-router"): least_outstanding has no exact peer;
+# power_of_two (the less loaded of two random instances) is the closest.
+ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware", "least_outstanding": "power_of_two"}
+
+
+class ProxySpec(_Strict):
+    kind: ProxyKind = Field("pdctl", description="pdctl (pdctl's own proxy) or vllm-router (the vLLM project's "
+                            "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
+                                      "(default port + 1); pdctl's proxy serves /metrics on its own port")
+    policy: Policy = Field("least_outstanding", description="least_outstanding (weighted, across pools), "
+                           "round_robin, or prefix_affinity (same prompt head -> same prefill and decode)")
+    exclude_pairs: list[tuple[str, str]] = Field(
+        default_factory=list, description="[prefill pool, decode pool] pairs the proxy never routes")
+    affinity_epsilon: float = Field(0.25, ge=0, description="prefix_affinity's load bound: an instance is "
+                                    "skipped above (1 + epsilon) x the mean outstanding + 1")
+    affinity_prefix_chars: int = Field(256, ge=1, description="prefix_affinity hashes this many prompt chars")
+    on_prefill_down: Literal["fallback", "reject"] = Field(
+        "fallback", description="when no prefill can answer with usable KV (none healthy, every try failed, or "
+        "an answer without kv_transfer_params): 'fallback' sends the request to a decode as a plain request "
+        "(the decode computes the prompt; counted in pdctl_decode_only_fallback_total), 'reject' answers an "
+        "error at once. The gates run with 'reject'")
+    connect_timeout_s: float = Field(10.0, gt=0, description="upstream TCP connect")
+    first_byte_timeout_s: float = Field(600.0, gt=0, description="request sent -> first byte of the answer "
+                                        "(a prefill computing a long prompt, a decode waiting for its KV)")
+    read_timeout_s: float = Field(600.0, gt=0, description="between two bytes of an answer once it started")
+    breaker_failures: int = Field(3, ge=1, description="consecutive failures that take an instance out of "
+                                  "routing (circuit breaker)")
+    breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
+                                  "trial request (half-open)")
+    early_decode: bool = Field(
+        False, description="pdctl's proxy and connector, local engine: send each P/D request to its decode at the "
+        "same time as to its prefill; the decode's own request path (API server, scheduler, blocks: ~8 ms of TTFT "
+        "on a CPU host) then runs while the prefill computes, and the prefill's KV parameters are handed to the "
+        "waiting decode over a host-local socket. A request whose prefill fails is served the ordinary way")
+    first_token: Annotated[Literal["off", "on", "auto"], BeforeValidator(_on_off)] = Field(
+        "off", description="pdctl's proxy: stream the prefill's token to the client as soon as the prefill "
+        "answers, and the decode's stream after it without its first token (the same token: only for greedy "
+        "streaming requests of one choice, without logprobs, echo, stop strings or tools; any other request is "
+        "served as it is). The decode's path (request, KV read, one step) leaves the time to first token and "
+        "shows between tokens 1 and 2 instead. 'auto': only while the pair's decode has other requests in "
+        "flight (under load, where the decode's first token waits longest). Per request, the header "
+        "x-pdctl-first-token: on|off overrides it")
+
+    @property
+    def router_metrics_port(self) -> int | None:
+        """Where vllm-router serves /metrics (None for pdctl's proxy, which serves it on its own port)."""
+        return (self.metrics_port or self.port + 1) if self.kind == "vllm-router" else None
+
+
+class ConnectorSpec(_Strict):
+    kind: Literal["pdctl", "nixl"] = Field(
+        "pdctl", description="pdctl = pdctl's heterogeneous connector; nixl = vLLM's stock NixlConnector"
+    )
+    kv_buffer_device: BufferDevice | None = Field(None, description="every pool's default")
+    backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
+    progress_thread: bool = True
+    progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
+    worker_spin_s: float | None = Field(
+        None, ge=0, description="how long vLLM's executor-queue readers spin after a message, on every server "
+        "pdctl starts, whatever the connector kind (pdctl's vLLM plugin, through PDCTL_QUEUE_SPIN_S); default 0 "
+        "on CPU, where the spin starves compute and NIXL, vLLM's own 1 s elsewhere (plugin off). On a CPU host with "
+        "cores to spare, 0.01 buys plain vLLM's time per output token at low load (measured on 2 cores: TPOT "
+        "1.4x -> 1.04x plain vLLM's at one request at a time, but TTFT 1.3x -> 1.5x, and 1.9x under load)")
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
+        "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
+        "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
+    read_wait_s: float = Field(
+        0.002, ge=0, le=1, description="pdctl's connector: how long a decode waits, in the step that issued a KV "
+        "read, for it to finish before answering the step (0: not at all, vLLM's behaviour). vLLM notices a "
+        "finished read only at the next step's poll and schedules the first token a step later; a read of a few "
+        "hundred KiB takes ~0.1-0.3 ms, so a short bounded wait saves a whole step of TTFT (it delays that step's "
+        "other tokens by at most this much)")
+    trace: bool = Field(
+        False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
+        "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "
+        "converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined with "
+        "the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
+    extra_config: dict[str, Any] = Field(default_factory=dict)
+    allow_unsafe_hybrid: bool = Field(
+        False, description="negative controls only: let vLLM's stock connector (kind: nixl) pair a hybrid "
+        "(sliding-window + full attention) model's KV with the hybrid KV cache manager on, which pdctl otherwise "
+        "refuses (a warning instead). It exists to prove the "
+        "gates catch the stock connector's silent KV corruption there; never for serving")
+
+    @model_validator(mode="after")
+    def _trace_needs_pdctl(self) -> ConnectorSpec:
+        if self.trace and self.kind != "pdctl":
+            raise ValueError("trace: the timing lines come from pdctl's connector; set kind: pdctl")
+        return self
+
+
+class ReferenceSpec(_Strict):
+    """The aggregated server the gates compare P/D against (`pdctl check`, `pdctl bench`): the first decode
+    pool's hardware and settings, no connector."""
+
+    calm_queues: bool = Field(
+        True, description="run the reference with vLLM's executor queues calmed like every P/D server pdctl "
+        "starts (pdctl's vLLM plugin, connector.worker_spin_s; on CPU by default): a fair comparison. false "
+        "runs it as plain vLLM, whose queue readers spin 1 s after every message (how vLLM runs unmanaged)")
+
+
+class SupervisionSpec(_Strict):
+    """How `pdctl up` keeps instances running (each pool's `restart` says whether it may)."""
+
+    health_failures: int = Field(3, ge=1, description="consecutive failed /health probes before a restart ...")
+    health_window_s: float = Field(30.0, ge=0, description="... and at least this long since the first of them "
+                                   "(a /health stalled behind a busy engine on a small host is not a crash)")
+    health_interval_s: float = Field(5.0, gt=0, description="seconds between health probes of one instance")
+    backoff_s: float = Field(2.0, gt=0, description="wait before the first restart; doubles per restart in the window")
+    backoff_max_s: float = Field(60.0, gt=0)
+    max_restarts: int = Field(5, ge=0, description="restarts of one instance allowed per window; then it stays down")
+    window_s: float = Field(600.0, gt=0)
+
+
+class MonitoringSpec(_Strict):
+    """Prometheus beside the topology (`pdctl up --monitoring`): one more supervised process on this host, its
+    config, rules and data in the state dir, scraping every instance and the proxy."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Port = 9090
+    scrape_interval_s: float = Field(
+        2.0, ge=0.5, le=60, description="scrape and rule evaluation interval; the recording rules' rate windows are "
+        "15 of these (30 s at 2 s), so rate() has data within seconds of the first requests")
+    retention: str = Field("1d", pattern=r"^[1-9][0-9]{0,5}(ms|s|m|h|d|w|y)$",
+                           description="how long Prometheus keeps samples (--storage.tsdb.retention.time)")
+
+
+RAY_PLACEMENT = ("resources", "labels", "node")
+SLURM_PLACEMENT = ("partition", "nodelist", "gres")
+EngineKind = Literal["local", "ray", "slurm"]
+
+
+class EngineSpec(_Strict):
+    """What runs the plan: this host's process groups, a Ray cluster, or a Slurm cluster."""
+
+    kind: EngineKind = "local"
+    address: str | None = Field(None, description="Ray: the cluster's GCS address host:port")
+    namespace: str | None = Field(None, description="Ray namespace (default: the topology's name)")
+    placement: dict[Literal["prefill", "decode", "proxy"], Placement] = Field(default_factory=dict)
+    placement_timeout_s: float = Field(120.0, gt=0, description="how long an instance may wait for a node")
+    time_limit: str = Field("UNLIMITED", min_length=1, description="Slurm job time limit")
+
+
+class AuthSpec(_Strict):
+    """API keys. The key itself is never in the topology, the plan, the state dir or a log: only the name of the
+    environment variable pdctl reads it from when it starts the servers and when it calls them."""
+
+    api_key_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="name of the environment variable that holds the API key: "
+        "every vLLM server and the proxy then require `Authorization: Bearer <key>` on /v1/* (401 otherwise), "
+        "and pdctl sends it on each of its own calls. `pdctl up` refuses to start when it is unset or empty")
+
+
+def _as_pools(v: Any) -> Any:
+    """A role written as one mapping is one pool named 'default' (today's form); a list is several pools."""
+    if isinstance(v, dict):
+        pool: dict[Any, Any] = {"name": DEFAULT_POOL}
+        pool.update(v)  # not {**v}: a non-string key (1: x) is pydantic's to reject, not a TypeError here
+        return [pool]
+    return v
+
+
+MAX_POOLS = 64  # per role; the rules look at every prefill x decode pair
+Pools = Annotated[list[InstanceGroup], BeforeValidator(_as_pools), Field(min_length=1, max_length=MAX_POOLS)]
+
+
+class Topology(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    model: ModelSpec
+    prefill: Pools
+    decode: Pools
+    proxy: ProxySpec = Field(default_factory=ProxySpec)
+    connector: ConnectorSpec = Field(default_factory=ConnectorSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
+    reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    # None (not an empty AuthSpec) when the YAML has no auth: a plan's JSON then stays as it was (Plan.to_dict).
+    auth: AuthSpec | None = Field(None, description="API keys (auth.api_key_env)")
+    # Where it was loaded from (file, base dir, model facts, warnings): set by validate_data, never serialized.
+    _origin: Any = PrivateAttr(default=None)
+
+    @property
+    def origin(self) -> Any:
+        """How this topology was loaded: a Loaded (load.py), or None for one built in code or read back from a plan.
+        Typed Any: the schema does not import the loader, which imports the schema."""
+        return self._origin
+
+    @model_validator(mode="after")
+    def _assign_ports(self) -> Topology:
+        """Ports a pool leaves out follow the role's base (8100/5600 prefill, 8200/5700 decode), skipping every
+        port another pool claims explicitly or was given before: pools never collide unless told to."""
+        taken = {self.proxy.port, self.proxy.router_metrics_port} | (
+            {self.monitoring.port} if self.monitoring.enabled else set())
+        for role in ROLES:
+            for g in self.pools(role):
+                for attr in ("http_port", "side_channel_port"):
+                    if getattr(g, attr) is not None:
+                        taken.update(getattr(g, attr) + i for i in range(g.count))
+        for role in ROLES:
+            cursor = dict(zip(("http_port", "side_channel_port"), ROLE_PORTS[role], strict=True))
+            for g in self.pools(role):
+                for attr in ("http_port", "side_channel_port"):
+                    if getattr(g, attr) is not None:
+                        continue
+                    base = cursor[attr]
+                    while any(base + i in taken for i in range(g.count)):
+                        base += 1
+                    setattr(g, attr, base)
+                    taken.update(base + i for i in range(g.count))
+                    cursor[attr] = base + g.count
+        return self
+
+    def pools(self, role: Role) -> list[InstanceGroup]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def pool(self, role: Role, name: str) -> InstanceGroup:
+        return next(g for g in self.pools(role) if g.name == name)
+
+    def pairs(self) -> list[tuple[InstanceGroup, InstanceGroup]]:
+        """Every prefill pool x decode pool pair the proxy may route (exclude_pairs left out)."""
+        excluded = {tuple(x) for x in self.proxy.exclude_pairs}
+        return [(p, d) for p in self.prefill for d in self.decode if (p.name, d.name) not in excluded]
+
+    def model_path(self, pool: InstanceGroup) -> str:
+        return pool.model or self.model.path
+
+    def kv_cache_dtype(self, pool: InstanceGroup) -> str:
+        return pool.kv_cache_dtype or self.model.kv_cache_dtype
+
+    def kv_buffer_device(self, pool: InstanceGroup) -> str:
+        return pool.kv_buffer_device or self.connector.kv_buffer_device or (
+            "cpu" if pool.platform == "cpu" else pool.platform)
+
+    def staging_blocks(self, decode: InstanceGroup) -> int:
+        """Decode blocks a decode pool withholds for prefill block > decode block: whole prefill blocks are
+        read, and chunks past a request's own decode blocks land here (2*(ratio-1) per request at most, room
+        for 16 at once), sized for the largest ratio among the prefill pools that reach it."""
+        assert decode.block_size is not None
+        ratio = max(((p.block_size or 0) // decode.block_size for p, d in self.pairs() if d is decode), default=0)
+        return 32 * (ratio - 1) if ratio > 1 else 0
