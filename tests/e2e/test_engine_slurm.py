@@ -15,6 +15,9 @@ from tests.e2e.clusters import SlurmCluster
 from tests.e2e.conftest import live, pdctl, wait_for
 
 CONFIG = CONFIGS / "cpu-slurm.yaml"
+# `make test-all` only (README, "Tests"): a Slurm cluster and two servers of its own; CI's server budget went to
+# `pdctl bench --goodput` (tests/e2e/test_bench.py). The Ray engine keeps a cluster backend in `make test`.
+pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")
