@@ -1002,7 +1002,6 @@ def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions
     its baseline on the same devices."""
     from pdctl.bench.goodput_run import run_goodput
     from pdctl.bench.run import overall_status, run_bench
-    from pdctl.plan import baseline_plan
     from pdctl.topology import summary as summary_line
 
     if o.skip_check and o.skip_eval:
@@ -1010,11 +1009,9 @@ def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions
         s: dict = {"name": t.name, "pools": summary_line(t)}
     else:
         s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, replace(o, skip_perf=True), table, phase)
-    loaded = origin(t)
-    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=Path(p.state_dir) / "baseline",
-                         python=sys.executable)
+    base = plan(t, state_dir=p.state_dir, baseline=True)
     pd = p.with_processes([x for x in p.processes if x.role != "reference"])
-    s["goodput"] = run_goodput(loaded, pd, base, backend, out_dir, o, phase,
+    s["goodput"] = run_goodput(origin(t), pd, base, backend, out_dir, o, phase,
                                auth.headers(auth.api_key(t)) or None)
     s["status"] = overall_status(s, o.allow_ungated)
     (out_dir / "summary.json").write_text(json.dumps(s, indent=2))

@@ -51,7 +51,7 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
             plan = base_plan if name == "baseline" else pd_plan
             phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
             state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
-            url = plan.get("proxy").http_url if name == "pd" else plan.get("baseline-proxy").http_url
+            url = plan.by_role("proxy")[0].http_url
             try:
                 if slo is None:  # the first leg is the baseline's
                     one = plan.by_role("baseline")[0]
