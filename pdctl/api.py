@@ -990,8 +990,8 @@ def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
         raise UserError("--goodput runs its own rates (--rates, or a search): drop --request-rate and --breakdown")
     if o.rates is not None and (not o.rates or any(not r > 0 for r in o.rates)):
         raise UserError(f"rates {o.rates}: offered request rates must be positive")
-    if o.repeat < 1:
-        raise UserError(f"--repeat {o.repeat}: at least 1")
+    if o.repeat < 1 or o.requests < 1:
+        raise UserError(f"--repeat {o.repeat}, --requests {o.requests}: at least 1 each")
     if o.requests < goodput.MIN_REQUESTS:
         say(f"warning: --requests {o.requests} per rate: fewer than {goodput.MIN_REQUESTS}, one request moves "
             f"the attainment by {100 / o.requests:.1f} %: too few to decide on")

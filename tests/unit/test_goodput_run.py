@@ -19,7 +19,8 @@ from tests.conftest import CONFIGS
     (["--rates", "2,x"], "--rates 2,x: expected offered request rates"),
     (["--rates", "0,2"], "--rates 0,2: offered request rates must be positive"),
     (["--request-rate", "2"], "--goodput runs its own rates"),
-    (["--repeat", "0"], "--repeat 0: at least 1"),
+    (["--repeat", "0"], "--repeat 0, --requests 200: at least 1 each"),
+    (["--requests", "0"], "--repeat 3, --requests 0: at least 1 each"),
 ])
 def test_bad_goodput_flags_are_refused_before_anything_starts(run_cli, args, says, monkeypatch):
     monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
