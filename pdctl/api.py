@@ -252,6 +252,7 @@ class StatusReport:
     supervisor: dict | None
     instances: list  # launch.run.InstanceStatus
     prometheus: str | None = None  # its URL when the topology runs with monitoring
+    probes: dict[str, float] = field(default_factory=dict)  # "prefill -> decode": its warm-up probe's read (s)
 
     @property
     def ready(self) -> bool:
@@ -259,7 +260,8 @@ class StatusReport:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "state_dir": self.state_dir, "engine": self.engine, "supervisor": self.supervisor,
-                "ready": self.ready, "instances": [asdict(r) for r in self.instances], "prometheus": self.prometheus}
+                "ready": self.ready, "instances": [asdict(r) for r in self.instances], "prometheus": self.prometheus,
+                "probes": self.probes}
 
 
 class Deployment:
@@ -313,7 +315,7 @@ class Deployment:
         from pdctl.launch import supervisor
 
         return StatusReport(self.name, str(self.state_dir), self.state.backend, supervisor.alive(self.state_dir),
-                            run_mod.status(self.state, self.backend), self.prometheus_url)
+                            run_mod.status(self.state, self.backend), self.prometheus_url, dict(self.state.probes))
 
     def select(self, which: str | None = None) -> list[ProcessSpec]:
         """Processes named by instance, ROLE, ROLE/POOL, ROLE/INDEX or ROLE/POOL/INDEX (all without `which`)."""

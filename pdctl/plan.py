@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdctl.auth import PROXY_FLAG, VLLM_KEY_ENV, key_env
+from pdctl.kv.lease import KV_LEASE_S
 from pdctl.proxy import handover
 from pdctl.topology import (
     DEFAULT_POOL,
@@ -181,7 +182,8 @@ def connect_host(host: str) -> str:
 
 def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
     c = t.connector
-    extra: dict = {"backends": list(c.backends)}
+    # The lease explicit on every side (a decode decides from it whether a read may still start: pdctl.kv.lease).
+    extra: dict = {"backends": list(c.backends), "kv_lease_duration": KV_LEASE_S}
     cfg: dict = {"kv_connector": "NixlConnector", "kv_role": KV_ROLE[role]}
     if c.kind == "pdctl":
         # The plugin's class is also named NixlConnector: vLLM's config checks test that name.
@@ -197,6 +199,7 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
             extra["pdctl"]["staging_blocks"] = staging
         if role == "decode":
             extra["pdctl"]["read_wait_s"] = c.read_wait_s
+            extra["pdctl"]["kv_read_timeout_s"] = c.kv_read_timeout_s
         if t.proxy.early_decode:  # the decode takes hand-overs, the prefill gives them
             extra["pdctl"]["handover"] = True
         if c.trace:

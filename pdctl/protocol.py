@@ -39,8 +39,21 @@ def trace_line(stage: str, req_id: str, at: float) -> str:
 # pdctl's connector, per completed (or failed) read on a decode: which prefill engine (host:port of its side
 # channel) it came from; the fleet gate keys it by request id.
 RECEIVED_FORMAT = ("pdctl connector: %s request %s from engine %s at %s:%s (prefill block %s -> decode block %d): "
-                   "%d decode blocks, %s prompt tokens; %d tokens from this engine so far")
+                   "%d decode blocks, %s prompt tokens; %d tokens from this engine so far; read %s ms")
 RECEIVED_LINE = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
+# The NIXL read alone (posted -> seen done by the decode's worker), at the end of a received line; "-" when the
+# request's read was never posted (a full prefix hit).
+READ_MS = re.compile(r"pdctl connector: received request (\S+) .*; read (\d+\.\d+) ms$")
+# pdctl's connector, when a read ran past connector.kv_read_timeout_s and was given up (vLLM's failure path:
+# kv_load_failure_policy decides), and when a read was not started because the prefill's hold on the blocks
+# (its KV lease) was not known to be alive any more.
+READ_TIMED_OUT_FORMAT = ("pdctl connector: read timed out: request %s from engine %s at %s:%s in progress for "
+                         "%.1f s (connector.kv_read_timeout_s %g); given up, kv_load_failure_policy %s")
+READ_TIMED_OUT_MARK = "pdctl connector: read timed out"
+LEASE_REFUSED_FORMAT = ("pdctl connector: read refused: request %s from engine %s at %s:%s seen %.1f s ago; the "
+                        "prefill's KV lease (%g s) may run out before a read of up to %g s ends; "
+                        "kv_load_failure_policy %s")
+LEASE_REFUSED_MARK = "pdctl connector: read refused"
 # pdctl's connector, when it refuses a P/D pair (the text after the mark says why, naming both sides).
 REFUSED_MARK = "pdctl connector: unsupported"
 # vLLM's decode, when a NIXL transfer failed.

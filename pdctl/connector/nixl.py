@@ -47,6 +47,8 @@ from vllm.logger import init_logger
 
 from pdctl import protocol
 from pdctl.connector import seam
+from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
+from pdctl.kv import lease
 from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask
 from pdctl.kv.index import (
     SplitPlan,
@@ -65,6 +67,7 @@ __all__ = ["NixlConnector"]
 
 ISA_TAG = "+pdctl-isa="
 IDLE_WAIT_S = 0.01  # early decode: the longest an engine with only parked requests waits for a hand-over
+ARRIVED_ATTR = "pdctl_seen_at"  # on the connector metadata: req -> when the decode's scheduler saw its KV params
 
 
 def tag_backend(name: str, isa: str | None) -> str:
@@ -133,6 +136,14 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
         self._received_tokens: dict[str, int] = {}  # remote engine -> prompt tokens received so far
         self._failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        # Every read bounded, and started only while the prefill's hold on its blocks is known alive (pdctl.kv.lease).
+        self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration",
+                                                                                     lease.KV_LEASE_S))
+        self._read_timeout_s = float(s.get("kv_read_timeout_s", lease.READ_TIMEOUT_S))
+        self._seen_at: dict[str, float] = {}  # req -> when the scheduler saw its KV parameters (monotonic)
+        self._posted_at: dict[str, float] = {}  # req -> when its read was posted (monotonic), until it ends
+        self._gave_up: set[str] = set()  # reads given up (timed out or refused), until vLLM reports them
+        self.xfer_stats = PdctlKVConnectorStats()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
 
@@ -228,7 +239,26 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
 
     # -- pairing ---------------------------------------------------------------------------------------------
 
+    def start_load_kv(self, metadata):
+        self._seen_at.update(getattr(metadata, ARRIVED_ATTR, None) or {})
+        return super().start_load_kv(metadata)
+
     def _read_blocks_for_req(self, req_id: str, meta):
+        if req_id in self._gave_up:  # a read given up (refused, timed out) is never posted again
+            return None
+        remote = meta.remote
+        seen = self._seen_at.get(req_id)
+        # Decided when the read would be posted now (after the handshake; vLLM calls again once it is done).
+        now = time.monotonic()
+        if remote and seen is not None and seam.has_remote_agent(self, remote.engine_id) and \
+                any(meta.local_physical_block_ids or ()) and \
+                not lease.read_allowed(seen, now, self._lease_s, self._read_timeout_s):
+            log.warning(protocol.LEASE_REFUSED_FORMAT, req_id, remote.engine_id, remote.host, remote.port,
+                        now - seen, self._lease_s, self._read_timeout_s, self._failure_policy)
+            self.xfer_stats.record("pdctl_reads_refused_lease")
+            self._gave_up.add(req_id)
+            seam.fail_recv(self, req_id)
+            return None
         # The decode's own prefix-cache hit (blocks already computed) for this request, per group: vLLM's
         # sub-block pairing does not know it and shifts every pair when it is non-zero.
         prefix_hit = tuple(meta.local_num_computed_blocks or ())
@@ -254,6 +284,8 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             trace("read_issued", req_id)
         try:
             posted = super()._read_blocks_for_req(req_id, meta)
+            if seam.reading(self, req_id):
+                self._posted_at.setdefault(req_id, time.monotonic())
             if self._trace and remote and seam.has_remote_agent(self, remote.engine_id):
                 trace("read_posted", req_id)
             return posted
@@ -334,7 +366,25 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         log.info("pdctl connector: hybrid model, prefill engine %s (block %d -> decode block %d), first request "
                  "of %s tokens: %s", engine, prefill_block, self.block_size, meta.remote.num_tokens, "; ".join(parts))
 
-    def _log_received(self, req_id: str, ok: bool) -> None:
+    def _give_up_late_reads(self) -> None:
+        """Reads in progress past connector.kv_read_timeout_s fail through vLLM's failure path: each NIXL handle is
+        released (NIXL cancels it) or, where NIXL cannot, kept and polled until it ends, so the request's blocks go
+        back to the allocator (or are recomputed into) only once no transfer can still write them."""
+        now = time.monotonic()
+        for req_id in lease.expired_reads(self._posted_at, now, self._read_timeout_s):
+            if req_id in self._gave_up:
+                continue
+            self._gave_up.add(req_id)
+            engine, host, port = (self._receiving.get(req_id) or ("?", "?", "?"))[:3]
+            log.warning(protocol.READ_TIMED_OUT_FORMAT, req_id, engine, host, port, now - self._posted_at[req_id],
+                        self._read_timeout_s, self._failure_policy)
+            self.xfer_stats.record("pdctl_reads_timed_out")
+            kept = seam.abandon_reads(self, req_id)
+            if kept:
+                log.warning("pdctl connector: NIXL could not cancel %d read(s) of request %s: its blocks stay held "
+                            "until they end", kept, req_id)
+
+    def _log_received(self, req_id: str, ok: bool, read_s: float | None = None) -> None:
         """One line per request: which prefill engine its KV came from. vLLM's decode metrics count tokens by
         source but not by remote engine, and a decode in a fleet receives from several prefill pools at once;
         the parity gate reads these lines (keyed by the request id, which holds the proxy's X-Request-Id)."""
@@ -346,7 +396,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             self._received_tokens[engine] = self._received_tokens.get(engine, 0) + (tokens or 0)
         log.info(protocol.RECEIVED_FORMAT, "received" if ok else "FAILED", req_id, engine, host, port,
                  self._remote_block.get(engine, "?"), self.block_size, blocks, tokens,
-                 self._received_tokens.get(engine, 0))
+                 self._received_tokens.get(engine, 0), "-" if read_s is None else f"{read_s * 1e3:.1f}")
 
     # -- prefill block > decode block ------------------------------------------------------------------------
 
@@ -405,12 +455,19 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         if self._fresh_reads:
             seam.await_reads(self, self._fresh_reads, self._read_wait_s)
             self._fresh_reads.clear()
+        self._give_up_late_reads()
         polled = time.time() if self._trace else 0.0
         results = super().get_transfer_results()  # polls the reads, then converts P < D blocks
         failed = set(results.failed_recving or ())
-        done = list(results.finished_recving or ()) + list(failed)
+        done = list(dict.fromkeys([*(results.finished_recving or ()), *failed]))  # vLLM lists a failure in both
+        now = time.monotonic()
         for req_id in done:
-            self._log_received(req_id, req_id not in failed)
+            posted = self._posted_at.pop(req_id, None)
+            self._log_received(req_id, req_id not in failed, None if posted is None else now - posted)
+            self._seen_at.pop(req_id, None)
+            self._gave_up.discard(req_id)
+            if req_id in failed and self._failure_policy == "recompute":
+                self.xfer_stats.record("pdctl_recomputed")
             for key in self._window_keys.pop(req_id, ()):  # normally used up by the post-process already
                 self._window_fills.pop(key, None)
             fills = self._split_fills.pop(req_id, {})
@@ -567,6 +624,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
                      staging)
         self._trace = bool(_settings(vllm_config).get("trace", False))
         self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
+        self._seen_at: dict[str, float] = {}  # req -> when its KV parameters were seen here, until sent to workers
         self._kv_ready: set[str] = set()  # ... then until the step that computes their first token
         super().__init__(vllm_config, engine_id, kv_cache_config)
         # Early decode: hand-over token -> (request, blocks, external tokens) of a request waiting for its
@@ -595,6 +653,8 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("remote_engine_id"):
+            self._seen_at.setdefault(request.request_id, time.monotonic())  # the prefill's lease began before
         if self._trace and request.request_id not in self._traced and params.get("do_remote_prefill"):
             self._traced.add(request.request_id)
             trace("sched_seen", request.request_id)
@@ -632,6 +692,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
                 request.kv_transfer_params["do_remote_prefill"] = False
                 continue
             request.kv_transfer_params = {**params, "do_remote_prefill": True}
+            self._seen_at[request.request_id] = time.monotonic()
             if self._trace:
                 trace("sched_handover", request.request_id)
             if num_external_tokens:
@@ -648,6 +709,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         self._traced.discard(request.request_id)  # aborted before its KV or first token: followed no further
+        self._seen_at.pop(request.request_id, None)
         self._kv_ready.discard(request.request_id)
         params = request.kv_transfer_params or {}
         token = params.get(handover.TOKEN_KEY)
@@ -687,10 +749,22 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             for req_id in self._kv_ready & scheduler_output.num_scheduled_tokens.keys():
                 self._kv_ready.discard(req_id)
                 trace("sched_first", req_id)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        # The workers decide whether a read may start (the lease) from when this scheduler saw the request: one
+        # host, one monotonic clock.
+        setattr(meta, ARRIVED_ATTR, {r: self._seen_at.pop(r) for r in seam.reads_in(meta) if r in self._seen_at})
+        return meta
 
 
 class NixlConnector(NixlPullConnector):
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return PdctlKVConnectorStats(data=data) if data is not None else PdctlKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return PdctlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         # NixlPullConnector.__init__ would build the stock worker (and its spinning NIXL agent): skip to the base.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

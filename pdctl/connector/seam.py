@@ -96,6 +96,7 @@ INTERNALS: tuple[Internal, ...] = (
             ("register_kv_caches", ("kv_caches",)),
             ("add_remote_agent", ("nixl_agent_meta", "remote_tp_rank", "remote_tp_size", "remote_dcp_size")),
             ("_read_blocks_for_req", ("req_id", "meta")),
+            ("start_load_kv", ("metadata",)),
             ("get_transfer_results", ()),
             ("_map_block_ids_for_block_size_ratio", ("local_block_ids", "remote_block_ids", "block_size_ratio")),
             ("post_process_device_kv_on_receive", ("block_size_ratio", "block_ids_list", "convert")),
@@ -138,6 +139,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("method", f"{NIXL_API}:nixl_agent", "check_xfer_state", ("handle",),
              why="polls a read's state without releasing it (vLLM's own poll releases it)"),
     *_attrs("attr", BASE_WORKER, "_recv_failures", "the failed-receive set _handle_failed_transfer records into"),
+    *_attrs("attr", BASE_WORKER, "xfer_stats", "replaced by pdctl's stats (its counters in vLLM's /metrics)"),
+    *_attrs("attr", f"{_N}.metadata:NixlConnectorMetadata", "reqs_to_recv",
+            "the reads a step sends the workers (pdctl adds when the scheduler saw each)"),
+    Internal("class", f"{_N}.stats", "NixlKVConnectorStats", why="base of pdctl's connector stats"),
+    Internal("class", f"{_N}.stats", "NixlPromMetrics", why="base of pdctl's connector Prometheus metrics"),
+    *_hooks(f"{_N}.connector:NixlBaseConnector", ("build_kv_connector_stats", ("data",)),
+            ("build_prom_metrics", ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")),
+            why="pdctl's NixlConnector returns its stats and metrics classes"),
     *_attrs("attr", BASE_WORKER, "_physical_blocks_per_logical_kv_block",
             "kernel blocks per logical block: P > D needs 1; sub-block pairing scales by it"),
     *_attrs("attr", BASE_WORKER, "enable_permute_local_kv", "vLLM permutes the local layout: pdctl steps aside"),
@@ -223,6 +232,29 @@ def has_remote_agent(worker: Any, engine_id: str) -> bool:
 def fail_recv(worker: Any, req_id: str) -> None:
     """Report a request's KV load as failed, the way vLLM reports a failed read (kv_load_failure_policy)."""
     worker._handle_failed_transfer(req_id, None, worker._recv_failures, record_failed_transfer=True)
+
+
+def reading(worker: Any, req_id: str) -> bool:
+    """Whether NIXL reads of this request are in progress (vLLM's `_recving_transfers` holds its handles)."""
+    return bool(worker._recving_transfers.get(req_id))
+
+
+def abandon_reads(worker: Any, req_id: str) -> int:
+    """Fail a request's reads in progress the way vLLM fails a transfer in error: each handle released (NIXL
+    cancels it) or, when NIXL refuses, kept (vLLM polls it until it ends); vLLM reports the request failed once no
+    handle is left, and only then do its blocks go back. Returns how many handles were kept."""
+    handles = worker._recving_transfers.get(req_id, [])
+    kept = [h for h in handles if not worker._handle_failed_transfer(req_id, h, worker._recv_failures)]
+    if kept:
+        worker._recving_transfers[req_id] = kept
+    else:
+        worker._recving_transfers.pop(req_id, None)
+    return len(kept)
+
+
+def reads_in(meta: Any) -> list[str]:
+    """The requests whose KV this step's connector metadata sends the workers to read."""
+    return list(meta.reqs_to_recv)
 
 
 def await_reads(worker: Any, req_ids: list[str], timeout_s: float) -> bool:

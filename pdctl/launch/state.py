@@ -39,10 +39,11 @@ class LaunchState:
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     engine: dict = field(default_factory=dict)  # the backend's handle: Ray namespace, Slurm job id, ...
+    probes: dict[str, float] = field(default_factory=dict)  # "prefill -> decode": its warm-up probe's read (s)
 
     def to_json(self) -> str:
         d = {"plan": self.plan.to_dict(), "backend": self.backend, "detached": self.detached,
-             "created_at": self.created_at, "engine": self.engine,
+             "created_at": self.created_at, "engine": self.engine, "probes": self.probes,
              "processes": {k: asdict(v) for k, v in self.processes.items()}}
         return json.dumps(d, indent=2)
 
@@ -50,7 +51,7 @@ class LaunchState:
     def from_json(cls, text: str) -> LaunchState:
         d = json.loads(text)
         return cls(plan=Plan.from_dict(d["plan"]), backend=d.get("backend", "local"), detached=d["detached"],
-                   created_at=d["created_at"], engine=d.get("engine", {}),
+                   created_at=d["created_at"], engine=d.get("engine", {}), probes=d.get("probes", {}),
                    processes={k: ProcessRecord(**v) for k, v in d["processes"].items()})
 
 

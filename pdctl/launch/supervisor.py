@@ -30,8 +30,10 @@ from pathlib import Path
 
 from pdctl.launch import probe as probe_mod
 from pdctl.launch import state as state_mod
+from pdctl.launch import warmup
 from pdctl.launch.backend import Backend, RestartableBackend
 from pdctl.launch.backends import backend_of
+from pdctl.launch.errors import LaunchFailed
 from pdctl.launch.local import start_ticks
 from pdctl.launch.logs import exit_of, root_cause, this_run
 from pdctl.launch.state import LaunchState
@@ -90,9 +92,11 @@ class Supervisor:
                  clock: Callable[[], float] = time.monotonic,
                  healthy: Callable[[str], bool] = lambda url: probe_mod.healthy(url, timeout=2.0),
                  say: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
-                 save: Callable[[LaunchState], None] = state_mod.save):
+                 save: Callable[[LaunchState], None] = state_mod.save,
+                 prove: Callable[[ProcessSpec], str | None] | None = None):
         self.state, self.backend, self.attached = state, backend, attached
         self.clock, self.healthy, self.say, self.save = clock, healthy, say, save
+        self.prove = prove or self._probe_pairs
         self.policy = Policy.of(state.plan.topology)
         now = clock()
         self.watches = {}
@@ -140,6 +144,11 @@ class Supervisor:
             return
         if w.phase == "starting":
             if ok:
+                why = self.prove(spec)  # its pairs wired again before it counts as serving
+                if why is not None:
+                    self._stop(spec)
+                    self._ended(spec, w, now, None, why)
+                    return
                 self._set(spec, w, "running")
                 self.say(f"{spec.name} is serving again (restart {self.state.processes[spec.name].restarts})")
             elif now - w.started > self.policy.start_timeout_s:
@@ -161,6 +170,19 @@ class Supervisor:
             self.say(f"{spec.name}: {reason}; stopping it")
             self._stop(spec)
             self._ended(spec, w, now, None, reason)
+
+    def _probe_pairs(self, spec: ProcessSpec) -> str | None:
+        """A restarted prefill or decode: each of its pairs with an instance that is up, probed as `up` does
+        (pdctl.launch.warmup); why one failed, or None."""
+        if spec.role not in ("prefill", "decode"):
+            return None
+        try:
+            probes = warmup.reprove(self.state.plan, spec.name,
+                                    partners=lambda name: self.watches.get(name, _Watch()).phase == "running")
+        except LaunchFailed as e:
+            return e.reason
+        self.state.probes.update({p.label: p.read_s if p.read_s is not None else p.decode_s for p in probes})
+        return None
 
     def run(self, stop: threading.Event, interval_s: float = 0.5, until_settled: bool = False) -> None:
         """Pass after pass, each holding the state's lock, until `stop`, the state is gone (`down`), or (with

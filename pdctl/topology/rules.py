@@ -6,6 +6,7 @@ from __future__ import annotations
 from pdctl.topology.facts import ModelInfo, model_attention
 from pdctl.topology.problems import Loc, Problem
 from pdctl.topology.rules_collisions import _collisions
+from pdctl.topology.rules_connector import _connector_problems
 from pdctl.topology.rules_engine import _engine_problems
 from pdctl.topology.rules_exposure import _exposure_problems
 from pdctl.topology.rules_hybrid import _attention_problems
@@ -29,6 +30,7 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
         out.append(Problem(("model", "max_model_len"),
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
                            f"{info.max_position}", f"use at most {info.max_position}"))
+    out += _connector_problems(t)
     out += _engine_problems(t)
     out += _router_problems(t)
     out += _early_decode_problems(t)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from pdctl.auth import ENV_NAME_PATTERN
+from pdctl.kv.lease import READ_TIMEOUT_S
 
 Platform = Literal["cuda", "cpu", "xpu", "hpu"]
 Role = Literal["prefill", "decode"]
@@ -245,6 +246,12 @@ class ConnectorSpec(_Strict):
         "finished read only at the next step's poll and schedules the first token a step later; a read of a few "
         "hundred KiB takes ~0.1-0.3 ms, so a short bounded wait saves a whole step of TTFT (it delays that step's "
         "other tokens by at most this much)")
+    kv_read_timeout_s: float = Field(
+        READ_TIMEOUT_S, gt=0, description="pdctl's connector: a KV read still in progress this long after it "
+        "was posted is given up through vLLM's failure path (kv_load_failure_policy: recompute or fail), its "
+        "blocks returned only once NIXL let go of them; a read is not started when it could outlast the prefill's "
+        "KV lease (kv_lease_duration, which the plan sets to 30 s unless extra_config sets it). Reads on one host "
+        "take milliseconds; a stalled one waited 30 s, until the lease ran out")
     trace: bool = Field(
         False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
         "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "

@@ -3,6 +3,9 @@ the product's path): `hooks_env(...)` gives a pool the variables, this module re
 
 PDCTL_TEST_READ_DELAY_S / PDCTL_TEST_READ_DELAY_MATCH: hold each read of a request whose id holds MATCH that long
 after the decode got it (a fault drill kills the prefill in that gap, deterministically).
+PDCTL_TEST_READ_STALL_S / PDCTL_TEST_READ_STALL_MATCH: report each posted read of a request whose id holds MATCH as
+still in progress for that long (NIXL's own state is not touched: cancelling it then succeeds), as a read whose
+target never progresses looks to the decode.
 PDCTL_TEST_ADVERTISE_ISA: claim another CPU attention ISA than this host's at the handshake (the mismatch must be
 refused)."""
 
@@ -16,6 +19,8 @@ from pdctl.connector import nixl
 DELAY_S = float(os.environ.get("PDCTL_TEST_READ_DELAY_S", "0"))
 DELAY_MATCH = os.environ.get("PDCTL_TEST_READ_DELAY_MATCH", "")
 ADVERTISE_ISA = os.environ.get("PDCTL_TEST_ADVERTISE_ISA")
+STALL_S = float(os.environ.get("PDCTL_TEST_READ_STALL_S", "0"))
+STALL_MATCH = os.environ.get("PDCTL_TEST_READ_STALL_MATCH", "")
 
 if DELAY_S:
     _read = nixl.PdctlNixlWorker._read_blocks_for_req
@@ -27,6 +32,30 @@ if DELAY_S:
         return _read(self, req_id, meta)
 
     nixl.PdctlNixlWorker._read_blocks_for_req = _delayed_read
+
+if STALL_S:
+    _posting = nixl.PdctlNixlWorker._read_blocks_for_req
+
+    def _stalled_read(self, req_id: str, meta):
+        out = _posting(self, req_id, meta)
+        if STALL_MATCH in req_id:
+            wrapper = self.nixl_wrapper
+            if not hasattr(wrapper, "stalled_until"):
+                wrapper.stalled_until = {}
+                real_state = wrapper.check_xfer_state
+
+                def check_xfer_state(handle):
+                    if time.monotonic() < wrapper.stalled_until.get(handle, 0.0):
+                        return "PROC"
+                    return real_state(handle)
+
+                wrapper.check_xfer_state = check_xfer_state
+            for handle in self._recving_transfers.get(req_id, ()):
+                wrapper.stalled_until[handle] = time.monotonic() + STALL_S
+            nixl.log.warning("test hook: reporting the read of request %s in progress for %g s", req_id, STALL_S)
+        return out
+
+    nixl.PdctlNixlWorker._read_blocks_for_req = _stalled_read
 
 if ADVERTISE_ISA:
     _advertised = nixl.PdctlNixlWorker._advertised_isa

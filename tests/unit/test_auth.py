@@ -7,6 +7,7 @@ import secrets
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -250,10 +251,11 @@ class _Server:
                 self._answer(b"" if self.path == "/metrics" else b'{"data": [{"id": "m"}]}', "text/plain")
 
             def do_POST(self):  # noqa: N802
-                self.rfile.read(int(self.headers["Content-Length"]))
+                sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 calls.append((self.path, self.headers.get("Authorization")))
+                kv = {"kv_transfer_params": {"remote_engine_id": "e"}} if sent.get("kv_transfer_params") else {}
                 self._answer(json.dumps({"choices": [{"text": "x", "token_ids": [1, 2]}],
-                                         "usage": {"prompt_tokens": 3}}).encode())
+                                         "usage": {"prompt_tokens": 3}, **kv}).encode())
 
             def log_message(self, *a):
                 pass
@@ -289,12 +291,16 @@ def test_the_parity_gate_sends_the_key_on_every_call(stub):
 
 def test_warm_up_readiness_and_status_send_the_key(stub, key, tmp_path):
     from pdctl.launch import run as run_mod
+    from pdctl.launch.warmup import warm_up
 
     port = int(stub.url.rsplit(":", 1)[1])
-    p = _plan(overrides={**AUTH, "proxy.port": port}, state_dir=tmp_path)
-    p = p.with_processes([s for s in p.processes if s.role != "reference"])
-    run_mod.warm_up(p, timeout_s=5)
-    assert ("/v1/completions", f"Bearer {key}") in stub.calls and ("/ready", f"Bearer {key}") in stub.calls
+    # vLLM's stock connector: the probes need no log of the KV received (the stub writes none)
+    p = _plan(overrides={**AUTH, "proxy.port": port, "connector.kind": "nixl"}, state_dir=tmp_path)
+    p = p.with_processes([replace(s, ports={**s.ports, "http": port}) for s in p.processes if s.role != "reference"])
+    warm_up(p, timeout_s=5)
+    posts = [a for path, a in stub.calls if path == "/v1/completions"]
+    assert posts == [f"Bearer {key}"] * 3  # the pair's probe (prefill, decode), then one through the proxy
+    assert ("/ready", f"Bearer {key}") in stub.calls
     stub.calls.clear()
     assert run_mod._ready(p.get("proxy"), auth.open_route_headers(p.topology))[0]
     assert stub.calls == [("/health", f"Bearer {key}")]

@@ -148,6 +148,7 @@ def test_a_full_prefix_hit_plans_no_window_read(monkeypatch):
     w = window_worker(64, {0: 96})
     w._read_delay_s, w._split_ratio, w._split_plans, w._receiving, w._trace = 0, {}, {}, {}, False
     w._window_now, w._read_wait_s, w._fresh_reads = {}, 0, []
+    w._gave_up, w._seen_at, w._posted_at, w._recving_transfers = set(), {}, {}, {}
     monkeypatch.setattr(seam, "has_remote_agent", lambda self, engine: True)
     monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req", lambda self, req, meta: "read")
     meta = window_meta(479, [[0, 21, 22, 23], [1, 2]], ())

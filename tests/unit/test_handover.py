@@ -58,12 +58,13 @@ def scheduler(monkeypatch, listener):
     calls: list[tuple] = []
     monkeypatch.setattr(NixlPullConnectorScheduler, "update_state_after_alloc",
                         lambda self, r, b, n: calls.append(("alloc", r.request_id, dict(r.kv_transfer_params), n)))
-    monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta", lambda self, out: calls.append(("meta",)))
+    monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta",
+                        lambda self, out: calls.append(("meta",)) or SimpleNamespace(reqs_to_recv={}))
     monkeypatch.setattr(NixlPullConnectorScheduler, "update_connector_output", lambda self, out: None)
     monkeypatch.setattr(NixlPullConnectorScheduler, "request_finished",
                         lambda self, r, b: calls.append(("finished", r.request_id)) or (False, None))
     sched = object.__new__(PdctlNixlScheduler)  # vLLM's __init__ needs a whole engine config
-    sched._trace, sched._traced, sched._kv_ready = False, set(), set()
+    sched._trace, sched._traced, sched._kv_ready, sched._seen_at = False, set(), set(), {}
     sched._parked, sched._handover, sched._reading, sched._reqs_need_recv = {}, listener, set(), {}
     sched._hands_over = False  # a decode's scheduler; a prefill's hands its KV parameters over itself
     return sched, calls

@@ -69,6 +69,25 @@ def test_status_at_80_columns_shows_every_instance_and_address_whole(fleet_plan,
     assert "12346" not in text  # pid is a wide column
 
 
+def test_status_says_the_pairs_probed_and_each_decodes_kv_read_trouble(fleet_plan):
+    from dataclasses import replace
+
+    report = status_report(fleet_plan)
+    out, buf = console()
+    render.status(out, report)
+    assert "probed" not in buf.getvalue() and "KV reads" not in buf.getvalue()  # nothing to say: nothing said
+    rows = [replace(r, kv_reads_timed_out=2.0, kv_reads_refused=0.0, kv_recomputed=2.0) if r.role == "decode" and
+            r.index == 0 and r.pool == "d64" else r for r in report.instances]
+    report = replace(report, instances=rows, probes={"prefill-p32-0 -> decode-d64-0": 0.0021,
+                                                     "prefill-p128-0 -> decode-d64-0": 0.0153})
+    out, buf = console()
+    render.status(out, report)
+    text = " ".join(buf.getvalue().split())
+    assert "pairs probed at start: 2, slowest first read 15.3 ms (prefill-p128-0 -> decode-d64-0)" in text
+    assert "decode-d64-0: KV reads timed out 2, refused (lease) 0, requests recomputed 2" in text
+    assert report.to_dict()["probes"]["prefill-p32-0 -> decode-d64-0"] == 0.0021
+
+
 def test_wide_adds_the_other_columns_at_their_natural_width(fleet_plan):
     out, buf = console()
     render.status(out, status_report(fleet_plan), render.Output.wide)

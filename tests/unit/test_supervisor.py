@@ -366,3 +366,23 @@ def test_a_server_gone_while_its_guard_still_cleans_up_is_an_exit_not_failed_hea
     sup.tick()
     rec = st.processes["prefill-0"]
     assert rec.phase == "backoff" and rec.last_exit == "killed by signal 9 (SIGKILL)" and be.stopped == ["prefill-0"]
+
+
+def test_a_restarted_instance_serves_only_once_its_pairs_are_proven_again():
+    sup, be, st, clock, _, said = make()
+    verdicts = ["warm-up probe of pair prefill-0 -> decode-0: its first KV read took 30.2 s", None]
+    proved: list[str] = []
+    sup.prove = lambda s: proved.append(s.name) or verdicts.pop(0)
+    for _ in range(2):
+        be.alive["prefill-0"] = False
+        sup.tick()
+        clock[0] = sup.watches["prefill-0"].restart_at
+        sup.tick()
+        assert st.processes["prefill-0"].phase == "starting"
+        clock[0] += 1
+        sup.tick()  # /health answers: its pairs are probed before it counts as serving
+    # the first proof failed: stopped, recorded, restarted after the backoff; the second passed
+    assert proved == ["prefill-0", "prefill-0"]
+    assert "prefill-0" in be.stopped
+    assert any("its first KV read took 30.2 s" in m and "restarting in" in m for m in said)
+    assert st.processes["prefill-0"].phase == "running" and st.processes["prefill-0"].restarts == 2

@@ -1,0 +1,60 @@
+"""pdctl's counters in vLLM's own connector metrics: each server's /metrics (and so `pdctl status` and
+Prometheus) carries them next to vLLM's vllm:nixl_* series.
+
+vLLM collects a connector's stats on its workers, ships them to the API server as plain lists, and turns them into
+Prometheus series through the connector class's build_kv_connector_stats / build_prom_metrics; pdctl's connector
+returns these subclasses, which add keys to the same lists.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# stats key -> (Prometheus counter, what it counts)
+COUNTERS = {
+    "pdctl_reads_timed_out": ("vllm:pdctl_kv_reads_timed_out",
+                              "KV reads given up after connector.kv_read_timeout_s (then kv_load_failure_policy)"),
+    "pdctl_reads_refused_lease": ("vllm:pdctl_kv_reads_refused_lease",
+                                  "KV reads not started: the prefill's KV lease was not known to be alive"),
+    "pdctl_recomputed": ("vllm:pdctl_kv_recomputed_requests",
+                         "requests whose KV load failed and the decode computed the prompt itself (policy recompute)"),
+}
+
+
+class PdctlKVConnectorStats(NixlKVConnectorStats):
+    def reset(self):
+        super().reset()
+        self.data.update({k: [] for k in COUNTERS})
+
+    def record(self, key: str) -> None:
+        self.data.setdefault(key, []).append(1)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(k) for k in COUNTERS)
+
+    def aggregate(self, other):
+        for k in COUNTERS:  # stats from a worker of another build (stock keys only) aggregate too
+            self.data.setdefault(k, [])
+            other.data.setdefault(k, [])
+        return super().aggregate(other)
+
+    def reduce(self):
+        out = super().reduce()
+        out.update({COUNTERS[k][0].removeprefix("vllm:"): len(self.data.get(k, ())) for k in COUNTERS})
+        return out
+
+
+class PdctlPromMetrics(NixlPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.pdctl_counters = {
+            key: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                          self.per_engine_labelvalues)
+            for key, (name, doc) in COUNTERS.items()}
+
+    def observe(self, transfer_stats_data, engine_idx: int = 0):
+        super().observe(transfer_stats_data, engine_idx)
+        for key, counter in self.pdctl_counters.items():
+            for n in transfer_stats_data.get(key, ()):
+                counter[engine_idx].inc(n)
