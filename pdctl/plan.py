@@ -21,6 +21,7 @@ from pdctl.topology import (
     instance_name,
     resolved_model,
 )
+from pdctl.topology.transport import transport_env
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference", "baseline", "monitor"]
 
@@ -33,15 +34,6 @@ QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # How each platform is told which devices an instance owns.
-# UCX under NIXL, per placement (docs/notes/ucx-transports.md). UCX's defaults carry NIXL's notifications and
-# wire-up over TCP, which completes only when the *target's* worker is progressed: a fresh pair's first read then
-# waits for the prefill's next step. On one host with KV in host memory, shared-memory lanes (posix for messages,
-# cma for the zero-copy reads) serve NIXL's peer-failure endpoints once UCX_MM_ERROR_HANDLING allows it, and need
-# no wire-up round trip (UCX_RESOLVE_REMOTE_EP_ID=n). Across hosts UCX keeps its own transport choice (RDMA where
-# there is some); its TCP endpoints connect without blocking the worker. A pool's `env` overrides any of them.
-UCX_ONE_HOST = {"UCX_TLS": "posix,cma,self", "UCX_MM_ERROR_HANDLING": "y", "UCX_RESOLVE_REMOTE_EP_ID": "n"}
-UCX_ACROSS_HOSTS = {"UCX_TCP_CONN_NB": "y"}
-
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
 
 
@@ -250,15 +242,6 @@ def queue_spin_s(t: Topology, g: InstanceGroup) -> float | None:
     return spin if spin is not None else (0.0 if g.platform == "cpu" else None)
 
 
-def transport_env(t: Topology) -> dict[str, str]:
-    """UCX settings for every server of the topology, from where its pairs run: one host (the local engine) with
-    every pool's KV in host memory, or anything else (cluster engines place instances on several hosts; device
-    memory on one host needs UCX's device transports, which a shared-memory-only list would exclude)."""
-    one_host = t.engine.kind == "local"
-    host_memory = all(t.kv_buffer_device(g) == "cpu" for role in ROLES for g in t.pools(role))
-    return dict(UCX_ONE_HOST) if one_host and host_memory else dict(UCX_ACROSS_HOSTS)
-
-
 def _server_env(t: Topology, g: InstanceGroup, index: int, queue_spin: float | None = None) -> dict[str, str]:
     env = {
         "PYTHONUNBUFFERED": "1",
@@ -274,7 +257,8 @@ def _server_env(t: Topology, g: InstanceGroup, index: int, queue_spin: float | N
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(d) for d in devices)
     elif devices is not None:
         env[DEVICE_ENV[g.platform]] = ",".join(str(d) for d in devices)
-        env["UCX_NET_DEVICES"] = "all"
+    if g.net_devices:
+        env["UCX_NET_DEVICES"] = g.net_devices
     if queue_spin is not None:
         env[QUEUE_SPIN_ENV] = f"{queue_spin:g}"
     env.update(g.env)

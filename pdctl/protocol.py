@@ -41,8 +41,8 @@ def trace_line(stage: str, req_id: str, at: float) -> str:
 RECEIVED_FORMAT = ("pdctl connector: %s request %s from engine %s at %s:%s (prefill block %s -> decode block %d): "
                    "%d decode blocks, %s prompt tokens; %d tokens from this engine so far; read %s ms")
 RECEIVED_LINE = re.compile(r"pdctl connector: received request (\S+) from engine \S+ at ([^\s:]+):(\d+) ")
-# The NIXL read alone (posted -> seen done by the decode's worker), at the end of a received line; "-" when the
-# request's read was never posted (a full prefix hit).
+# The NIXL read (issued, posting included -> seen done by the decode's worker), at the end of a received line; "-"
+# when the request's read was never posted (a full prefix hit).
 READ_MS = re.compile(r"pdctl connector: received request (\S+) .*; read (\d+\.\d+) ms$")
 # pdctl's connector, when a read ran past connector.kv_read_timeout_s and was given up (vLLM's failure path:
 # kv_load_failure_policy decides), and when a read was not started because the prefill's hold on the blocks

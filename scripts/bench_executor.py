@@ -8,7 +8,7 @@ proxy (vLLM's serving benchmark, streaming, fresh prompts), and taken down; the 
 alternation. Reported: medians and the median of the per-alternation ratios uni / mp (the issue's criterion: TTFT and
 TPOT ratios within 0.95-1.05).
 
---ab ucx: pdctl's UCX settings for the servers' placement (pdctl.plan.transport_env) against UCX's defaults (every
+--ab ucx: pdctl's UCX settings for the servers' placement (pdctl.topology.transport) against UCX's defaults (every
 UCX_* variable taken out), the same measurements plus the KV read time per request (the decodes' NIXL transfer
 time over the requests).
 

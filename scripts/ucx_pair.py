@@ -2,7 +2,8 @@
 
 The target registers 1 MiB and sleeps; the initiator adds it, posts a READ with a notification and polls it.
 Run under the environment to test (UCX_* variables, PROG=0|1 for NIXL's progress thread, NTHR for NIXL's extra
-UCX workers); UCX_PROTO_INFO=y prints the lanes UCX chose.
+UCX workers, DELAY_US for its progress thread's pause between passes as pdctl's connector sets it); UCX_PROTO_INFO=y
+prints the lanes UCX chose.
 
 Usage: python scripts/ucx_pair.py [--seconds 5]     (starts both agents on core 0 and prints the outcome)
 Measured (docs/notes/ucx-transports.md): with UCX's defaults and the target's progress thread off the READ stays
@@ -24,9 +25,13 @@ def agent(role: str, d: Path, seconds: float) -> None:
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
+    from pdctl.connector import seam
+
     conf = nixl_agent_config(enable_prog_thread=os.environ.get("PROG", "1") == "1",
                              num_threads=int(os.environ.get("NTHR", "0")))
-    a = nixl_agent(role, conf)
+    # DELAY_US: the progress thread's pause between passes, as pdctl's connector sets it (0: NIXL's spinning)
+    with seam.nixl_agent_settings(os.environ.get("PROG", "1") == "1", int(os.environ.get("DELAY_US", "0"))):
+        a = nixl_agent(role, conf)
     t = torch.full((1 << 20,), 7 if role == "target" else 0, dtype=torch.uint8)
     a.register_memory(a.get_reg_descs(t))
     if role == "target":
@@ -43,12 +48,13 @@ def agent(role: str, d: Path, seconds: float) -> None:
                                b"done")
     t0 = time.perf_counter()
     a.transfer(handle)
+    posted = time.perf_counter() - t0
     state = a.check_xfer_state(handle)
     while state not in ("DONE", "ERR") and time.perf_counter() - t0 < seconds:
         time.sleep(0.001)
         state = a.check_xfer_state(handle)
-    print(f"initiator: READ {state} after {time.perf_counter() - t0:.3f} s, bytes arrived: {bool((t == 7).all())}",
-          flush=True)
+    print(f"initiator: READ {state} after {time.perf_counter() - t0:.3f} s (posting took {posted:.3f} s), bytes "
+          f"arrived: {bool((t == 7).all())}", flush=True)
 
 
 def main() -> int:

@@ -282,10 +282,13 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._prefix_hit = prefix_hit  # for _map_block_ids_for_block_size_ratio, which vLLM calls in here
         if self._trace and remote and seam.has_remote_agent(self, remote.engine_id):
             trace("read_issued", req_id)
+        issued = time.monotonic()
         try:
             posted = super()._read_blocks_for_req(req_id, meta)
             if seam.reading(self, req_id):
-                self._posted_at.setdefault(req_id, time.monotonic())
+                # From before the post: posting itself can block (NIXL's first notification to a prefill wires up
+                # UCX's message lane inside it), and that wait is the read's too.
+                self._posted_at.setdefault(req_id, issued)
             if self._trace and remote and seam.has_remote_agent(self, remote.engine_id):
                 trace("read_posted", req_id)
             return posted

@@ -17,8 +17,9 @@ import json
 import re
 from pathlib import PurePosixPath
 
-from pdctl.plan import DEVICE_ENV, UCX_ACROSS_HOSTS, UCX_ONE_HOST, Plan, ProcessSpec
+from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
 from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Topology, is_local_path
+from pdctl.topology.transport import UCX_ACROSS_HOSTS, UCX_ONE_HOST
 
 # The extended resource each platform's device plugin offers.
 DEVICE_RESOURCE = {"cuda": "nvidia.com/gpu", "hpu": "habana.ai/gaudi", "xpu": "gpu.intel.com/i915"}

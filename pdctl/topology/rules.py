@@ -13,6 +13,7 @@ from pdctl.topology.rules_hybrid import _attention_problems
 from pdctl.topology.rules_pairs import _pair_problems, _pool_set_problems
 from pdctl.topology.rules_pool import _pool_problems
 from pdctl.topology.rules_proxy import _early_decode_problems, _router_problems
+from pdctl.topology.rules_transport import _transport_problems
 from pdctl.topology.schema import ROLES, Topology
 
 
@@ -31,6 +32,7 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
                            f"{t.model.max_model_len} exceeds the model's max_position_embeddings "
                            f"{info.max_position}", f"use at most {info.max_position}"))
     out += _connector_problems(t)
+    out += _transport_problems(t)
     out += _engine_problems(t)
     out += _router_problems(t)
     out += _early_decode_problems(t)

@@ -127,6 +127,10 @@ class InstanceGroup(_Strict):
     kv_buffer_device: BufferDevice | None = Field(
         None, description="where this pool's KV is registered for NIXL (default: connector.kv_buffer_device, "
         "else the platform's own memory)")
+    net_devices: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:,-]+$", description="the network devices UCX may use for this pool's KV "
+        "across hosts (UCX_NET_DEVICES, e.g. mlx5_0:1 or eth0); unset, UCX picks (RDMA where there is some). On "
+        "one host pdctl's shared-memory settings need none")
     weight: float = Field(1.0, gt=0, description="share of traffic relative to other pools (unequal hardware)")
     placement: Placement | None = Field(None, description="cluster placement of this pool (default: the "
                                         "role's engine.placement)")

@@ -15,6 +15,7 @@ from pdctl import protocol
 from tests.e2e.conftest import Up, get_text, hooks_env, pdctl
 from tests.e2e.faults import complete, fresh_prompt
 
+
 def ports(k: int) -> list[str]:
     return ["--set", f"proxy.port={8075 + k}", "--set", f"prefill.http_port={8175 + k}", "--set",
             f"decode.http_port={8275 + k}", "--set", f"prefill.side_channel_port={5675 + k}", "--set",

@@ -97,11 +97,11 @@ def test_the_cli_is_the_api_rendered():
 def test_up_interrupted_once_started_stops_what_it_started(monkeypatch, tmp_path):
     """Ctrl-C after run.up returned but before the caller got its handle (the window a foreground `pdctl up` once
     lost its state.json in): the topology is taken down, not left for the parent's death to half-clean."""
-    from pdctl import api
+    from pdctl.api import deploy
     from pdctl.launch import run as run_mod
 
     started, downed = object(), []
-    monkeypatch.setattr(api, "_preflight", lambda p, t: type("B", (), {"restartable": True, "name": "local"})())
+    monkeypatch.setattr(deploy, "_preflight", lambda p, t: type("B", (), {"restartable": True, "name": "local"})())
     monkeypatch.setattr(run_mod, "up", lambda *a, **kw: started)
     monkeypatch.setattr(run_mod, "down", lambda state, backend, *a: downed.append(state))
     monkeypatch.setattr("pdctl.launch.supervisor.stop", lambda d: None)
@@ -109,14 +109,14 @@ def test_up_interrupted_once_started_stops_what_it_started(monkeypatch, tmp_path
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "Deployment", interrupted)
+    monkeypatch.setattr(deploy, "Deployment", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pdctl.up(pdctl.load(CONFIGS / "cpu-demo.yaml"), state_dir=tmp_path)
     assert downed == [started]
 
 
 def test_bench_breakdown_turns_the_trace_on_and_refuses_what_it_cannot_follow(monkeypatch, tmp_path):
-    from pdctl import api
+    from pdctl.api import benchmarks as api
     from pdctl.bench.options import BenchOptions
 
     t = pdctl.load(CONFIGS / "cpu-demo.yaml")
@@ -140,7 +140,7 @@ def test_a_running_hybrid_models_window_is_read_from_its_servers_model(tmp_path)
     import json
     from types import SimpleNamespace
 
-    from pdctl.api import _sliding_window
+    from pdctl.api.gates import _sliding_window
 
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 256, "sliding_window": 96,
@@ -156,6 +156,7 @@ def test_a_seeded_fleet_check_draws_other_prompts_for_each_pair(monkeypatch):
     """`--seed N` on a fleet: two pairs that share a decode must not get the same prompts (the second pair's would
     be prefix-cache hits at the decode, no KV moved, and the gate would fail on its own prompts)."""
     import pdctl.api as api
+    from pdctl.api import gates
 
     t = pdctl.load(CONFIGS / "cpu-fleet.yaml")
     asked = []
@@ -170,12 +171,12 @@ def test_a_seeded_fleet_check_draws_other_prompts_for_each_pair(monkeypatch):
         asked.extend(prompts_for(32, 64, k) for k in range(2))  # two pairs with the same block sizes
         return "report"
 
-    monkeypatch.setattr(api, "_check_fleet", fleet)
-    monkeypatch.setattr(api, "_reported", lambda report, o: report)
+    monkeypatch.setattr(gates, "_check_fleet", fleet)
+    monkeypatch.setattr(gates, "_reported", lambda report, o: report)
     assert pdctl.check(Running(), options=api.CheckOptions(seed=5)) == "report"
     first, second = ([p.ids for p in ps] for ps in asked)
     assert len(first) == len(second) > 10 and not set(map(tuple, first)) & set(map(tuple, second))
     again = []
-    monkeypatch.setattr(api, "_check_fleet", lambda *a: again.append(a[4](32, 64, 0)) or "report")
+    monkeypatch.setattr(gates, "_check_fleet", lambda *a: again.append(a[4](32, 64, 0)) or "report")
     pdctl.check(Running(), options=api.CheckOptions(seed=5))
     assert [p.ids for p in again[0]] == first  # still reproducible: the same seed, the same prompts per pair

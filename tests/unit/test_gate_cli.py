@@ -55,7 +55,8 @@ def no_launch(monkeypatch):
     def up(*a, **kw):
         raise Launched
 
-    monkeypatch.setattr("pdctl.api.plan", plan)
+    for where in ("pdctl.api", "pdctl.api.deploy", "pdctl.api.gates", "pdctl.api.benchmarks"):  # each holds the name
+        monkeypatch.setattr(f"{where}.plan", plan)
     monkeypatch.setattr("pdctl.launch.run.up", up)
     monkeypatch.setattr("pdctl.gates.accuracy.run_lm_eval", up)
     return seen

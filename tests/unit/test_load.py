@@ -244,7 +244,8 @@ def test_datasets_that_cannot_be_built_here_are_refused(dataset, path, message):
 
 def test_bench_and_sweep_refuse_a_bad_dataset_before_anything_starts(run_cli, monkeypatch, tmp_path):
     started = []
-    monkeypatch.setattr("pdctl.api.plan", lambda *a, **kw: started.append(1) or pytest.fail("started"))
+    for where in ("pdctl.api", "pdctl.api.deploy", "pdctl.api.gates", "pdctl.api.benchmarks"):  # each holds the name
+        monkeypatch.setattr(f"{where}.plan", lambda *a, **kw: started.append(1) or pytest.fail("started"))
     code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip-eval", "--dataset", "sharegpt")
     assert code == 1 and started == [] and "Traceback" not in err
     assert "error: --dataset sharegpt needs --dataset-path" in err

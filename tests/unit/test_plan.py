@@ -447,7 +447,7 @@ def test_with_hosts_moves_every_named_pools_upstream_of_a_fleets_proxy():
 
 # UCX per placement: shared-memory lanes on one host with KV in host memory, UCX's own choice elsewhere.
 def test_servers_on_one_host_with_host_memory_kv_get_shared_memory_ucx_lanes():
-    from pdctl.plan import UCX_ONE_HOST
+    from pdctl.topology.transport import UCX_ONE_HOST
 
     p = _plan()
     for s in p.processes:

@@ -1,0 +1,213 @@
+"""Benchmarks: P/D against the aggregated alternative on the same devices (load, goodput), and sweeps."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pdctl import auth
+from pdctl.api.common import Say, UserError, _quiet
+from pdctl.api.deploy import _interruptible, _local_engine, _preflight
+from pdctl.api.gates import expected_table, gsm8k_source
+from pdctl.api.topology import _gate_note, _gated, load, origin, plan
+from pdctl.bench.options import BenchOptions
+from pdctl.launch.errors import LaunchFailed
+from pdctl.plan import Plan
+from pdctl.topology import Topology, TopologyError
+
+
+@dataclass
+class BenchResult:
+    status: str  # PASS | FAIL
+    summary: dict  # every phase's numbers (also summary.json under out_dir)
+    out_dir: Path
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "PASS"
+
+    def to_dict(self) -> dict:
+        return self.summary
+
+
+def _bench_data(o: BenchOptions, say: Say) -> BenchOptions:
+    from pdctl.bench.load import check_dataset
+    from pdctl.gates import gsm8k
+
+    try:
+        check_dataset(o.dataset, o.dataset_path)  # the load's prompts: before anything starts
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not o.skip_eval:
+        return replace(o, data_dir=gsm8k_source(o.data_dir, say))
+    if o.data_dir is not None:  # the parity gate's GSM8K prompts
+        try:
+            return replace(o, data_dir=gsm8k.check_dir(Path(o.data_dir)).data_dir)
+        except gsm8k.DataError as e:
+            raise UserError(str(e)) from None
+    return o
+
+
+def bench(target: Topology | str | Path, options: BenchOptions | None = None, *, results: str | Path | None = None,
+          say: Say = _quiet, progress: Say = _quiet) -> BenchResult:
+    """The whole job: up (beside an aggregated reference) -> parity -> accuracy -> load benchmark -> down.
+    `say` and `progress` get each phase as it starts, with the seconds since the start."""
+    o = options or BenchOptions()
+    table = expected_table(o.expected)
+    o = _bench_data(o, say)
+    t = _gated(load(target, gated=True) if isinstance(target, (str, Path)) else target, say)
+    out_dir = Path(results) if results else Path("results") / f"bench-{t.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _bench(t, o, table, out_dir, say, progress)
+
+
+def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, progress: Say = _quiet) -> BenchResult:
+    from pdctl.bench.load import WorkloadError
+    from pdctl.bench.run import run_bench
+
+    _local_engine(t)
+    o = o.resolved()
+    if o.breakdown:
+        t = _traced(t, o)
+    if o.goodput:
+        _goodput_options(t, o, say)
+    p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
+    backend = _preflight(p, t)
+    t0 = time.monotonic()
+
+    def phase(text: str) -> None:
+        say(f"[{time.monotonic() - t0:5.0f} s] {text}")
+        progress(f"[{time.monotonic() - t0:5.0f} s] {text}")
+
+    with _interruptible():
+        try:
+            if not o.goodput:
+                s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
+            else:
+                s = _bench_goodput(t, p, backend, out_dir, o, table, phase)
+        except WorkloadError as e:  # the load's prompts, refused before anything started
+            raise UserError(str(e)) from None
+    return BenchResult(s["status"], s, out_dir)
+
+
+def parse_rates(text: str | None) -> tuple[float, ...] | None:
+    """--rates 2,4,8 -> (2.0, 4.0, 8.0); None -> None (the rate search)."""
+    if text is None:
+        return None
+    try:
+        rates = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--rates {text}: expected offered request rates separated by commas, e.g. 2,4,8") from None
+    if not all(0 < r < float("inf") for r in rates):
+        raise UserError(f"--rates {text}: offered request rates must be positive numbers")
+    return rates
+
+
+def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
+    """What --goodput refuses before anything starts, and what it warns of."""
+    from pdctl.bench import goodput
+
+    try:
+        goodput.parse_slo(o.slo)
+    except goodput.SloError as e:
+        raise UserError(str(e)) from None
+    if o.breakdown or o.request_rate is not None:
+        raise UserError("--goodput runs its own rates (--rates, or a search): drop --request-rate and --breakdown")
+    if o.rates is not None and (not o.rates or any(not r > 0 for r in o.rates)):
+        raise UserError(f"rates {o.rates}: offered request rates must be positive")
+    if o.repeat < 1 or o.requests < 1:
+        raise UserError(f"--repeat {o.repeat}, --requests {o.requests}: at least 1 each")
+    if o.requests < goodput.MIN_REQUESTS:
+        say(f"warning: --requests {o.requests} per rate: fewer than {goodput.MIN_REQUESTS}, one request moves "
+            f"the attainment by {100 / o.requests:.1f} %: too few to decide on")
+
+
+def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions, table: dict, phase: Say) -> dict:
+    """The gates on the topology beside its reference (unless skipped), then goodput: the topology alone against
+    its baseline on the same devices."""
+    from pdctl.bench.goodput_run import run_goodput
+    from pdctl.bench.run import overall_status, run_bench
+    from pdctl.topology import summary as summary_line
+
+    if o.skip_check and o.skip_eval:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        s: dict = {"name": t.name, "pools": summary_line(t)}
+    else:
+        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, replace(o, skip_perf=True), table, phase)
+    base = plan(t, state_dir=p.state_dir, baseline=True)
+    pd = p.with_processes([x for x in p.processes if x.role != "reference"])
+    s["goodput"] = run_goodput(origin(t), pd, base, backend, out_dir, o, phase,
+                               auth.headers(auth.api_key(t)) or None)
+    s["status"] = overall_status(s, o.allow_ungated)
+    (out_dir / "summary.json").write_text(json.dumps(s, indent=2))
+    return s
+
+
+def _traced(t: Topology, o: BenchOptions) -> Topology:
+    """The topology with connector.trace on (the decodes' timing lines), for a bench that follows its requests."""
+    if o.skip_perf:
+        raise UserError("--breakdown follows the load benchmark's requests: drop --skip-perf")
+    if t.connector.kind != "pdctl":
+        raise UserError(f"--breakdown: the decode's timing lines come from pdctl's connector; topology '{t.name}' "
+                        f"uses connector.kind {t.connector.kind}")
+    traced = t.model_copy(update={"connector": t.connector.model_copy(update={"trace": True})})
+    traced._origin = t.origin
+    return traced
+
+
+@dataclass
+class SweepResult:
+    rows: list[dict]  # one summary per case (REFUSED / FAIL / PASS)
+    out_dir: Path
+
+    @property
+    def passed(self) -> bool:
+        return not any(r.get("status") == "FAIL" for r in self.rows)
+
+    def table(self) -> list[dict]:
+        """One flat row per case (blocks, TP, gates, p50 latencies) for a table."""
+        from pdctl.bench.sweep import row
+
+        return [row(r) for r in self.rows]
+
+    @property
+    def reports(self) -> list[Path]:
+        return [self.out_dir / n for n in ("sweep.md", "sweep.json", "accuracy.png", "latency.png")]
+
+
+def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None = None, *,
+          results: str | Path | None = None, say: Say = _quiet) -> SweepResult:
+    """`bench` for every case of a matrix (resumable: a case with a summary under `results` is kept); writes
+    sweep.json, sweep.md and plots. A case the topology rules refuse is REFUSED, one that fails to start FAIL."""
+    from pydantic import ValidationError
+
+    from pdctl.bench import sweep as sweep_mod
+
+    matrix = Path(matrix)
+    try:
+        m = sweep_mod.load_matrix(matrix)
+    except (OSError, ValidationError, ValueError) as e:
+        raise UserError(f"{matrix}: {e}") from None
+    out_dir = Path(results) if results else Path("results") / f"sweep-{matrix.stem}"
+    o = options or BenchOptions()
+    table = expected_table(o.expected)
+    o = _bench_data(o, say)
+    say(_gate_note() + " in every case")
+
+    def run_case(case, case_dir: Path) -> dict:
+        base = {"prefill_block": case.prefill_block_size, "decode_block": case.decode_block_size,
+                "prefill_tp": case.prefill_tp, "decode_tp": case.decode_tp}
+        try:
+            t = load(topology, case.overrides(), gated=True)
+        except TopologyError as e:
+            return {**base, "status": "REFUSED", "error": e.render()}
+        try:
+            return _bench(t, o, table, case_dir, lambda text: say(f"  {case.name}: {text}")).summary
+        except (LaunchFailed, UserError, RuntimeError) as e:
+            return {**base, "status": "FAIL", "error": str(e)}
+
+    t0 = time.monotonic()
+    rows = sweep_mod.run_sweep(m, out_dir, run_case,
+                               lambda c, state: say(f"[{time.monotonic() - t0:5.0f} s] case {c.name}: {state}"))
+    return SweepResult(rows, out_dir)
