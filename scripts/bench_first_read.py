@@ -46,8 +46,8 @@ from pdctl.topology import Override, load_topology
 
 TRACE = TRACE_LINE
 PROBE = re.compile(r"pdctl-probe-(prefill-\S+?-\d+)-(decode-\S+?-\d+)")
-HANDSHAKE = "Transfer plan: "
-WIRED = re.compile(r"UCX message lane to engine \S+ wired in (\d+\.\d+) ms")  # vLLM logs it once per remote engine registered after a NIXL handshake
+HANDSHAKE = "Transfer plan: "  # vLLM logs it once per remote engine registered after a NIXL handshake
+WIRED = re.compile(r"UCX message lane to engine \S+ wired in (\d+\.\d+) ms")  # pdctl's connector, at handshake
 
 
 def shared_cores(path: str) -> list[Override]:
