@@ -47,7 +47,6 @@ from pdctl.topology import Override, load_topology
 TRACE = TRACE_LINE
 PROBE = re.compile(r"pdctl-probe-(prefill-\S+?-\d+)-(decode-\S+?-\d+)")
 HANDSHAKE = "Transfer plan: "  # vLLM logs it once per remote engine registered after a NIXL handshake
-WIRED = re.compile(r"UCX message lane to engine \S+ wired in (\d+\.\d+) ms")  # pdctl's connector, at handshake
 
 
 def shared_cores(path: str) -> list[Override]:
@@ -69,13 +68,11 @@ def first_reads(plan: Plan) -> dict:
     """Per instance pair: its probe's times (s) from the decodes' logs."""
     stages: dict[str, dict[str, float]] = {}
     handshakes = 0
-    wired: list[float] = []  # pdctl's connector wires UCX's message lane at handshake: how long each took (s)
     for s in plan.processes:
         if s.role != "decode":
             continue
         text = Path(s.log_path).read_text(errors="replace")
         handshakes += text.count(HANDSHAKE)
-        wired += [float(x) / 1e3 for x in WIRED.findall(text)]
         for stage, rid, at in TRACE.findall(text):
             m = PROBE.search(rid)
             if m:
@@ -85,7 +82,7 @@ def first_reads(plan: Plan) -> dict:
         else None,
         "read_s": st["read_done"] - st["read_issued"] if {"read_done", "read_issued"} <= st.keys() else None,
     } for pair, st in sorted(stages.items())}
-    return {"pairs": pairs, "handshake_lines": handshakes, "wire_up_s": wired}
+    return {"pairs": pairs, "handshake_lines": handshakes}
 
 
 def bring_up(plan: Plan, timeout_s: float) -> dict:
@@ -142,9 +139,8 @@ def main() -> int:
             r = bring_up(plan, a.timeout)
             runs[label].append(r)
             worst = max((p["first_read_s"] or 0.0 for p in r["pairs"].values()), default=0.0)
-            wire = max(r["wire_up_s"], default=0.0)
             print(f"[{i + 1}/{a.repeat}] {label:32} up {r['up_s']:6.1f} s  worst first read {worst:7.3f} s  "
-                  f"worst wire-up {wire:6.3f} s  {len(r['pairs'])} pairs  {r['error'] or ''}", flush=True)
+                  f"{len(r['pairs'])} pairs  {r['error'] or ''}", flush=True)
     summary = {}
     print(f"\n{'variant':32} {'bring-ups':>9} {'failed':>6} {'pairs':>5} {'first read p50':>14} {'max':>8} "
           f"{'read max':>8} {'>1 s':>5} {'up p50':>7}")
@@ -159,7 +155,6 @@ def main() -> int:
             "read_max_s": max(reads, default=None),
             "first_reads_over_1s": sum(1 for x in firsts if x > 1.0),
             "handshake_lines": sum(r["handshake_lines"] for r in rs),
-            "wire_up_max_s": max((w for r in rs for w in r.get("wire_up_s", ())), default=None),
             "errors": [r["error"] for r in rs if r["error"]],
             "up_p50_s": statistics.median(r["up_s"] for r in rs),
         }

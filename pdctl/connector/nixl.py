@@ -214,24 +214,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             log.info("pdctl connector: prefill block %d > decode block %d: reading %d chunks per prefill block, "
                      "split after receive (staging %d blocks)", ratio * self.block_size, self.block_size, ratio,
                      self._staging_blocks)
-        agent = super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
-        self._wire_up(agent, nixl_agent_meta.engine_id)
-        return agent
-
-    def _wire_up(self, agent: str, engine_id: str) -> None:
-        """UCX wires this decode's message lane to a prefill on the first message it sends there, and NIXL sends
-        the first one inside the first read's post (its completion notification): that wire-up was seen to hold the
-        engine's step for 14-30 s (docs/notes/ucx-transports.md). An empty heartbeat (vLLM's format; the prefill
-        extends no lease for it) sent here, on the handshake's own thread, wires the lane before any read."""
-        t0 = time.monotonic()
-        try:
-            seam.send_notif(self, agent, b"HB:")
-        except Exception as e:  # noqa: BLE001 (the first read wires it then, as without this)
-            log.warning("pdctl connector: could not wire UCX's message lane to engine %s ahead of its reads: %s",
-                        engine_id, e)
-            return
-        log.info("pdctl connector: UCX message lane to engine %s wired in %.1f ms", engine_id,
-                 (time.monotonic() - t0) * 1e3)
+        return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     def _check_isa(self, remote_block: int, remote_isa: str | None, refuse) -> None:
         """Which layout the prefill's blocks arrive in, by block-size ratio; refuse what cannot be converted."""

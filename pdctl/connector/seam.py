@@ -136,8 +136,6 @@ INTERNALS: tuple[Internal, ...] = (
     *_attrs("attr", BASE_WORKER, "_remote_agents", "engines whose handshake finished (split only after it)"),
     *_attrs("attr", BASE_WORKER, "_recving_transfers nixl_wrapper",
             "the NIXL handles of a request's reads in progress, polled (bounded) in the step that issued them"),
-    Internal("method", f"{NIXL_API}:nixl_agent", "send_notif", ("remote_agent_name", "notif_msg"),
-             why="an empty heartbeat ('HB:', vLLM's format) wires UCX's message lane at handshake"),
     Internal("method", f"{NIXL_API}:nixl_agent", "check_xfer_state", ("handle",),
              why="polls a read's state without releasing it (vLLM's own poll releases it)"),
     *_attrs("attr", BASE_WORKER, "_recv_failures", "the failed-receive set _handle_failed_transfer records into"),
@@ -252,11 +250,6 @@ def abandon_reads(worker: Any, req_id: str) -> int:
     else:
         worker._recving_transfers.pop(req_id, None)
     return len(kept)
-
-
-def send_notif(worker: Any, agent: str, message: bytes) -> None:
-    """A NIXL notification to a remote agent (what vLLM sends for heartbeats and read completions)."""
-    worker.nixl_wrapper.send_notif(agent, notif_msg=message)
 
 
 def reads_in(meta: Any) -> list[str]:

@@ -6,6 +6,10 @@ a restart shows in Prometheus, /ready drops when the decode stops, and `pdctl do
 Prometheus, idempotent). The launch drills that need servers of their own (a crash at start, a taken port) start
 their own; the foreground `up` drills (Ctrl-C, `down` from another shell) are in test_faults_stop.py.
 
+The same bring-up drills the bounded KV read (tests/e2e/kv_reads.py's settings: a 1 s read timeout, an 8 s KV
+lease, test hooks that stall one request's read and hold another's): `up` probed the pair; a read past the timeout
+and a read whose lease may be gone are both recomputed to the reference's tokens, and counted.
+
 The order of the tests matters: the destructive ones come last. Prometheus comes from the Debian package
 (`make test` installs it through scripts/install_tools.sh); without it the monitoring tests are skipped."""
 
@@ -27,6 +31,7 @@ from tests import prom
 from tests.conftest import CONFIGS, REPO, processes_with_arg
 from tests.e2e.conftest import Up, get_text, live, pdctl, post, prompt_tokens_by_source, wait_for
 from tests.e2e.faults import fresh_prompt, kill_server, wait_restarted
+from tests.e2e.kv_reads import KV_READS, check_control, check_lease_refused, check_probed, check_timed_out
 
 HAVE_PROMETHEUS = shutil.which("prometheus") is not None
 needs_prometheus = pytest.mark.skipif(not HAVE_PROMETHEUS, reason="prometheus missing (bash scripts/install_tools.sh)")
@@ -38,7 +43,7 @@ REQUESTS = 50
 @pytest.fixture(scope="module")
 def homog(tmp_path_factory, reference):
     d = tmp_path_factory.mktemp("homog")
-    with Up("cpu-homog.yaml", d, *MONITORING) as up:
+    with Up("cpu-homog.yaml", d, *MONITORING, *KV_READS) as up:
         up.reference = reference.ensure()
         up.plan = state_mod.load(d).plan
         up.prometheus = up.status.get("prometheus")
@@ -248,6 +253,22 @@ def test_no_alert_fires_on_a_healthy_topology(loaded):
 
 
 @needs_prometheus
+def test_up_probed_the_pair_before_ready(homog):
+    check_probed(homog)
+
+
+def test_x_a_read_past_the_timeout_is_recomputed_to_the_references_tokens_and_counted(homog):
+    check_timed_out(homog)
+
+
+def test_x_a_read_whose_lease_may_be_gone_is_not_started_and_no_released_block_is_read(homog):
+    check_lease_refused(homog)
+
+
+def test_x_control_an_ordinary_read_is_neither_timed_out_nor_refused_and_its_kv_travels(homog):
+    check_control(homog)
+
+
 def test_y_a_restart_shows_in_prometheus(loaded):
     """The supervisor restarts a killed proxy; Prometheus sees a new process start time: pdctl:instance_restarts:10m
     counts it and PdctlInstanceRestarted fires."""

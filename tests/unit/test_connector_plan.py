@@ -155,22 +155,3 @@ def test_a_full_prefix_hit_plans_no_window_read(monkeypatch):
     meta.local_num_computed_blocks, meta.local_block_ids = (), ()
     meta.remote.host, meta.remote.port = "h", 1
     assert w._read_blocks_for_req("r", meta) == "read" and w._window_now == {}
-
-
-def test_the_handshake_wires_ucxs_message_lane_with_an_empty_heartbeat(caplog):
-    """The first message to a prefill wires UCX's lane; sent at handshake (its own thread), not inside the first
-    read's post on the engine's step. vLLM's prefill reads "HB:" as a heartbeat naming no request."""
-    w = object.__new__(PdctlNixlWorker)
-    sent = []
-    w.nixl_wrapper = type("W", (), {"send_notif": lambda self, agent, notif_msg: sent.append((agent, notif_msg))})()
-    with caplog.at_level("INFO", logger="vllm.pdctl.connector"):
-        w._wire_up("agent-p", "engine-p")
-    assert sent == [("agent-p", b"HB:")] and "message lane to engine engine-p wired" in caplog.text
-
-    def refused(self, agent, notif_msg):
-        raise RuntimeError("NIXL_ERR_BACKEND")
-
-    w.nixl_wrapper = type("W", (), {"send_notif": refused})()
-    with caplog.at_level("WARNING", logger="vllm.pdctl.connector"):
-        w._wire_up("agent-p", "engine-p")  # never fails the handshake: the first read wires it then
-    assert "could not wire UCX's message lane to engine engine-p" in caplog.text

@@ -1,0 +1,95 @@
+"""Catch a KV read stall in the act, for docs/notes/ucx-transports.md.
+
+Run beside scripts/bench_first_read.py (or any `pdctl up` with connector.trace on). When a decode's read is issued
+and not done for 2 s, it records for that decode's worker: its main thread's /proc/PID/task/PID/{syscall,stack,stat}
+three times 0.3 s apart, 3 s of `strace -p`, two `py-spy dump --native` (pip install py-spy), every vLLM worker
+thread's kernel stack, and the logs (at the catch and 35 s later). Linux, as root or with ptrace rights.
+
+  python scripts/catch_stall.py /tmp/pdctl-bench-first-read /tmp/stalls &
+  python scripts/bench_first_read.py --placement shared --ucx pdctl --repeat 10
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+PY_SPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
+TRACE = re.compile(r"pdctl trace (\w+) (\S+) (\d+\.\d+)")
+WORKER = re.compile(r"\(Worker pid=(\d+)\) .*pdctl trace read_issued (\S+)")
+
+
+def read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        return f"({e})"
+
+
+def thread_sample(pid: str) -> str:
+    task = f"/proc/{pid}/task/{pid}"
+    return (f"syscall: {read(task + '/syscall')}stat: {read(task + '/stat').split()[2:3]}\n"
+            f"wchan: {read(task + '/wchan')}\nstack:\n{read(task + '/stack')}")
+
+
+def evidence(pid: str | None) -> list[str]:
+    out = []
+    if pid:
+        for k in range(3):
+            out.append(f"--- sample {k} at {time.time():.3f}\n{thread_sample(pid)}")
+            time.sleep(0.3)
+        r = subprocess.run(["timeout", "3", "strace", "-tt", "-T", "-p", pid], capture_output=True, text=True)
+        out.append("--- strace (3 s, main thread)\n" + r.stderr[-8000:])
+        for k in range(2):
+            r = subprocess.run([PY_SPY, "dump", "--native", "--pid", pid], capture_output=True, text=True,
+                               timeout=60)
+            out.append(f"--- py-spy {k}\n{(r.stdout or r.stderr)[:4000]}")
+            time.sleep(1)
+    workers = subprocess.run(["pgrep", "-f", "VLLM::Worker"], capture_output=True, text=True).stdout.split()
+    for w in workers:
+        for t in glob.glob(f"/proc/{w}/task/*"):
+            stack = " < ".join(x.split()[-1] for x in read(t + "/stack").strip().splitlines()[:4])
+            out.append(f"{w} {os.path.basename(t)} {read(t + '/comm').strip()} {read(t + '/stat').split()[2:3]} "
+                       f"{stack}")
+    return out
+
+
+def main() -> int:
+    root, out = sys.argv[1], sys.argv[2]
+    seen: set[str] = set()
+    while True:
+        for log in glob.glob(f"{root}/**/decode*.log", recursive=True):
+            text = read(log)
+            stages: dict[str, dict[str, float]] = {}
+            for stage, rid, at in TRACE.findall(text):
+                stages.setdefault(rid, {})[stage] = float(at)
+            worker = {rid: pid for pid, rid in WORKER.findall(text)}
+            now = time.time()
+            for rid, s in stages.items():
+                if "read_issued" not in s or "read_done" in s or now - s["read_issued"] <= 2 or rid in seen:
+                    continue
+                seen.add(rid)
+                d = os.path.join(out, f"{len(seen):02d}-{os.path.basename(log)}-{rid[-40:]}")
+                os.makedirs(d, exist_ok=True)
+                logs = glob.glob(os.path.dirname(log) + "/*.log")
+                for lg in logs:  # first: a bench takes the next bring-up's logs in their place
+                    shutil.copy(lg, os.path.join(d, "at-catch-" + os.path.basename(lg)))
+                head = f"log {log}\nrid {rid}\nstages {s}\nnow {now}\nworker {worker.get(rid)}\n"
+                with open(os.path.join(d, "evidence.txt"), "w") as f:
+                    f.write("\n".join([head, *evidence(worker.get(rid))]))
+                print("caught", d, flush=True)
+                time.sleep(35)
+                for lg in logs:
+                    if os.path.exists(lg):
+                        shutil.copy(lg, os.path.join(d, "later-" + os.path.basename(lg)))
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
