@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from soak import kill  # noqa: E402 (SIGKILL an instance's server, as a crash would)
+
 from pdctl.protocol import READ_TIMED_OUT_MARK, RECEIVED_LINE, TRACE_LINE  # noqa: E402
 
 PDCTL = [sys.executable, "-m", "pdctl"]
@@ -58,16 +59,6 @@ def ask(rid: str, body: dict) -> dict:
                 "prefill": r.getheader("x-pdctl-prefill")}
     except (OSError, http.client.HTTPException) as e:
         return {"rid": rid, "status": 0, "t0": t0, "t1": time.time(), "error": repr(e)}
-
-
-def kill(state: Path, name: str) -> int:
-    from pdctl.launch.local import live_processes
-
-    rec = json.loads((state / "state.json").read_text())["processes"][name]
-    kids = [pid for pid, ppid, _ in live_processes() if ppid == rec["pid"]]
-    pid = kids[0] if kids else rec["pid"]
-    os.kill(pid, signal.SIGKILL)
-    return pid
 
 
 def pct(xs: list[float], q: float) -> float | None:
