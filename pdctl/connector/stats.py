@@ -11,13 +11,15 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pdctl import protocol
+
 # stats key -> (Prometheus counter, what it counts)
 COUNTERS = {
-    "pdctl_reads_timed_out": ("vllm:pdctl_kv_reads_timed_out",
+    "pdctl_reads_timed_out": (protocol.READS_TIMED_OUT,
                               "KV reads given up after connector.kv_read_timeout_s (then kv_load_failure_policy)"),
-    "pdctl_reads_refused_lease": ("vllm:pdctl_kv_reads_refused_lease",
+    "pdctl_reads_refused_lease": (protocol.READS_REFUSED_LEASE,
                                   "KV reads not started: the prefill's KV lease was not known to be alive"),
-    "pdctl_recomputed": ("vllm:pdctl_kv_recomputed_requests",
+    "pdctl_recomputed": (protocol.RECOMPUTED,
                          "requests whose KV load failed and the decode computed the prompt itself (policy recompute)"),
 }
 

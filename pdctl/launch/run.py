@@ -20,6 +20,7 @@ from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  #
 from pdctl.launch.state import LaunchState
 from pdctl.launch.warmup import warm_up
 from pdctl.plan import Plan, ProcessSpec, monitoring_dir
+from pdctl.protocol import READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 
@@ -80,7 +81,7 @@ def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
         state.plan = plan = backend.launch(plan, state, attached=attached)
         state_mod.save(state)
         wait_ready(plan, backend, state, timeout_s, on_progress)
-        state.probes = {p.label: p.read_s if p.read_s is not None else p.decode_s for p in warm_up(plan)}
+        state.probes = {p.label: p.seconds for p in warm_up(plan)}
         state_mod.save(state)
     except BaseException as e:
         if isinstance(e, LaunchFailed) and not e.log_tail:
@@ -202,7 +203,6 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
             (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
             (m or {}).get("vllm:kv_cache_usage_perc"), spec.pool, rec.restarts if rec else 0,
             rec.phase if rec else "-", rec.last_exit if rec else None, rec.last_error if rec else None,
-            *((m or {}).get(f"vllm:pdctl_{c}_total") for c in ("kv_reads_timed_out", "kv_reads_refused_lease",
-                                                                  "kv_recomputed_requests")),
+            *((m or {}).get(f"{c}_total") for c in (READS_TIMED_OUT, READS_REFUSED_LEASE, RECOMPUTED)),
         ))
     return out

@@ -181,7 +181,7 @@ class Supervisor:
                                     partners=lambda name: self.watches.get(name, _Watch()).phase == "running")
         except LaunchFailed as e:
             return e.reason
-        self.state.probes.update({p.label: p.read_s if p.read_s is not None else p.decode_s for p in probes})
+        self.state.probes.update({p.label: p.seconds for p in probes})
         return None
 
     def run(self, stop: threading.Event, interval_s: float = 0.5, until_settled: bool = False) -> None:

@@ -49,6 +49,11 @@ class PairProbe:
     read_s: float | None  # the NIXL read alone, from the decode's log (pdctl's connector; None for vLLM's stock)
 
     @property
+    def seconds(self) -> float:
+        """What the pair's probe is known by: its read, else (vLLM's stock connector logs none) its decode leg."""
+        return self.read_s if self.read_s is not None else self.decode_s
+
+    @property
     def label(self) -> str:
         return f"{self.prefill} -> {self.decode}"
 
