@@ -20,6 +20,12 @@ PREFILL_SERVED_HEADER = "x-pdctl-prefill"
 DECODE_SERVED_HEADER = "x-pdctl-decode"
 FALLBACK_HEADER = "x-pdctl-fallback"
 
+# -- pdctl's proxy, told by the supervisor ------------------------------------------------------------------------
+# POST {"instance": NAME, "held": true|false}: a held instance gets no request (it restarts, or its pairs are
+# being proven again) until it is released; the proxy's own health probes cannot tell a restarted server whose
+# KV pairs are not wired yet from one that serves.
+HOLD_ROUTE = "/pdctl/hold"
+
 # -- vLLM's P/D protocol ----------------------------------------------------------------------------------------
 # The prefill's request: compute the prompt, hold its KV for a decode, answer with the kv_transfer_params the
 # decode reads it with.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import re
 import socket
 import urllib.parse
@@ -12,10 +13,22 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|Na
 
 def http_get(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, str]:
     """(status, body); status 0 when nothing answered. `headers`: e.g. the API key's (pdctl.auth.headers)."""
+    return http_call("GET", url, None, timeout, headers)
+
+
+def http_post_json(url: str, body: object, timeout: float = 2.0, headers: dict[str, str] | None = None
+                   ) -> tuple[int, str]:
+    """POST `body` as JSON: (status, body); status 0 when nothing answered."""
+    return http_call("POST", url, json.dumps(body).encode(), timeout,
+                     {"Content-Type": "application/json", **(headers or {})})
+
+
+def http_call(method: str, url: str, data: bytes | None, timeout: float, headers: dict[str, str] | None
+              ) -> tuple[int, str]:
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
     try:
-        conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""), headers=headers or {})
+        conn.request(method, (u.path or "/") + (f"?{u.query}" if u.query else ""), body=data, headers=headers or {})
         resp = conn.getresponse()
         return resp.status, resp.read().decode("utf-8", "replace")
     except (OSError, http.client.HTTPException):

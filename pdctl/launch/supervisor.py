@@ -13,7 +13,10 @@ Policy (topology `supervision:` and each pool's `restart:`):
   stopped and restarted (a /health stalled behind a busy engine on a small host is not a crash);
 - restarts back off exponentially (`backoff_s` doubling, at most `backoff_max_s`); after `max_restarts` within
   `window_s` the instance is left down (phase `failed`).
-A restarted instance is `starting` until its /health answers; it gets `start_timeout_s` for that.
+A restarted instance is `starting` until its /health answers; it gets `start_timeout_s` for that. A restarted
+prefill or decode then has its pairs proven again (pdctl.launch.warmup.reprove) before it counts as serving, and
+pdctl's proxy holds it (no requests) from the moment it is found gone until that proof passed: the proxy's own
+/health probes would route to a server whose KV pairs are not wired yet.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdctl import auth
 from pdctl.launch import probe as probe_mod
 from pdctl.launch import state as state_mod
 from pdctl.launch import warmup
@@ -38,6 +42,7 @@ from pdctl.launch.local import start_ticks
 from pdctl.launch.logs import exit_of, root_cause, this_run
 from pdctl.launch.state import LaunchState
 from pdctl.plan import ProcessSpec
+from pdctl.protocol import HOLD_ROUTE
 from pdctl.topology import ROLES, Topology
 
 START_TIMEOUT_S = 600.0
@@ -93,10 +98,12 @@ class Supervisor:
                  healthy: Callable[[str], bool] = lambda url: probe_mod.healthy(url, timeout=2.0),
                  say: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
                  save: Callable[[LaunchState], None] = state_mod.save,
-                 prove: Callable[[ProcessSpec], str | None] | None = None):
+                 prove: Callable[[ProcessSpec], str | None] | None = None,
+                 hold: Callable[[str, bool], str | None] | None = None):
         self.state, self.backend, self.attached = state, backend, attached
         self.clock, self.healthy, self.say, self.save = clock, healthy, say, save
         self.prove = prove or self._probe_pairs
+        self.hold = hold or self._tell_proxy
         self.policy = Policy.of(state.plan.topology)
         now = clock()
         self.watches = {}
@@ -150,6 +157,7 @@ class Supervisor:
                     self._ended(spec, w, now, None, why)
                     return
                 self._set(spec, w, "running")
+                self._held(spec, False)
                 self.say(f"{spec.name} is serving again (restart {self.state.processes[spec.name].restarts})")
             elif now - w.started > self.policy.start_timeout_s:
                 self._stop(spec)
@@ -183,6 +191,24 @@ class Supervisor:
             return e.reason
         self.state.probes.update({p.label: p.seconds for p in probes})
         return None
+
+    def _held(self, spec: ProcessSpec, held: bool) -> None:
+        """Hold a prefill or decode at the proxy (no requests), or release it; said when the proxy cannot be told
+        (it restarts too, or a vllm-router routes by its own health checks)."""
+        if spec.role in ("prefill", "decode"):
+            why = self.hold(spec.name, held)
+            if why is not None:
+                self.say(f"{spec.name}: the proxy was not told to {'hold' if held else 'release'} it: {why}")
+
+    def _tell_proxy(self, name: str, held: bool) -> str | None:
+        proxy = next((p for p in self.state.plan.processes if p.role == "proxy"), None)
+        if proxy is None:
+            return None
+        if self.state.plan.topology.proxy.kind != "pdctl":
+            return f"proxy.kind {self.state.plan.topology.proxy.kind} routes by its own health checks"
+        status, body = probe_mod.http_post_json(proxy.http_url + HOLD_ROUTE, {"instance": name, "held": held},
+                                                timeout=2.0, headers=auth.headers(auth.api_key(self.state.plan.topology)))
+        return None if status == 200 else f"HTTP {status or 'unreachable'} {body[:200]}".rstrip()
 
     def run(self, stop: threading.Event, interval_s: float = 0.5, until_settled: bool = False) -> None:
         """Pass after pass, each holding the state's lock, until `stop`, the state is gone (`down`), or (with
@@ -243,6 +269,7 @@ class Supervisor:
             return self._set(spec, w, "failed")
         delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** len(w.restarts))
         w.restart_at = now + delay
+        self._held(spec, True)  # from now until its pairs are proven again
         self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; restarting in {delay:.0f} s")
         self._set(spec, w, "backoff")
 

@@ -74,10 +74,13 @@ class Instance:
     inflight: int = 0  # requests outstanding on it (the proxy increments/decrements)
     healthy: bool = True  # last health probe (or request) reached it
     refused: bool = False  # the last probe or request found nothing listening (not merely slow)
+    # Held by the supervisor (protocol.HOLD_ROUTE): restarting, or its KV pairs not yet proven again. /health
+    # answers before a restarted server's pairs are wired, so health alone cannot say it may serve.
+    held: bool = False
     breaker: Breaker = field(default_factory=Breaker)
 
     def usable(self, now: float) -> bool:
-        return self.healthy and self.breaker.allows(now)
+        return self.healthy and not self.held and self.breaker.allows(now)
 
 
 class NoRoute(Exception):
@@ -225,7 +228,7 @@ class Router:
         if not cands and usable_only:
             # A missed probe on a busy host is no crash: still try what answers connections and whose breaker
             # allows it; only refused or tripped instances count as down.
-            cands = [i for i in members if not i.refused and i.breaker.allows(now)]
+            cands = [i for i in members if not i.refused and not i.held and i.breaker.allows(now)]
         if not cands:
             if usable_only or not members:
                 return None

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from pdctl import auth
 from pdctl.protocol import (
+    HOLD_ROUTE,
     DECODE_SERVED_HEADER,
     EARLY_HEADER,
     FALLBACK_HEADER,
@@ -161,6 +162,7 @@ class Proxy:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_route)
         app.router.add_get("/debug/timings", self.timings_route)
+        app.router.add_post(HOLD_ROUTE, self.hold_route)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -207,12 +209,12 @@ class Proxy:
         oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
         for inst, ok in zip(insts, oks, strict=True):
             inst.healthy = ok
-        up = {i.pool for i, ok in zip(insts, oks, strict=True) if ok and i.role == "prefill"}, {
-            i.pool for i, ok in zip(insts, oks, strict=True) if ok and i.role == "decode"}
+        up = {i.pool for i, ok in zip(insts, oks, strict=True) if ok and not i.held and i.role == "prefill"}, {
+            i.pool for i, ok in zip(insts, oks, strict=True) if ok and not i.held and i.role == "decode"}
         # Ready when some allowed pair has a healthy instance on both sides (aggregated: some instance).
         pairs = {f"{p}/{d}": p in up[0] and d in up[1] for p, d in self.router.pairs}
         ready = bool(up[1]) if self.router.aggregated else any(pairs.values())
-        instances = [{"name": i.name, "role": i.role, "pool": i.pool, "url": i.url, "healthy": ok}
+        instances = [{"name": i.name, "role": i.role, "pool": i.pool, "url": i.url, "healthy": ok, "held": i.held}
                      for i, ok in zip(insts, oks, strict=True)]
         return web.json_response({"ready": ready, "instances": instances, "pairs": pairs},
                                  status=200 if ready else 503)
@@ -242,6 +244,30 @@ class Proxy:
 
     async def metrics_route(self, _req: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def hold_route(self, req: web.Request) -> web.Response:
+        """The supervisor holds an instance (no requests) while it restarts and its pairs are proven again, then
+        releases it. Guarded by the API key like /v1: a client must not be able to take instances out."""
+        if self._key_digest is not None and not self._authorized(req):
+            return self._refuse(req)
+        try:
+            body = await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        name, held = (body.get("instance"), body.get("held")) if isinstance(body, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(held, bool):
+            return web.json_response(error_body('expected {"instance": NAME, "held": true|false}',
+                                                "invalid_request", 400), status=400)
+        inst = next((i for i in self.router.instances if i.name == name), None)
+        if inst is None:
+            known = ", ".join(i.name for i in self.router.instances)
+            return web.json_response(error_body(f"no instance {name!r}; instances: {known}", "invalid_request",
+                                                404), status=404)
+        if inst.held != held:
+            log.warning("%s %s is %s", inst.name, inst.url, "held by the supervisor: no requests until it is "
+                        "released" if held else "released by the supervisor: routing to it again")
+        inst.held = held
+        return web.json_response({"instance": name, "held": held})
 
     async def timings_route(self, req: web.Request) -> web.Response:
         """Per-request wall-clock stamps of the last requests (`?since=T`: only those received after T):

@@ -124,6 +124,9 @@ def test_2_prefill_killed_under_load_loses_nothing_and_is_restarted(fleet):
     assert not errors, [e.error for e in errors[:5]]
     assert restarted, _log(fleet, "supervisor")[-2000:]
     assert served, "the restarted prefill-0 took no request"
+    # The proxy held it from its death until its pairs were proven again, then routed to it.
+    said = [ln for ln in _log(fleet, "proxy").splitlines() if "prefill-0 " in ln and "by the supervisor" in ln]
+    assert [("held" in ln, "released" in ln) for ln in said[:2]] == [(True, False), (False, True)], said
     rec = record(fleet.state_dir, "prefill-0")
     assert rec["pid"] != old_pid and rec["last_exit"] == "killed by signal 9 (SIGKILL)"
     status = json.loads(pdctl("status", "--state-dir", fleet.state_dir, "--json", check=True).stdout)

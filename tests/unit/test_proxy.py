@@ -395,8 +395,48 @@ def test_ready_needs_a_prefill_and_a_decode(pd):
     assert status == 503 and got["ready"] is False and got["pairs"] == {"default/default": False}
     # Each instance as structured JSON, not a "role url" key.
     assert got["instances"] == [
-        {"name": "prefill-0", "role": "prefill", "pool": "default", "url": pd.p_url, "healthy": True},
-        {"name": "decode-0", "role": "decode", "pool": "default", "url": pd.d_url, "healthy": False}]
+        {"name": "prefill-0", "role": "prefill", "pool": "default", "url": pd.p_url, "healthy": True, "held": False},
+        {"name": "decode-0", "role": "decode", "pool": "default", "url": pd.d_url, "healthy": False, "held": False}]
+
+
+def test_a_held_decode_gets_no_request_until_released_and_ready_says_so(pd):
+    second = Backend("decode")
+    proxy, url = pd.make(decodes=[pd.loop.serve(second.app())])
+    status, text, _ = post(url + "/pdctl/hold", {"instance": "decode-0", "held": True})
+    assert status == 200 and json.loads(text) == {"instance": "decode-0", "held": True}
+    for _ in range(6):
+        assert post(url + "/v1/completions", BODY)[0] == 200
+    assert len(second.requests) == 0 and len(pd.decode.requests) == 6  # decode-0 is `second`, held
+    got = json.loads(get(url + "/ready")[1])
+    assert [i["held"] for i in got["instances"]] == [False, True, False]
+    assert post(url + "/pdctl/hold", {"instance": "decode-0", "held": False})[0] == 200
+    for _ in range(6):
+        assert post(url + "/v1/completions", BODY)[0] == 200
+    assert len(second.requests) > 0  # the negative control: released, it serves again
+
+
+def test_a_held_only_prefill_is_not_used_while_the_decode_can_serve_alone(pd):
+    assert post(pd.url + "/pdctl/hold", {"instance": "prefill-0", "held": True})[0] == 200
+    status, _, h = post(pd.url + "/v1/completions", BODY)
+    assert status == 200 and pd.prefill.requests == [] and h.get("x-pdctl-fallback")
+    got = json.loads(get(pd.url + "/ready")[1])
+    assert got["ready"] is False and got["pairs"] == {"default/default": False}
+
+
+@pytest.mark.parametrize("body,code,said", [({"instance": "decode-9", "held": True}, 404, "no instance 'decode-9'"),
+                                            ({"instance": "decode-0", "held": "yes"}, 400, "expected"),
+                                            ([1], 400, "expected")])
+def test_hold_refuses_what_it_cannot_do(pd, body, code, said):
+    status, text, _ = post(pd.url + "/pdctl/hold", body)
+    assert status == code and said in json.loads(text)["error"]["message"]
+
+
+def test_hold_needs_the_api_key(pd):
+    _, url = pd.make(api_key="s3cret-key")
+    assert post(url + "/pdctl/hold", {"instance": "decode-0", "held": True})[0] == 401
+    status, _, _ = post(url + "/pdctl/hold", {"instance": "decode-0", "held": True},
+                        {"Authorization": "Bearer s3cret-key"})
+    assert status == 200
 
 
 def test_models_route(pd):

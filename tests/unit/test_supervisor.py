@@ -386,3 +386,24 @@ def test_a_restarted_instance_serves_only_once_its_pairs_are_proven_again():
     assert "prefill-0" in be.stopped
     assert any("its first KV read took 30.2 s" in m and "restarting in" in m for m in said)
     assert st.processes["prefill-0"].phase == "running" and st.processes["prefill-0"].restarts == 2
+
+
+def test_the_proxy_holds_a_restarted_instance_from_its_end_until_its_pairs_are_proven():
+    sup, be, st, clock, _, said = make()
+    told: list[tuple[str, bool, str]] = []
+    sup.hold = lambda name, held: told.append((name, held, st.processes[name].phase)) or None
+    verdicts = ["its first KV read took 30.2 s", None]
+    sup.prove = lambda s: verdicts.pop(0)
+    for _ in range(2):
+        be.alive["prefill-0"] = False
+        sup.tick()
+        clock[0] = sup.watches["prefill-0"].restart_at
+        sup.tick()
+        clock[0] += 1
+        sup.tick()
+    # held when found gone (and again when its proof failed), released only once proven and serving
+    assert told == [("prefill-0", True, "running"), ("prefill-0", True, "starting"), ("prefill-0", False, "running")]
+    sup.hold = lambda name, held: "HTTP unreachable"
+    be.alive["prefill-0"] = False
+    sup.tick()
+    assert "the proxy was not told to hold it: HTTP unreachable" in said[-2]
