@@ -206,8 +206,9 @@ class Supervisor:
             return None
         if self.state.plan.topology.proxy.kind != "pdctl":
             return f"proxy.kind {self.state.plan.topology.proxy.kind} routes by its own health checks"
+        key = auth.headers(auth.api_key(self.state.plan.topology))
         status, body = probe_mod.http_post_json(proxy.http_url + HOLD_ROUTE, {"instance": name, "held": held},
-                                                timeout=2.0, headers=auth.headers(auth.api_key(self.state.plan.topology)))
+                                                timeout=2.0, headers=key)
         return None if status == 200 else f"HTTP {status or 'unreachable'} {body[:200]}".rstrip()
 
     def run(self, stop: threading.Event, interval_s: float = 0.5, until_settled: bool = False) -> None:

@@ -27,11 +27,11 @@ from aiohttp import web
 
 from pdctl import auth
 from pdctl.protocol import (
-    HOLD_ROUTE,
     DECODE_SERVED_HEADER,
     EARLY_HEADER,
     FALLBACK_HEADER,
     FIRST_HEADER,
+    HOLD_ROUTE,
     PREFILL_SERVED_HEADER,
     REJECT_HEADER,
     REMOTE_DECODE_PARAMS,
