@@ -60,9 +60,14 @@ LEASE_REFUSED_FORMAT = ("pdctl connector: read refused: request %s from engine %
                         "prefill's KV lease (%g s) may run out before a read of up to %g s ends; "
                         "kv_load_failure_policy %s")
 LEASE_REFUSED_MARK = "pdctl connector: read refused"
+# pdctl's connector, when a read in progress was given up because its prefill is gone (pdctl.connector.peers).
+PEER_GONE_FORMAT = ("pdctl connector: read given up: request %s from engine %s at %s:%s in progress for %.1f s; the "
+                    "prefill is gone (its side channel refuses connections); kv_load_failure_policy %s")
+PEER_GONE_MARK = "the prefill is gone"
 # pdctl's connector's counters in each decode's /metrics (Prometheus adds _total), read back by `pdctl status`.
 READS_TIMED_OUT = "vllm:pdctl_kv_reads_timed_out"
 READS_REFUSED_LEASE = "vllm:pdctl_kv_reads_refused_lease"
+READS_PEER_GONE = "vllm:pdctl_kv_reads_peer_gone"
 RECOMPUTED = "vllm:pdctl_kv_recomputed_requests"
 # pdctl's connector, when it refuses a P/D pair (the text after the mark says why, naming both sides).
 REFUSED_MARK = "pdctl connector: unsupported"

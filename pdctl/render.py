@@ -192,10 +192,11 @@ def status_view(out: Console, s, output: Output = Output.default) -> RenderableT
         slowest = max(s.probes, key=s.probes.get)
         lines.append(f"pairs probed at start: {len(s.probes)}, slowest first read {s.probes[slowest] * 1e3:.1f} ms "
                      f"({slowest})")
-    trouble = [(r.name, r.kv_reads_timed_out, r.kv_reads_refused, r.kv_recomputed) for r in s.instances
-               if any((r.kv_reads_timed_out, r.kv_reads_refused, r.kv_recomputed))]
-    lines += [f"{n}: KV reads timed out {fmt(t, '.0f')}, refused (lease) {fmt(f, '.0f')}, requests recomputed "
-              f"{fmt(c, '.0f')}" for n, t, f, c in trouble]
+    trouble = [(r.name, r.kv_reads_timed_out, r.kv_reads_peer_gone, r.kv_reads_refused, r.kv_recomputed)
+               for r in s.instances if any((r.kv_reads_timed_out, r.kv_reads_peer_gone, r.kv_reads_refused,
+                                            r.kv_recomputed))]
+    lines += [f"{n}: KV reads timed out {fmt(t, '.0f')}, given up (prefill gone) {fmt(g, '.0f')}, refused (lease) "
+              f"{fmt(f, '.0f')}, requests recomputed {fmt(c, '.0f')}" for n, t, g, f, c in trouble]
     lines += [f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}" if r.last_error else "")
               for r in s.instances if r.last_exit or r.last_error]
     return Group(table, *(Text(line) for line in lines))

@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.logger import init_logger
 
 from pdctl import protocol
-from pdctl.connector import seam
+from pdctl.connector import peers, seam
 from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
 from pdctl.kv import lease
 from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask
@@ -143,6 +143,7 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
         self._seen_at: dict[str, float] = {}  # req -> when the scheduler saw its KV parameters (monotonic)
         self._posted_at: dict[str, float] = {}  # req -> when its read was posted (monotonic), until it ends
         self._gave_up: set[str] = set()  # reads given up (timed out or refused), until vLLM reports them
+        self._peers = peers.PeerWatch()  # whether a prefill whose read is in progress is still there
         self.xfer_stats = PdctlKVConnectorStats()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
@@ -370,22 +371,31 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
                  "of %s tokens: %s", engine, prefill_block, self.block_size, meta.remote.num_tokens, "; ".join(parts))
 
     def _give_up_late_reads(self) -> None:
-        """Reads in progress past connector.kv_read_timeout_s fail through vLLM's failure path: each NIXL handle is
-        released (NIXL cancels it) or, where NIXL cannot, kept and polled until it ends, so the request's blocks go
-        back to the allocator (or are recomputed into) only once no transfer can still write them."""
+        """Reads in progress past connector.kv_read_timeout_s, or from a prefill that is gone, fail through vLLM's
+        failure path: each NIXL handle is released (NIXL cancels it) or, where NIXL cannot, kept and polled until
+        it ends, so the request's blocks go back to the allocator (or are recomputed into) only once no transfer
+        can still write them."""
         now = time.monotonic()
-        for req_id in lease.expired_reads(self._posted_at, now, self._read_timeout_s):
-            if req_id in self._gave_up:
-                continue
-            self._gave_up.add(req_id)
+        posted = {r: t for r, t in self._posted_at.items() if r not in self._gave_up}
+        for req_id in lease.expired_reads(posted, now, self._read_timeout_s):
             engine, host, port = (self._receiving.get(req_id) or ("?", "?", "?"))[:3]
-            log.warning(protocol.READ_TIMED_OUT_FORMAT, req_id, engine, host, port, now - self._posted_at[req_id],
+            log.warning(protocol.READ_TIMED_OUT_FORMAT, req_id, engine, host, port, now - posted.pop(req_id),
                         self._read_timeout_s, self._failure_policy)
-            self.xfer_stats.record("pdctl_reads_timed_out")
-            kept = seam.abandon_reads(self, req_id)
-            if kept:
-                log.warning("pdctl connector: NIXL could not cancel %d read(s) of request %s: its blocks stay held "
-                            "until they end", kept, req_id)
+            self._give_up(req_id, "pdctl_reads_timed_out")
+        peer_of = {r: (got[1], int(got[2])) for r, got in self._receiving.items() if r in posted}
+        for req_id in lease.reads_of_gone_peers(posted, peer_of, self._peers.gone, now):
+            engine, host, port = self._receiving[req_id][:3]
+            log.warning(protocol.PEER_GONE_FORMAT, req_id, engine, host, port, now - posted[req_id],
+                        self._failure_policy)
+            self._give_up(req_id, "pdctl_reads_peer_gone")
+
+    def _give_up(self, req_id: str, counter: str) -> None:
+        self._gave_up.add(req_id)
+        self.xfer_stats.record(counter)
+        kept = seam.abandon_reads(self, req_id)
+        if kept:
+            log.warning("pdctl connector: NIXL could not cancel %d read(s) of request %s: its blocks stay held "
+                        "until they end", kept, req_id)
 
     def _log_received(self, req_id: str, ok: bool, read_s: float | None = None) -> None:
         """One line per request: which prefill engine its KV came from. vLLM's decode metrics count tokens by

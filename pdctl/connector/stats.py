@@ -19,6 +19,8 @@ COUNTERS = {
                               "KV reads given up after connector.kv_read_timeout_s (then kv_load_failure_policy)"),
     "pdctl_reads_refused_lease": (protocol.READS_REFUSED_LEASE,
                                   "KV reads not started: the prefill's KV lease was not known to be alive"),
+    "pdctl_reads_peer_gone": (protocol.READS_PEER_GONE,
+                              "KV reads given up because their prefill is gone (its side channel refuses connections)"),
     "pdctl_recomputed": (protocol.RECOMPUTED,
                          "requests whose KV load failed and the decode computed the prompt itself (policy recompute)"),
 }

@@ -10,13 +10,16 @@ read still in progress after its timeout is given up, through vLLM's failure pat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 KV_LEASE_S = 30  # vLLM's default kv_lease_duration; pdctl's plan sets it explicitly on every side
 READ_TIMEOUT_S = 5.0  # connector.kv_read_timeout_s's default
 
 # The proxy's hop, from the prefill's answer to the decode's scheduler seeing the request (same-host or LAN).
 HOP_MARGIN_S = 1.0
+# A read in progress this long has its prefill asked whether it is still there (a healthy read takes milliseconds;
+# a dead prefill's reads are given up then, not at the timeout).
+PEER_CHECK_AFTER_S = 0.5
 
 
 def read_allowed(seen_at: float, now: float, lease_s: float, read_timeout_s: float,
@@ -30,6 +33,18 @@ def read_allowed(seen_at: float, now: float, lease_s: float, read_timeout_s: flo
 def expired_reads(posted_at: Mapping[str, float], now: float, read_timeout_s: float) -> list[str]:
     """The requests whose read, posted at `posted_at[req]`, has been in progress longer than the timeout."""
     return sorted(r for r, t in posted_at.items() if now - t > read_timeout_s)
+
+
+def reads_of_gone_peers(posted_at: Mapping[str, float], peer_of: Mapping[str, object], gone: Callable[[object], bool],
+                        now: float, after_s: float = PEER_CHECK_AFTER_S) -> list[str]:
+    """The requests whose read has been in progress longer than `after_s` from a prefill that `gone(peer)` says is
+    no longer there. `gone` is asked only for those reads' peers, each once."""
+    late = sorted(r for r, t in posted_at.items() if now - t > after_s and r in peer_of)
+    verdict: dict[object, bool] = {}
+    for r in late:
+        if peer_of[r] not in verdict:
+            verdict[peer_of[r]] = gone(peer_of[r])
+    return [r for r in late if verdict[peer_of[r]]]
 
 
 def check_settings(lease_s: float, read_timeout_s: float, margin_s: float = HOP_MARGIN_S) -> str | None:

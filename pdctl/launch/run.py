@@ -20,7 +20,7 @@ from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  #
 from pdctl.launch.state import LaunchState
 from pdctl.launch.warmup import warm_up
 from pdctl.plan import Plan, ProcessSpec, monitoring_dir
-from pdctl.protocol import READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED
+from pdctl.protocol import READS_PEER_GONE, READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 
@@ -184,6 +184,7 @@ class InstanceStatus:
     kv_reads_timed_out: float | None = None
     kv_reads_refused: float | None = None
     kv_recomputed: float | None = None
+    kv_reads_peer_gone: float | None = None  # given up because their prefill was gone
 
 
 def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
@@ -203,6 +204,7 @@ def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
             (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
             (m or {}).get("vllm:kv_cache_usage_perc"), spec.pool, rec.restarts if rec else 0,
             rec.phase if rec else "-", rec.last_exit if rec else None, rec.last_error if rec else None,
-            *((m or {}).get(f"{c}_total") for c in (READS_TIMED_OUT, READS_REFUSED_LEASE, RECOMPUTED)),
+            *((m or {}).get(f"{c}_total") for c in (READS_TIMED_OUT, READS_REFUSED_LEASE, RECOMPUTED,
+                                                    READS_PEER_GONE)),
         ))
     return out

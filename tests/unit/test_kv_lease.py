@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from pdctl import protocol
 from pdctl.connector.stats import COUNTERS, PdctlKVConnectorStats
-from pdctl.kv.lease import HOP_MARGIN_S, KV_LEASE_S, READ_TIMEOUT_S, check_settings, expired_reads, read_allowed
+from pdctl.kv.lease import (
+    HOP_MARGIN_S,
+    KV_LEASE_S,
+    READ_TIMEOUT_S,
+    check_settings,
+    expired_reads,
+    read_allowed,
+    reads_of_gone_peers,
+)
 
 
 def test_a_read_may_start_only_while_it_ends_inside_the_lease():
@@ -35,6 +43,17 @@ def test_expired_reads_are_those_past_the_timeout():
     assert expired_reads(posted, 10.0, 5.0) == ["a", "b"]
     assert expired_reads(posted, 5.0, 5.0) == []  # exactly at the timeout: not yet
     assert expired_reads({}, 1e9, 5.0) == []
+
+
+def test_reads_of_a_gone_peer_past_the_check_delay_are_named_and_each_peer_asked_once():
+    posted = {"a": 0.0, "b": 0.2, "c": 9.8, "d": 0.0}
+    peer_of = {"a": ("h", 1), "b": ("h", 1), "c": ("h", 1), "d": ("h", 2)}
+    asked: list = []
+    gone = {("h", 1): True, ("h", 2): False}
+    got = reads_of_gone_peers(posted, peer_of, lambda p: asked.append(p) or gone[p], now=10.0, after_s=0.5)
+    assert got == ["a", "b"]  # c is fresh (0.2 s): not asked about yet; d's prefill is there
+    assert sorted(asked) == [("h", 1), ("h", 2)]
+    assert reads_of_gone_peers(posted, {}, lambda p: True, now=10.0) == []  # a read of no known peer: kept
 
 
 def test_settings_that_cannot_work_are_said():
@@ -72,6 +91,7 @@ def worker(monkeypatch):
     w._recving_transfers, w._recv_failures, w._recving_metadata = {}, set(), {}
     w._failed_remote_engines, w._remote_agents = set(), {"P": {0: "agent"}}
     w.nixl_wrapper = FakeNixl()
+    w._peers = type("Peers", (), {"gone": staticmethod(lambda peer: False)})()
     w.tp_rank, w.engine_id = 0, "D"
     return w, clock
 
@@ -92,6 +112,28 @@ def test_a_read_past_the_timeout_is_failed_through_vllms_path(worker, caplog):
     assert protocol.READ_TIMED_OUT_MARK in caplog.text and "127.0.0.1:5600" in caplog.text
     w._give_up_late_reads()  # once
     assert w.xfer_stats.data["pdctl_reads_timed_out"] == [1]
+
+
+def test_a_gone_prefills_reads_are_given_up_at_once_and_the_others_kept(worker, caplog):
+    w, clock = worker
+    w._peers = type("Peers", (), {"gone": staticmethod(lambda peer: peer == ("127.0.0.1", 5600))})()
+    for r, port, h in (("r1", 5600, 7), ("r2", 5601, 9)):
+        w._recving_transfers[r], w._posted_at[r] = [h], 100.0
+        w._receiving[r] = ("P" + r, "127.0.0.1", port, 1, 16)
+    clock[0] = 100.4  # not checked yet: a healthy read takes milliseconds
+    w._give_up_late_reads()
+    assert not w._recv_failures
+    clock[0] = 100.8
+    with caplog.at_level("WARNING", logger="vllm.pdctl.connector"):
+        w._give_up_late_reads()
+    assert w._recv_failures == {"r1"} and w.nixl_wrapper.released == [7] and w._recving_transfers == {"r2": [9]}
+    assert protocol.PEER_GONE_MARK in caplog.text and "r1" in caplog.text
+    assert w.xfer_stats.data["pdctl_reads_peer_gone"] == [1] and not w.xfer_stats.data.get("pdctl_reads_timed_out")
+    clock[0] = 106.0  # r2's own timeout still applies, once
+    w._give_up_late_reads()
+    w._give_up_late_reads()
+    assert w._recv_failures == {"r1", "r2"} and w.xfer_stats.data["pdctl_reads_timed_out"] == [1]
+    assert w.xfer_stats.data["pdctl_reads_peer_gone"] == [1]
 
 
 def test_a_read_nixl_cannot_cancel_keeps_its_blocks_until_it_ends(worker):
