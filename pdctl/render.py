@@ -389,21 +389,49 @@ def bench(out: Console, err: Console, s: dict, expected_file: str | Path | None,
 
 
 def goodput(out: Console, g: dict) -> None:
-    """Per offered rate, the share of requests within the SLOs (median over the repetitions), then the highest
-    rate each deployment sustained at >= 90 %."""
-    rates = sorted({float(r) for side in ("pd", "baseline") for r in g[side]["attainment_median"]})
+    """Per offered rate (medians over the repetitions): the share of requests within the SLOs and goodput for each
+    deployment, then their TTFT and TPOT percentiles; the highest rate each sustained at >= 90 %, and where P/D
+    starts to pay."""
+    sides = ("pd", "baseline")
+    rates = sorted({float(r) for side in sides for r in g[side]["attainment_median"]})
+    stats = {side: g[side].get("stats_median", {}) for side in sides}
     t = Table(box=boxed(out), title=f"goodput: requests within {g['slo']['origin'].split(':')[0]} SLO "
               f"(TTFT <= {g['slo']['ttft_ms']:g} ms, TPOT <= {g['slo']['tpot_ms']:g} ms), median of {g['repeat']}")
-    for col in ("offered req/s", "P/D", "aggregated, same devices"):
+    for col in ("offered req/s", "P/D within SLO", "aggregated within SLO", "P/D goodput req/s",
+                "aggregated goodput req/s"):
         t.add_column(col, overflow="fold")
     for r in rates:
-        cells = [g[side]["attainment_median"].get(f"{r:g}") for side in ("pd", "baseline")]
-        t.add_row(f"{r:g}", *("-" if c is None else f"{100 * c:.0f}%" for c in cells))
+        cells = [g[side]["attainment_median"].get(f"{r:g}") for side in sides]
+        good = [stats[side].get(f"{r:g}", {}).get("goodput_req_s") for side in sides]
+        t.add_row(f"{r:g}", *("-" if c is None else f"{100 * c:.0f}%" for c in cells), *(fmt(x, ".2f") for x in good))
     t.add_row("sustained (>= 90 %)", f"{g['pd']['sustained_req_s']:g} req/s", f"{g['baseline']['sustained_req_s']:g} "
-              "req/s")
+              "req/s", "", "")
     out.print(t)
+    if any(stats.values()):
+        lat = Table(box=boxed(out), title="latency per offered rate (ms, completed requests, median of the runs)")
+        for col in ("req/s", "side", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99"):
+            lat.add_column(col, overflow="fold")
+        for r in rates:
+            for side, name in (("pd", "P/D"), ("baseline", "agg")):
+                st = stats[side].get(f"{r:g}")
+                if st:
+                    lat.add_row(f"{r:g}", name, *(fmt(st.get(f"ttft_ms_p{q}"), ".0f") for q in (50, 90, 99)),
+                                *(fmt(st.get(f"tpot_ms_p{q}"), ".1f") for q in (50, 90, 99)))
+        out.print(lat)
+    cross = g.get("crossover") or {}
+    if cross.get("from_req_s") is not None:
+        out.print(f"P/D pays from {cross['from_req_s']:g} req/s offered: at and above it, at least as many of its "
+                  "requests meet the SLOs as the aggregated deployment's", highlight=False)
+    elif cross.get("winner") == "baseline":
+        out.print("the aggregated deployment meets the SLOs for more requests at the highest rate tried: P/D does "
+                  "not pay at this SLO and workload", highlight=False)
+    elif cross.get("winner") in ("pd", "tie"):
+        out.print("P/D meets the SLOs for at least as many requests as the aggregated deployment at every rate "
+                  "tried", highlight=False)
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
+    if g.get("plots"):
+        out.print("plots: " + ", ".join(g["plots"]), highlight=False)
 
 
 def sweep(out: Console, result, matrix: Path) -> None:

@@ -124,3 +124,54 @@ def next_rate(points: dict[float, float], start: float, ceiling: float) -> float
     if miss / ok <= RESOLUTION:
         return None
     return round(math.sqrt(ok * miss), 4)
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+
+QUANTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile with linear interpolation (numpy's default, as vLLM's benchmark reports them); None
+    for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def point_stats(requests: Sequence[RequestTimes], slo: Slo, duration_s: float) -> dict:
+    """One rate on one deployment: attainment, goodput (requests within the SLO per second of the run), served
+    throughput (completed requests per second), and TTFT/TPOT percentiles of the completed requests."""
+    done = [r for r in requests if r.ttft_ms is not None]
+    ttft = [r.ttft_ms for r in done]
+    tpot = [r.tpot_ms for r in done if r.tpot_ms is not None]
+    out = {"requests": len(requests), "attainment": attainment(requests, slo),
+           "goodput_req_s": sum(meets(r, slo) for r in requests) / duration_s if duration_s > 0 else 0.0,
+           "served_req_s": len(done) / duration_s if duration_s > 0 else 0.0}
+    out.update({f"ttft_ms_p{q}": percentile(ttft, q) for q in QUANTILES})
+    out.update({f"tpot_ms_p{q}": percentile(tpot, q) for q in QUANTILES})
+    return out
+
+
+def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:
+    """Where P/D starts to pay, from the attainment per offered rate of each side (rates tried on both only).
+    `from_req_s`: the lowest rate from which P/D's attainment is at least the baseline's at it and at every higher
+    rate, when the baseline did better just below it; `winner` says who leads at the highest common rate
+    ("pd", "baseline" or "tie"); both None when the sides share no rate."""
+    common = sorted(set(pd) & set(baseline))
+    if not common:
+        return {"from_req_s": None, "winner": None}
+    top = common[-1]
+    winner = "pd" if pd[top] > baseline[top] else "baseline" if baseline[top] > pd[top] else "tie"
+    start = None
+    for r in reversed(common):
+        if pd[r] < baseline[r]:
+            break
+        start = r
+    if start is None or start == common[0]:
+        start = None  # P/D never behind (or behind at the top): no crossing to name
+    return {"from_req_s": start, "winner": winner}

@@ -63,12 +63,15 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
                     unloaded = r.to_dict()
                     phase(f"SLO: {slo}")
                 points: dict[float, float] = {}
+                stats: dict[str, dict] = {}
                 k = 0
                 rate = o.rates[0] if o.rates else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
                 while rate is not None:
                     r = load.run_load(name, url, model, prompts((rep, k), o.requests), o.max_tokens, 1,
                                       request_rate=rate, seed=seed + 1000 * rep + k, headers=headers)
-                    points[rate] = goodput.attainment(goodput.request_times(r.vllm), slo)
+                    times = goodput.request_times(r.vllm)
+                    points[rate] = goodput.attainment(times, slo)
+                    stats[f"{rate:g}"] = goodput.point_stats(times, slo, r.duration_s)
                     (out_dir / "goodput" / f"{name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
                     phase(f"  {name} at {rate:g} req/s: {points[rate]:.0%} of {o.requests} within the SLO "
                           f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms)")
@@ -77,7 +80,7 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
                         goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
             finally:
                 run_mod.down(state, backend)
-            legs[name].append({"points": {f"{r:g}": a for r, a in points.items()},
+            legs[name].append({"points": {f"{r:g}": a for r, a in points.items()}, "stats": stats,
                                "sustained": goodput.sustained(points)})
     assert slo is not None
     out: dict = {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "origin": slo.origin},
@@ -89,9 +92,56 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
         rates = sorted({float(x) for r in runs for x in r["points"]})
         out[name] = {"runs": runs, "sustained_req_s": statistics.median(sustained),
                      "attainment_median": {f"{x:g}": statistics.median(r["points"][f"{x:g}"] for r in runs
-                                                                        if f"{x:g}" in r["points"]) for x in rates}}
+                                                                        if f"{x:g}" in r["points"]) for x in rates},
+                     "stats_median": {f"{x:g}": _medians([r["stats"][f"{x:g}"] for r in runs
+                                                          if f"{x:g}" in r["stats"]]) for x in rates}}
     b, p = out["baseline"]["sustained_req_s"], out["pd"]["sustained_req_s"]
     out["ratio_pd_over_baseline"] = p / b if b else None
+    out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
+                                         {float(x): a for x, a in out["baseline"]["attainment_median"].items()})
     out["status"] = "PASS"  # a measurement: the ratio is the finding, whichever way it goes
     (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
+    out["plots"] = [str(x) for x in plots(out, out_dir / "goodput")]
     return out
+
+
+def _medians(points: list[dict]) -> dict:
+    """Per key, the median over the repetitions of one rate (keys a repetition lacks, or has None for, skipped)."""
+    keys = dict.fromkeys(k for p in points for k in p)
+    return {k: statistics.median(vals) if (vals := [p[k] for p in points if p.get(k) is not None]) else None
+            for k in keys}
+
+
+SIDES = (("pd", "P/D"), ("baseline", "aggregated, same devices"))
+
+
+def plots(g: dict, out_dir: Path) -> list[Path]:
+    """attainment.png, ttft_p99.png, tpot_p99.png: each against the offered rate, both deployments, with the
+    target (90 %) or the SLO drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for key, label, line, fname in (("attainment", "requests within the SLOs (%)", 100 * goodput.ATTAINMENT,
+                                     "attainment.png"),
+                                    ("ttft_ms_p99", "TTFT p99 (ms)", g["slo"]["ttft_ms"], "ttft_p99.png"),
+                                    ("tpot_ms_p99", "TPOT p99 (ms)", g["slo"]["tpot_ms"], "tpot_p99.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for side, name in SIDES:
+            st = g[side]["stats_median"]
+            xs = sorted(float(x) for x in st if st[x].get(key) is not None)
+            ys = [st[f"{x:g}"][key] * (100 if key == "attainment" else 1) for x in xs]
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.axhline(line, color="grey", linestyle="--", linewidth=1,
+                   label="target 90 %" if key == "attainment" else "SLO")
+        ax.set_xlabel("offered requests/s (Poisson)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} vs offered rate, median of {g['repeat']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        made.append(out_dir / fname)
+    return made

@@ -85,3 +85,35 @@ def test_the_search_always_ends_within_resolution_of_any_capacity(capacity, star
     ok = g.sustained(points)
     if ok is not None and ok < 100:
         assert min(x for x in points if x > ok) / ok <= g.RESOLUTION
+
+
+def test_percentiles_interpolate_as_numpy_does():
+    import numpy as np
+
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert g.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert g.percentile([], 50) is None
+
+
+def test_a_points_goodput_counts_only_requests_within_both_slos_per_second():
+    slo = g.Slo(500, 10, "x")
+    rs = [g.RequestTimes(100, 5), g.RequestTimes(600, 5), g.RequestTimes(100, 50),
+          g.RequestTimes(None, None)]
+    st = g.point_stats(rs, slo, duration_s=2.0)
+    assert st["attainment"] == 0.25 and st["goodput_req_s"] == 0.5 and st["served_req_s"] == 1.5
+    assert st["ttft_ms_p50"] == 100 and st["tpot_ms_p99"] == pytest.approx(49.1)
+    # the report's attainment is the per-request data's, recomputed
+    assert st["attainment"] == sum(g.meets(r, slo) for r in rs) / len(rs)
+
+
+def test_the_crossover_is_where_pd_leads_from_on_and_none_when_one_side_leads_everywhere():
+    assert g.crossover({1: 0.8, 2: 0.95, 4: 0.9}, {1: 0.99, 2: 0.9, 4: 0.5}) == {"from_req_s": 2,
+                                                                                          "winner": "pd"}
+    # P/D ahead everywhere: no crossing to name
+    assert g.crossover({1: 1.0, 2: 0.9}, {1: 0.9, 2: 0.5}) == {"from_req_s": None, "winner": "pd"}
+    # negative control: a baseline that should win is reported as winning
+    assert g.crossover({1: 0.9, 2: 0.4}, {1: 0.99, 2: 0.9}) == {"from_req_s": None, "winner": "baseline"}
+    # behind again at the top: the lead lower down is no crossover
+    assert g.crossover({1: 0.5, 2: 0.9, 4: 0.3}, {1: 0.9, 2: 0.8, 4: 0.6})["from_req_s"] is None
+    assert g.crossover({1: 0.5}, {2: 0.5}) == {"from_req_s": None, "winner": None}

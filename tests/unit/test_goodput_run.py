@@ -57,6 +57,7 @@ class FakeServers:
         ttft = 0.1 if ok else 5.0
         vllm = {"output_lens": [4] * n, "errors": [""] * n, "ttfts": [ttft] * n, "latencies": [ttft + 0.03] * n}
         return SimpleNamespace(vllm=vllm, ttft_ms_p50=ttft * 1e3, tpot_ms_p50=10.0, vllm_json=lambda: "{}",
+                               duration_s=n / (request_rate or 1.0),
                                to_dict=lambda: {"ttft_ms_p50": ttft * 1e3})
 
 
@@ -91,6 +92,13 @@ def test_auto_slo_comes_from_the_unloaded_baseline_first_then_legs_interleave(tm
     assert out["pd"]["sustained_req_s"] == 2.0 and out["baseline"]["sustained_req_s"] == 1.0
     assert out["ratio_pd_over_baseline"] == 2.0 and out["pd"]["attainment_median"] == {"1": 1.0, "2": 1.0, "4": 0.0}
     assert (tmp_path / "goodput" / "summary.json").is_file()
+    # per rate and side: goodput and latency percentiles; P/D leads from the lowest rate on (no crossing to name)
+    st = out["pd"]["stats_median"]
+    assert st["2"]["goodput_req_s"] == pytest.approx(2.0) and st["4"]["goodput_req_s"] == 0.0
+    assert st["4"]["ttft_ms_p99"] == pytest.approx(5000) and st["2"]["served_req_s"] == pytest.approx(2.0)
+    assert out["crossover"] == {"from_req_s": None, "winner": "tie"}  # both miss everything at 4 req/s
+    for name in ("attainment.png", "ttft_p99.png", "tpot_p99.png"):
+        assert (tmp_path / "goodput" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_search_finds_each_deployments_rate_and_a_tight_slo_sustains_nothing(tmp_path, monkeypatch):
@@ -120,6 +128,36 @@ def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
     text = " ".join(c.export_text().split())  # a table's title wraps at the table's width
     assert "TTFT <= 500 ms, TPOT <= 9.6 ms" in text and "29%" in text and "75%" in text
     assert "P/D sustains 4 req/s, aggregated 2 (2.00x)" in text
+    assert "latency per offered rate" not in text  # no per-rate statistics: no latency table
+
+
+def test_the_goodput_report_shows_latency_percentiles_goodput_and_where_pd_pays():
+    from rich.console import Console
+
+    from pdctl import render
+
+    def st(ttft, tpot, good):
+        return {"goodput_req_s": good, **{f"ttft_ms_p{q}": ttft * k for q, k in ((50, 1), (90, 2), (99, 3))},
+                **{f"tpot_ms_p{q}": tpot * k for q, k in ((50, 1), (90, 2), (99, 3))}}
+
+    g = {"slo": {"ttft_ms": 500.0, "tpot_ms": 9.6, "origin": "auto: 5 x TTFT p50 100.0 ms"}, "repeat": 3,
+         "requests_per_rate": 200, "dataset": "random", "prompt_len": 2048, "max_tokens": 64, "status": "PASS",
+         "pd": {"attainment_median": {"2": 0.9, "4": 0.95}, "sustained_req_s": 4.0,
+                "stats_median": {"2": st(150, 3.5, 1.8), "4": st(220, 4.1, 3.8)}},
+         "baseline": {"attainment_median": {"2": 0.96, "4": 0.75}, "sustained_req_s": 2.0,
+                      "stats_median": {"2": st(130, 3.8, 1.92), "4": st(160, 7.3, 3.0)}},
+         "ratio_pd_over_baseline": 2.0, "crossover": {"from_req_s": 4.0, "winner": "pd"}, "plots": ["g/a.png"]}
+    c = Console(record=True, width=80)
+    render.goodput(c, g)
+    text = c.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    flat = " ".join(text.split())
+    assert "P/D pays from 4 req/s offered" in flat and "plots: g/a.png" in flat
+    assert "4 P/D 220 440 660 4.1 8.2 12.3" in flat and "4 agg 160 320 480 7.3 14.6 21.9" in flat
+    assert "3.80" in flat and "1.92" in flat  # goodput per side
+    c = Console(record=True, width=100)
+    render.goodput(c, {**g, "crossover": {"from_req_s": None, "winner": "baseline"}})
+    assert "P/D does not pay at this SLO and workload" in " ".join(c.export_text().split())
 
 
 def test_plan_baseline_shows_the_aggregated_deployment_bench_goodput_compares_with(run_cli):
