@@ -145,6 +145,9 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
         out.print(f"[green]valid[/green] {summary}", highlight=False, soft_wrap=True)
 
 BaselineOpt = Annotated[bool, typer.Option(help="bench --goodput's aggregated baseline on the same devices")]
+SloOpt = Annotated[str, typer.Option(help="--goodput: ttft=MS,tpot=MS, or auto")]
+RatesOpt = Annotated[str | None, typer.Option(help="--goodput: offered req/s, e.g. 2,4,8 [bench: search]")]
+RepeatOpt = Annotated[int, typer.Option(help="--goodput: interleaved repetitions (median)")]
 
 @app.command()
 @topology_command
@@ -568,9 +571,7 @@ def bench(
     dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
     goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
-    slo: Annotated[str, typer.Option(help="--goodput: ttft=MS,tpot=MS, or auto")] = "auto",
-    rates: Annotated[str | None, typer.Option(help="--goodput: offered req/s, e.g. 2,4,8 [search]")] = None,
-    repeat: Annotated[int, typer.Option(help="--goodput: interleaved repetitions (median)")] = 3,
+    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3,
     eval_concurrency: EvalConcOpt = 1, reference_port: RefPortOpt = 8300,
     timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False,
     overrides: list = (),
@@ -625,21 +626,28 @@ def sweep(
     skip_eval: Annotated[bool, typer.Option(help="skip the accuracy gate")] = False,
     skip_perf: Annotated[bool, typer.Option(help="skip the load benchmark")] = False,
     reference_port: RefPortOpt = 8300, timeout: TimeoutOpt = 300.0,
+    goodput: Annotated[bool, typer.Option(help="cases are layouts of the same devices: goodput per layout")] = False,
+    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, json_: JsonOpt = False,
 ) -> None:
     """`pdctl bench` for every case of a matrix: one table, sweep.json, sweep.md and PNG plots.
 
     Resumable: a case whose summary.json exists under --results is kept, so rerunning an interrupted sweep with
     the same --results continues where it stopped. A case the topology rules refuse is reported as REFUSED.
 
+    --goodput: the layout of the topology's devices (each case one) with the highest goodput for the SLO, against
+    the baseline, and the SLO at which the answer changes (docs/benchmarks.md).
+
     Examples:
 
       pdctl sweep configs/cpu-demo.yaml --matrix configs/cpu-matrix.yaml --data-dir ../shared/data/gsm8k
 
       pdctl sweep configs/qwen3-0.6b-cuda-d64.yaml --matrix configs/upstream-matrix.yaml --results results/pr26759
+
+      pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layouts.yaml --goodput --rates 1,2,3,4,6
     """
-    opts = _options(api.BenchOptions, locals(), timeout_s=timeout)
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates))
     r = api.sweep(topology, matrix, opts, results=results, say=say)
-    render.sweep(out, r, matrix)
+    print(json.dumps(r.to_dict(), indent=2)) if json_ else render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)
 
 

@@ -434,7 +434,39 @@ def goodput(out: Console, g: dict) -> None:
         out.print("plots: " + ", ".join(g["plots"]), highlight=False)
 
 
+def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
+    """Each layout's goodput (median sustained rate) at the SLO, the recommended one, and the SLO tightness at
+    which the recommendation changes."""
+    rec = g["recommendation"]
+    t = Table(box=boxed(out), title=f"goodput per layout of the same devices (TTFT <= {g['slo']['ttft_ms']:g} ms, "
+              f"TPOT <= {g['slo']['tpot_ms']:g} ms; median of {g['repeat']})")
+    for col in ("layout", "sustained req/s", "what runs"):
+        t.add_column(col, overflow="fold")
+    for name in g["deployments"]:
+        mark = " (recommended)" if name == rec["best"] else ""
+        t.add_row(name + mark, f"{rec['sustained_req_s'][name]:g}", g["layouts"][name])
+    for name, why in refused.items():
+        t.add_row(name, "REFUSED", why)
+    out.print(t)
+    sens = g["slo_sensitivity"]
+    s = Table(box=boxed(out), title="the recommendation as the SLOs tighten or loosen (both scaled)")
+    for col in ("x SLO", "TTFT ms", "TPOT ms", "best layout", "its req/s"):
+        s.add_column(col, overflow="fold")
+    for row in sens["rows"]:
+        s.add_row(f"{row['factor']:g}", f"{row['ttft_ms']:g}", f"{row['tpot_ms']:g}", row["best"],
+                  f"{row['sustained_req_s'][row['best']]:g}")
+    out.print(s)
+    changes = ", ".join(f"{f:g}x" for f in sens["changes_at"])
+    out.print(f"recommended at this SLO: {rec['best']} ({g['layouts'][rec['best']]}); "
+              + (f"the answer changes at {changes} the SLO" if changes else "the same answer at every SLO scaling "
+                 "tried"), highlight=False)
+    out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
+              f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
+
+
 def sweep(out: Console, result, matrix: Path) -> None:
+    if hasattr(result, "refused"):  # sweep --goodput
+        return goodput_sweep(out, result.summary, result.refused)
     rows = result.table()
     t = Table(box=boxed(out), title=f"sweep {matrix} ({result.out_dir})")
     for col in (c for c in rows[0] if c != "error"):

@@ -175,6 +175,9 @@ class SweepResult:
     def reports(self) -> list[Path]:
         return [self.out_dir / n for n in ("sweep.md", "sweep.json", "accuracy.png", "latency.png")]
 
+    def to_dict(self) -> dict:
+        return {"cases": self.rows, "results": str(self.out_dir)}
+
 
 def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None = None, *,
           results: str | Path | None = None, say: Say = _quiet) -> SweepResult:
@@ -191,6 +194,8 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
         raise UserError(f"{matrix}: {e}") from None
     out_dir = Path(results) if results else Path("results") / f"sweep-{matrix.stem}"
     o = options or BenchOptions()
+    if o.goodput:
+        return _sweep_goodput(topology, m, o, out_dir, say)
     table = expected_table(o.expected)
     o = _bench_data(o, say)
     say(_gate_note() + " in every case")
@@ -211,3 +216,99 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
     rows = sweep_mod.run_sweep(m, out_dir, run_case,
                                lambda c, state: say(f"[{time.monotonic() - t0:5.0f} s] case {c.name}: {state}"))
     return SweepResult(rows, out_dir)
+
+
+def devices_used(t: Topology) -> set[tuple[str, str, int | None]]:
+    """(host, platform, device) of every P/D instance (device None: a pool that names none)."""
+    from pdctl.topology import ROLES
+
+    return {(g.host, g.platform, d) for role in ROLES for g in t.pools(role) for d in (g.devices or [None])}
+
+
+@dataclass
+class GoodputSweepResult:
+    summary: dict  # every deployment's goodput runs, the recommendation, the SLO sensitivity (goodput/sweep.json)
+    out_dir: Path
+    refused: dict[str, str]  # case -> why it was not run (before anything started)
+
+    @property
+    def passed(self) -> bool:
+        return not self.refused
+
+    def to_dict(self) -> dict:
+        return {**self.summary, "refused": self.refused}
+
+
+def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say: Say) -> GoodputSweepResult:
+    """Goodput of each layout of the matrix and of the baseline (the topology's devices aggregated), every one on
+    the topology's devices, at the same offered rates; the layout with the highest goodput for the SLO, and the
+    SLO tightness at which the answer changes (recomputed from the measured requests)."""
+    from pdctl.bench import goodput
+    from pdctl.bench.goodput_run import run_deployments
+
+    if not o.rates:
+        raise UserError("sweep --goodput compares layouts at the same offered rates: give --rates, e.g. "
+                        "--rates 1,2,3,4,6,8 (pdctl bench --goodput searches one topology's rate)")
+    from pdctl.bench.load import check_dataset
+
+    o = replace(o, skip_perf=True).resolved()
+    try:
+        check_dataset(o.dataset, o.dataset_path)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    _goodput_options(load(topology, gated=True), o, say)
+    t = _gated(load(topology, gated=True), say)
+    _local_engine(t)
+    want = devices_used(t)
+    state = out_dir / "state"
+    plans: dict[str, Plan] = {"baseline": plan(t, state_dir=state / "baseline", baseline=True)}
+    refused: dict[str, str] = {}
+    for case in m.cases:
+        if case.name == "baseline":
+            refused[case.name] = "the name 'baseline' is the aggregated deployment every sweep includes"
+            continue
+        try:
+            tc = load(topology, case.overrides(), gated=True)
+        except TopologyError as e:
+            refused[case.name] = e.render()
+            continue
+        if devices_used(tc) != want:
+            refused[case.name] = (f"uses devices {sorted(devices_used(tc), key=str)}, the topology "
+                                  f"{sorted(want, key=str)}: a layout of the same devices is compared")
+            continue
+        p = plan(tc, state_dir=state / case.name)
+        plans[case.name] = p.with_processes([x for x in p.processes if x.role != "reference"])
+    for name, why in refused.items():
+        say(f"case {name}: REFUSED: {why}")
+    if len(plans) < 2:
+        raise UserError(f"sweep --goodput: no layout of the matrix can run ({', '.join(refused)} refused)")
+    backend = _preflight(plans["baseline"], t)
+    t0 = time.monotonic()
+
+    def phase(text: str) -> None:
+        say(f"[{time.monotonic() - t0:5.0f} s] {text}")
+
+    with _interruptible():
+        out = run_deployments(origin(t), plans, backend, out_dir, o, phase, auth.headers(auth.api_key(t)) or None)
+    slo = goodput.Slo(out["slo"]["ttft_ms"], out["slo"]["tpot_ms"], out["slo"]["origin"])
+    runs = {n: out[n]["runs"] for n in plans}
+    out["recommendation"] = goodput.recommend(runs, slo)
+    out["slo_sensitivity"] = goodput.slo_sensitivity(runs, slo)
+    out["layouts"] = {n: _layout(p) for n, p in plans.items()}
+    (out_dir / "goodput" / "sweep.json").write_text(json.dumps(out, indent=2))
+    return GoodputSweepResult(out, out_dir, refused)
+
+
+def _layout(p: Plan) -> str:
+    """e.g. "prefill p32 1x block 32 on [0] -> decode d64 1x block 64 on [1]", or "aggregated: 2 servers on [0] [1]"."""
+    t = p.topology
+
+    def devs(g, i) -> str:
+        return str(g.devices_of(i) or "-")
+
+    if p.by_role("baseline"):
+        on = [devs(g, i) for role in ("prefill", "decode") for g in t.pools(role) for i in range(g.count)]
+        return f"aggregated: {len(on)} servers on " + " ".join(on)
+    return " -> ".join(", ".join(f"{role} {g.name} {g.count}x block {g.block_size} on "
+                                 + " ".join(devs(g, i) for i in range(g.count)) for g in t.pools(role))
+                       for role in ("prefill", "decode"))

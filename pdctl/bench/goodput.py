@@ -175,3 +175,41 @@ def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:
     if start is None or start == common[0]:
         start = None  # P/D never behind (or behind at the top): no crossing to name
     return {"from_req_s": start, "winner": winner}
+
+
+# -- the recommended layout ------------------------------------------------------------------------------------------
+
+# SLO tightness factors the recommendation is recomputed at (both SLOs scaled together), from the requests measured.
+SLO_FACTORS = (0.25, 0.33, 0.5, 0.67, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+
+def sustained_median(runs: Sequence[dict], slo: Slo) -> float:
+    """The median over repetitions of the sustained rate under `slo`, recomputed from each run's per-request
+    TTFT/TPOT per rate (`run["requests"][rate] = [[ttft_ms, tpot_ms], ...]`); 0 for a run that sustained none."""
+    out = []
+    for run in runs:
+        points = {float(rate): attainment([RequestTimes(*x) for x in reqs], slo)
+                  for rate, reqs in run["requests"].items()}
+        out.append(sustained(points) or 0.0)
+    return statistics.median(out) if out else 0.0
+
+
+def recommend(deployments: dict[str, Sequence[dict]], slo: Slo) -> dict:
+    """The deployment with the highest median sustained rate under `slo`; a tie goes to the one listed first (the
+    baseline comes first: with nothing to gain, the simpler deployment)."""
+    rates = {name: sustained_median(runs, slo) for name, runs in deployments.items()}
+    best = max(rates, key=lambda n: (rates[n], -list(rates).index(n)))
+    return {"best": best, "sustained_req_s": rates}
+
+
+def slo_sensitivity(deployments: dict[str, Sequence[dict]], slo: Slo,
+                    factors: Sequence[float] = SLO_FACTORS) -> dict:
+    """The recommendation at each SLO tightness (both SLOs times a factor), and the factors at which the answer
+    changes from the one below it."""
+    rows = []
+    for f in factors:
+        scaled = Slo(round(slo.ttft_ms * f, 1), round(slo.tpot_ms * f, 2), f"{f:g} x {slo.origin}")
+        r = recommend(deployments, scaled)
+        rows.append({"factor": f, "ttft_ms": scaled.ttft_ms, "tpot_ms": scaled.tpot_ms, **r})
+    changes = [b["factor"] for a, b in zip(rows, rows[1:], strict=False) if a["best"] != b["best"]]
+    return {"rows": rows, "changes_at": changes}

@@ -26,6 +26,25 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
                 phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
     """o: resolved (requests per rate, prompt and output lengths). pd_plan without its reference: nothing but
     the deployment under test runs on the devices."""
+    out = run_deployments(loaded, {"baseline": base_plan, "pd": pd_plan}, backend, out_dir, o, phase, headers)
+    b, p = out["baseline"]["sustained_req_s"], out["pd"]["sustained_req_s"]
+    out["ratio_pd_over_baseline"] = p / b if b else None
+    out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
+                                         {float(x): a for x, a in out["baseline"]["attainment_median"].items()})
+    out["status"] = "PASS"  # a measurement: the ratio is the finding, whichever way it goes
+    (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
+    out["plots"] = [str(x) for x in plots(out, out_dir / "goodput")]
+    return out
+
+
+def run_deployments(loaded: Loaded, deployments: dict[str, Plan], backend: Backend, out_dir: Path,
+                    o: BenchOptions, phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
+    """Each deployment brought up alone in turn and sent the same prompts with the same seeded arrivals per
+    (repetition, rate); the first must be "baseline" (`--slo auto` is measured on its first instance before any
+    other number exists); the order rotates every repetition. Per deployment: the runs (attainment, statistics
+    and every request's TTFT/TPOT per rate), the median sustained rate and the medians per rate."""
+    names = list(deployments)
+    assert names[0] == "baseline", names
     t = loaded.topology
     model = t.model.name
     slo = goodput.parse_slo(o.slo)
@@ -35,7 +54,7 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
     works: dict[tuple, load.Workload] = {}
 
     def prompts(key: tuple, n: int) -> load.Workload:
-        # One workload per (repetition, point): both deployments get the same prompts and arrivals; each
+        # One workload per (repetition, point): every deployment gets the same prompts and arrivals; each
         # bring-up starts with empty prefix caches, a point's prompts are new to the servers that get them.
         if key not in works:
             works[key] = load.workload(n, o.prompt_len, vocab, seed + len(works), max_tokens=o.max_tokens,
@@ -43,12 +62,12 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
         return works[key]
 
     (out_dir / "goodput").mkdir(parents=True, exist_ok=True)
-    legs: dict[str, list[dict]] = {"baseline": [], "pd": []}
+    legs: dict[str, list[dict]] = {n: [] for n in names}
     unloaded: dict | None = None
     for rep in range(o.repeat):
-        order = ("baseline", "pd") if rep % 2 == 0 else ("pd", "baseline")
-        for name in order:
-            plan = base_plan if name == "baseline" else pd_plan
+        k0 = rep % len(names)
+        for name in names[k0:] + names[:k0]:
+            plan = deployments[name]
             phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
             state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
             url = plan.by_role("proxy")[0].http_url
@@ -64,6 +83,7 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
                     phase(f"SLO: {slo}")
                 points: dict[float, float] = {}
                 stats: dict[str, dict] = {}
+                per_request: dict[str, list] = {}
                 k = 0
                 rate = o.rates[0] if o.rates else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
                 while rate is not None:
@@ -72,6 +92,7 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
                     times = goodput.request_times(r.vllm)
                     points[rate] = goodput.attainment(times, slo)
                     stats[f"{rate:g}"] = goodput.point_stats(times, slo, r.duration_s)
+                    per_request[f"{rate:g}"] = [[x.ttft_ms, x.tpot_ms] for x in times]
                     (out_dir / "goodput" / f"{name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
                     phase(f"  {name} at {rate:g} req/s: {points[rate]:.0%} of {o.requests} within the SLO "
                           f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms)")
@@ -81,12 +102,12 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
             finally:
                 run_mod.down(state, backend)
             legs[name].append({"points": {f"{r:g}": a for r, a in points.items()}, "stats": stats,
-                               "sustained": goodput.sustained(points)})
+                               "sustained": goodput.sustained(points), "requests": per_request})
     assert slo is not None
     out: dict = {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "origin": slo.origin},
                  "unloaded": unloaded, "requests_per_rate": o.requests, "repeat": o.repeat,
                  "dataset": o.dataset, "prompt_len": o.prompt_len, "max_tokens": o.max_tokens, "seed": seed,
-                 "attainment_target": goodput.ATTAINMENT}
+                 "attainment_target": goodput.ATTAINMENT, "deployments": names}
     for name, runs in legs.items():
         sustained = [r["sustained"] or 0.0 for r in runs]
         rates = sorted({float(x) for r in runs for x in r["points"]})
@@ -95,13 +116,6 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
                                                                         if f"{x:g}" in r["points"]) for x in rates},
                      "stats_median": {f"{x:g}": _medians([r["stats"][f"{x:g}"] for r in runs
                                                           if f"{x:g}" in r["stats"]]) for x in rates}}
-    b, p = out["baseline"]["sustained_req_s"], out["pd"]["sustained_req_s"]
-    out["ratio_pd_over_baseline"] = p / b if b else None
-    out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
-                                         {float(x): a for x, a in out["baseline"]["attainment_median"].items()})
-    out["status"] = "PASS"  # a measurement: the ratio is the finding, whichever way it goes
-    (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
-    out["plots"] = [str(x) for x in plots(out, out_dir / "goodput")]
     return out
 
 

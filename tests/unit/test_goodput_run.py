@@ -165,3 +165,86 @@ def test_plan_baseline_shows_the_aggregated_deployment_bench_goodput_compares_wi
     assert code == 0, err
     names = [p["name"] for p in json.loads(out)["processes"]]
     assert names == ["baseline-prefill-0", "baseline-decode-0", "baseline-proxy"]
+
+
+# -- pdctl sweep --goodput: the recommended layout ---------------------------------------------------------------
+
+
+LAYOUTS = """cases:
+  - name: p32-d64
+  - name: p64-d64
+    set: {prefill.block_size: 64}
+  - name: elsewhere
+    set: {decode.devices: [2]}
+"""
+
+
+def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], **opts):
+    from pdctl import api
+    from pdctl.api import benchmarks
+
+    matrix = tmp_path / "layouts.yaml"
+    matrix.write_text(LAYOUTS)
+    fake = FakeServers({})
+    legs: list[str] = []
+
+    def up(plan, backend, attached, timeout_s):
+        fake.current = Path(plan.state_dir).name  # state/<deployment>
+        legs.append(fake.current)
+        fake.capacity[fake.current] = capacity[fake.current]
+        return plan
+
+    monkeypatch.setattr(goodput_run.run_mod, "up", up)
+    monkeypatch.setattr(goodput_run.run_mod, "down", fake.down)
+    monkeypatch.setattr(goodput_run.load, "run_load", fake.run_load)
+    monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
+    monkeypatch.setattr(benchmarks, "_preflight", lambda p, t: None)
+    o = BenchOptions(goodput=True, rates=(1.0, 2.0, 3.0, 4.0), repeat=2, requests=10, **opts)
+    said: list[str] = []
+    g = api.sweep(CONFIGS / "cpu-demo.yaml", matrix, o, results=tmp_path / "r", say=said.append)
+    return g, legs, said
+
+
+def test_sweep_goodput_recommends_the_layout_with_the_highest_goodput_and_where_the_answer_changes(
+        tmp_path, monkeypatch):
+    g, legs, said = _sweep(tmp_path, monkeypatch, {"baseline": 1.5, "p32-d64": 3.0, "p64-d64": 2.0})
+    # every deployment every repetition, the baseline first (auto SLO), the order rotating
+    assert legs == ["baseline", "p32-d64", "p64-d64", "p32-d64", "p64-d64", "baseline"]
+    rec = g.summary["recommendation"]
+    assert rec["best"] == "p32-d64" and rec["sustained_req_s"] == {"baseline": 1.0, "p32-d64": 3.0, "p64-d64": 2.0}
+    # a layout on other devices is refused before anything starts, said and reported
+    assert list(g.refused) == ["elsewhere"] and "same devices" in g.refused["elsewhere"] and not g.passed
+    assert any("case elsewhere: REFUSED" in s for s in said)
+    # auto SLO: TTFT 500 ms, TPOT 30 ms; the fake's TPOT is 10 ms: at 0.33x (TPOT 9.9 ms) nothing meets it, so
+    # nothing gains over the baseline; from 0.5x the fast layout leads
+    sens = g.summary["slo_sensitivity"]
+    best = {r["factor"]: r["best"] for r in sens["rows"]}
+    assert best[0.33] == "baseline" and best[0.5] == best[1.0] == best[4.0] == "p32-d64"
+    assert sens["changes_at"] == [0.5]
+    assert "aggregated: 2 servers on [0] [1]" == g.summary["layouts"]["baseline"]
+    assert g.summary["layouts"]["p64-d64"] == "prefill default 1x block 64 on [0] -> decode default 1x block 64 on [1]"
+    saved = json.loads((tmp_path / "r" / "goodput" / "sweep.json").read_text())
+    assert saved["recommendation"] == rec
+
+
+def test_sweep_goodput_recommends_the_baseline_when_it_serves_most(tmp_path, monkeypatch):
+    """The negative control: a baseline that should win is recommended."""
+    g, _, _ = _sweep(tmp_path, monkeypatch, {"baseline": 4.0, "p32-d64": 3.0, "p64-d64": 2.0})
+    assert g.summary["recommendation"]["best"] == "baseline"
+    assert g.summary["slo_sensitivity"]["changes_at"] == []
+
+
+def test_sweep_goodput_needs_rates_and_renders_the_recommendation(tmp_path, monkeypatch, run_cli):
+    code, _, err = run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", CONFIGS / "cpu-matrix.yaml", "--goodput")
+    assert code == 1 and "give --rates" in err
+    from rich.console import Console
+
+    from pdctl import render
+
+    g, _, _ = _sweep(tmp_path, monkeypatch, {"baseline": 1.5, "p32-d64": 3.0, "p64-d64": 2.0})
+    c = Console(record=True, width=100)
+    render.goodput_sweep(c, g.summary, g.refused)
+    text = " ".join(c.export_text().split())
+    assert "p32-d64 (recommended)" in text and "the answer changes at 0.5x the SLO" in text
+    assert "elsewhere REFUSED" in text
