@@ -643,7 +643,7 @@ def sweep(
 
       pdctl sweep configs/qwen3-0.6b-cuda-d64.yaml --matrix configs/upstream-matrix.yaml --results results/pr26759
 
-      pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layouts.yaml --goodput --rates 1,2,3,4,6
+      pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layout-matrix.yaml --goodput --rates 1,2,3,4,6
     """
     opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates))
     r = api.sweep(topology, matrix, opts, results=results, say=say)

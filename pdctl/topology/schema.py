@@ -75,17 +75,22 @@ class _Strict(BaseModel):
 
 class ModelSpec(_Strict):
     path: str = Field(min_length=1, description="local directory or hub id")
-    served_name: str | None = None
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    max_model_len: int | None = Field(None, ge=16)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    served_name: str | None = Field(None, description="the model name clients send (vLLM's --served-model-name); "
+                                    "default: the path")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="weights and activations (vLLM's --dtype); the same on every server, so P/D and the "
+        "aggregated reference compute the same tokens")
+    max_model_len: int | None = Field(None, ge=16, description="longest prompt plus output a request may have "
+                                      "(vLLM's --max-model-len); default: the model's")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="every pool's KV cache element type (a pool may set its own); P and D must agree")
     kv_heads: int | None = Field(None, ge=1, le=2**16, description="KV heads, when config.json is not local")
     attention: Literal["full", "hybrid"] | None = Field(
         None, description="the model's attention, when config.json is not local: full, or hybrid (sliding-window "
         "and full-attention layers, e.g. gpt-oss, Gemma 2/3), which vLLM's hybrid KV cache manager keeps in one KV "
         "cache group per kind and the connector rules treat apart. A local config.json decides; this field must "
         "then agree with it")
-    seed: int = 0
+    seed: int = Field(0, description="vLLM's --seed on every server: sampling with temperature > 0 repeats")
 
     @property
     def name(self) -> str:
@@ -110,20 +115,31 @@ class InstanceGroup(_Strict):
 
     name: str = Field(pattern=POOL_NAME_PATTERN,
                       description="pool name (an identifier): in instance names, logs, metrics and reports")
-    platform: Platform = "cpu"
-    count: int = Field(1, ge=1, le=64)
-    block_size: int | None = Field(None, ge=1, le=2048)
-    tp: int = Field(1, ge=1, le=64)
-    devices: list[Annotated[int, Field(ge=0)]] | None = None
-    kv_layout: KvLayout = "HND"
-    host: str = "127.0.0.1"
-    http_port: Port | None = None
-    side_channel_port: Port | None = None
-    kv_cache_memory: ByteSize | None = None
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    enforce_eager: bool | None = None
+    platform: Platform = Field("cpu", description="the pool's accelerator: cuda, cpu, xpu (Intel GPU) or hpu "
+                               "(Intel Gaudi)")
+    count: int = Field(1, ge=1, le=64, description="instances in the pool (each its own vLLM server)")
+    block_size: int | None = Field(None, ge=1, le=2048, description="KV block size in tokens; default the "
+                                   "platform's (cuda 16, cpu 32, xpu 64, hpu 128); P and D may differ")
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel size of each instance")
+    devices: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="device ids (CPU: cores) for the pool's instances, tp per instance in order; default: "
+        "none pinned (the platform's own choice)")
+    kv_layout: KvLayout = Field("HND", description="the KV cache's dimension order (HND or NHD; the connector "
+                                "converts between pools that differ)")
+    host: str = Field("127.0.0.1", description="where the pool's servers listen (and, on the local engine, run)")
+    http_port: Port | None = Field(None, description="first instance's HTTP port (instance i: +i); default: "
+                                   "assigned after every explicit port")
+    side_channel_port: Port | None = Field(None, description="first instance's NIXL side channel port (instance "
+                                           "i: +i); default: assigned")
+    kv_cache_memory: ByteSize | None = Field(None, description="bytes of KV cache per instance (e.g. 512MiB); "
+                                             "CPU default 256MiB")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="accelerators: the share of "
+                                                 "device memory vLLM may use (instead of kv_cache_memory)")
+    enforce_eager: bool | None = Field(None, description="no graph capture or compilation; default on for CPU "
+                                       "(the gates compare servers in one mode)")
     model: str | None = Field(None, description="model path on this pool's hosts, if it differs")
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+        None, description="this pool's KV element type (default: model.kv_cache_dtype)")
     kv_buffer_device: BufferDevice | None = Field(
         None, description="where this pool's KV is registered for NIXL (default: connector.kv_buffer_device, "
         "else the platform's own memory)")
@@ -141,8 +157,10 @@ class InstanceGroup(_Strict):
         0, ge=-20, le=19, strict=True, description="added to the niceness of every process of each instance (API "
         "server, engine core, workers), like `nice -n`: 10 on a decode pool that shares a host's cores with prefill "
         "pools lets the prefill's work go first (lower TTFT under load); below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    extra_args: list[str] = Field(default_factory=list, description="more vLLM server flags for this pool's "
+                                  "instances, e.g. [--max-num-seqs, '64']")
+    env: dict[str, str] = Field(default_factory=dict, description="environment of this pool's servers; overrides "
+                                "pdctl's own (e.g. UCX_TLS: validate refuses what NIXL cannot transfer with)")
 
     @model_validator(mode="after")
     def _platform_defaults(self) -> InstanceGroup:
@@ -182,8 +200,8 @@ ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware",
 class ProxySpec(_Strict):
     kind: ProxyKind = Field("pdctl", description="pdctl (pdctl's own proxy) or vllm-router (the vLLM project's "
                             "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
-    host: str = "127.0.0.1"
-    port: Port = 8000
+    host: str = Field("127.0.0.1", description="where the proxy listens: the deployment's one endpoint")
+    port: Port = Field(8000, description="the proxy's port")
     metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
                                       "(default port + 1); pdctl's proxy serves /metrics on its own port")
     policy: Policy = Field("least_outstanding", description="least_outstanding (weighted, across pools), "
@@ -231,8 +249,10 @@ class ConnectorSpec(_Strict):
         "pdctl", description="pdctl = pdctl's heterogeneous connector; nixl = vLLM's stock NixlConnector"
     )
     kv_buffer_device: BufferDevice | None = Field(None, description="every pool's default")
-    backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
-    progress_thread: bool = True
+    backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1,
+                                description="NIXL transfer backends, in order of preference")
+    progress_thread: bool = Field(True, description="NIXL's progress thread (serves a peer's transfers while the "
+                                  "engine is busy); off: only the engine's own polls progress them")
     progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
     worker_spin_s: float | None = Field(
         None, ge=0, description="how long vLLM's executor-queue readers spin after a message, on every server "
@@ -261,7 +281,8 @@ class ConnectorSpec(_Strict):
         "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "
         "converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined with "
         "the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
-    extra_config: dict[str, Any] = Field(default_factory=dict)
+    extra_config: dict[str, Any] = Field(default_factory=dict, description="more kv_connector_extra_config "
+                                         "entries for vLLM's connector (e.g. kv_lease_duration, num_threads)")
     allow_unsafe_hybrid: bool = Field(
         False, description="negative controls only: let vLLM's stock connector (kind: nixl) pair a hybrid "
         "(sliding-window + full attention) model's KV with the hybrid KV cache manager on, which pdctl otherwise "
@@ -293,18 +314,18 @@ class SupervisionSpec(_Strict):
                                    "(a /health stalled behind a busy engine on a small host is not a crash)")
     health_interval_s: float = Field(5.0, gt=0, description="seconds between health probes of one instance")
     backoff_s: float = Field(2.0, gt=0, description="wait before the first restart; doubles per restart in the window")
-    backoff_max_s: float = Field(60.0, gt=0)
+    backoff_max_s: float = Field(60.0, gt=0, description="the longest wait between restarts")
     max_restarts: int = Field(5, ge=0, description="restarts of one instance allowed per window; then it stays down")
-    window_s: float = Field(600.0, gt=0)
+    window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
 
 
 class MonitoringSpec(_Strict):
     """Prometheus beside the topology (`pdctl up --monitoring`): one more supervised process on this host, its
     config, rules and data in the state dir, scraping every instance and the proxy."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: Port = 9090
+    enabled: bool = Field(False, description="run Prometheus with the topology (also `pdctl up --monitoring`)")
+    host: str = Field("127.0.0.1", description="where Prometheus listens")
+    port: Port = Field(9090, description="Prometheus's port")
     scrape_interval_s: float = Field(
         2.0, ge=0.5, le=60, description="scrape and rule evaluation interval; the recording rules' rate windows are "
         "15 of these (30 s at 2 s), so rate() has data within seconds of the first requests")
@@ -320,7 +341,7 @@ EngineKind = Literal["local", "ray", "slurm"]
 class EngineSpec(_Strict):
     """What runs the plan: this host's process groups, a Ray cluster, or a Slurm cluster."""
 
-    kind: EngineKind = "local"
+    kind: EngineKind = Field("local", description="local (this host's process groups), ray or slurm")
     address: str | None = Field(None, description="Ray: the cluster's GCS address host:port")
     namespace: str | None = Field(None, description="Ray namespace (default: the topology's name)")
     placement: dict[Literal["prefill", "decode", "proxy"], Placement] = Field(default_factory=dict)
@@ -352,7 +373,8 @@ Pools = Annotated[list[InstanceGroup], BeforeValidator(_as_pools), Field(min_len
 
 
 class Topology(_Strict):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$", description="the deployment's name: its state "
+                      "directory (.pdctl/<name>), `pdctl status <name>`, reports")
     model: ModelSpec
     prefill: Pools
     decode: Pools

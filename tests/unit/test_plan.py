@@ -54,7 +54,7 @@ def test_the_typed_plan_writes_the_golden_json_and_reads_it_back(config):
 
 
 @pytest.mark.parametrize("config", sorted(c.stem for c in CONFIGS.glob("*.yaml")
-                                          if c.stem not in ("cpu-matrix", "upstream-matrix", "expected")))
+                                          if c.stem != "expected" and "matrix" not in c.stem))
 def test_every_example_plan_reads_back_from_its_json(config):
     from pdctl.plan import Plan
 
