@@ -30,7 +30,7 @@ app.add_typer(model_app, name="model")
 render_app = typer.Typer(help="Render a topology for systems pdctl does not run itself.", no_args_is_help=True)
 app.add_typer(render_app, name="render")
 
-out = Console()
+out = render.stdout_console()
 err = Console(stderr=True, soft_wrap=True)
 
 

@@ -7,6 +7,7 @@ import enum
 import json
 import os
 import shlex
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,12 @@ def listing(out: Console, title: str | None, columns: list[str], keep: tuple[str
     for c in columns:
         t.add_column(c, overflow="fold", no_wrap=c in keep)
     return t
+
+
+def stdout_console() -> Console:
+    """The CLI's stdout. Off a terminal (a pipe, a CI log) tables print at their natural width, like `kubectl get`
+    in a pipe: folding them at 80 columns cuts words in half. COLUMNS still sets a width where one is asked for."""
+    return Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 100_000)
 
 
 def boxed(out: Console) -> box.Box | None:

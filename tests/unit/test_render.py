@@ -162,3 +162,23 @@ def test_the_80_column_check_catches_a_truncating_table(fleet_plan):
     out.print(old)
     assert not lines_with(buf.getvalue(), *(r.name for r in report.instances),
                           *(f"{r.host}:{r.http_port}" for r in report.instances))
+
+
+def test_off_a_terminal_tables_print_at_their_natural_width(monkeypatch):
+    import io
+    import sys
+
+    from rich.table import Table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
+    c = render.stdout_console()
+    c.file = io.StringIO()
+    t = Table()
+    for col in ("metric", "value"):
+        t.add_column(col, overflow="fold")
+    t.add_row("gsm8k_local exact_match,strict-match " * 3, "0.4375")
+    c.print(t)
+    assert "gsm8k_local exact_match,strict-match gsm8k_local" in c.file.getvalue()  # one line, no word cut
+    monkeypatch.setenv("COLUMNS", "80")  # a width asked for is kept
+    assert render.stdout_console().width == 80
