@@ -133,16 +133,15 @@ class Plan:
 
     def to_dict(self) -> dict:
         """Plain JSON data (state.json, `pdctl plan --json`): the topology as its JSON dump."""
-        # Sections left out while at their default (monitoring off, no auth): plans and state files without them
-        # read the same as before.
+        # Sections and fields left out while at their default (monitoring off, no auth, full attention, a pool's
+        # nice 0): a plan says what the topology sets, and plans of topologies without them stay short.
         t = self.topology
         off: dict[str, Any] = {s: True for s, unset in (("monitoring", not t.monitoring.enabled),
                                                          ("auth", t.auth is None)) if unset}
-        # Fields left out while at their default (#19's hybrid attention), for the same reason.
         for section, name in (("model", "attention"), ("connector", "allow_unsafe_hybrid")):
             if getattr(getattr(t, section), name) == type(getattr(t, section)).model_fields[name].default:
                 off.setdefault(section, set()).add(name)
-        for role in ROLES:  # a pool's nice (#17), per pool
+        for role in ROLES:  # per pool
             quiet = {i: {"nice"} for i, g in enumerate(t.pools(role)) if not g.nice}
             if quiet:
                 off[role] = quiet

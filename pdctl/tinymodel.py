@@ -44,7 +44,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2048,
 
     `window`: a hybrid-attention model instead, 4 layers with sliding-window (`window` tokens) and full attention
     in turn. vLLM's Llama reads `layer_types` per layer (vllm/model_executor/models/llama.py), so its hybrid KV
-    cache manager keeps one KV cache group per kind (docs/notes/19-hybrid-attention-research.md); transformers'
+    cache manager keeps one KV cache group per kind (docs/notes/hybrid-attention-research.md); transformers'
     own Llama ignores the field, which no gate relies on (the reference is an aggregated vLLM server)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

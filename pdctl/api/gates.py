@@ -163,9 +163,6 @@ def _ready_instances(proxy_url: str) -> list[dict]:
     except ValueError:
         return []
     got = body.get("instances") if isinstance(body, dict) else None
-    if isinstance(got, dict):  # a proxy before pdctl 16: {"ROLE URL": healthy}
-        return [{"role": k.split(" ", 1)[0], "url": k.split(" ", 1)[1], "healthy": v}
-                for k, v in got.items() if " " in k]
     return [i for i in got if isinstance(i, dict) and "url" in i] if isinstance(got, list) else []
 
 

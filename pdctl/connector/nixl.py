@@ -108,10 +108,6 @@ class PdctlNixlWorker(NixlPullConnectorWorker):
             log.warning("pdctl connector: PDCTL_QUEUE_SPIN_S is set but vLLM's executor queues were not calmed: "
                         "pdctl's vLLM plugin did not load (pdctl not installed in this Python, or VLLM_PLUGINS "
                         "does not name pdctl_calm_queues); the queue readers spin")
-        if "worker_spin_s" in s:
-            log.warning("pdctl connector: extra config pdctl.worker_spin_s is no longer read here: vLLM's executor "
-                        "queues are calmed by pdctl's vLLM plugin (PDCTL_QUEUE_SPIN_S, set by pdctl's plan from "
-                        "connector.worker_spin_s)")
         self._trace = bool(s.get("trace", False))
         # A read issued in this step is polled again (bounded) before the step's answer leaves: vLLM would see
         # it done only at the next step's poll, and schedule its first token a step after that.

@@ -6,7 +6,7 @@ len(remote)) and the decode's list absolute decode blocks [local_first, local_fi
 block k of size B holds tokens [k*B, (k+1)*B) of the request. The two tails start at different tokens whenever
 the block sizes differ (and may when they are equal), so pairing them from their starts, as vLLM and
 pdctl.kv.index do for full-attention groups, puts the wrong tokens in the decode's blocks
-(docs/notes/19-hybrid-attention-research.md, Q3). Here every pair is chosen by absolute token range instead.
+(docs/notes/hybrid-attention-research.md, Q3). Here every pair is chosen by absolute token range instead.
 
 Pure functions of explicit arguments, no torch, no vLLM; the connector computes the firsts and `need_from` (the
 first token the decode needs: the window's start, past anything the decode already holds). tests/unit/

@@ -15,7 +15,7 @@ token (`kv_transfer_params.pdctl_handover_to: {"socket": NAME, "await": TOKEN}`)
 sends the datagram from `request_finished`, in its engine core, the moment vLLM has the parameters (the prompt's
 KV is computed), and marks its answer `pdctl_handed_over: true`. The decode's read then overlaps the prefill's own
 output path (its API server, its JSON answer, the proxy: ~4 ms at one request at a time on the CPU host, where the
-overlap measured neutral because both share its 2 cores; docs/notes/17-latency-attribution.md). The proxy hands the
+overlap measured neutral because both share its 2 cores; docs/notes/latency-attribution.md). The proxy hands the
 parameters over only when the prefill did not (an older prefill, a send that failed). A decode that already
 claimed a token ignores a second hand-over for it. vLLM's pull protocol lets a decode read before the prefill's
 worker has the request's send deadline (`nixl/pull_worker.py`, "P can now more easily lag behind D").

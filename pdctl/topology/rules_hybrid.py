@@ -27,8 +27,8 @@ def _unsafe_stock_hybrid(t: Topology, p: InstanceGroup, d: InstanceGroup, attent
     """vLLM's NixlConnector, a hybrid model with HMA on both sides: each side keeps the tail of its sliding-window
     block list, cut for the window of the token after the prompt, while the decode recomputes the prompt's last
     token, whose window starts one key earlier (a null block for some prompt lengths, at any block sizes:
-    docs/notes/19-hma-pairing.md); across block sizes vLLM also pairs the two tails from their starts
-    (docs/notes/19-hybrid-attention-research.md, Q3)."""
+    docs/notes/hybrid-pairing.md); across block sizes vLLM also pairs the two tails from their starts
+    (docs/notes/hybrid-attention-research.md, Q3)."""
     return t.connector.kind == "nixl" and attention == "hybrid" and hma_enabled(p) and hma_enabled(d)
 
 

@@ -14,7 +14,7 @@ from pdctl.topology.schema import ROLES, InstanceGroup, Topology
 
 
 def _pair_label(t: Topology, p: InstanceGroup, d: InstanceGroup) -> str:
-    """'prefill pool p128 -> decode pool d32: ' in a fleet; nothing when each role is one pool (today's text)."""
+    """'prefill pool p128 -> decode pool d32: ' in a fleet; nothing when each role is one pool."""
     if len(t.prefill) == 1 and len(t.decode) == 1:
         return ""
     return f"prefill pool {p.name} -> decode pool {d.name}: "

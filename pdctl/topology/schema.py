@@ -65,7 +65,7 @@ ROLE_PORTS: dict[str, tuple[int, int]] = {"prefill": (8100, 5600), "decode": (82
 
 
 def instance_name(role: str, pool: str, index: int) -> str:
-    """prefill-0 in a single-pool role (today's names), prefill-p32-0 in a named pool."""
+    """prefill-0 in a single-pool role, prefill-p32-0 in a named pool."""
     return f"{role}-{index}" if pool == DEFAULT_POOL else f"{role}-{pool}-{index}"
 
 
@@ -360,7 +360,7 @@ class AuthSpec(_Strict):
 
 
 def _as_pools(v: Any) -> Any:
-    """A role written as one mapping is one pool named 'default' (today's form); a list is several pools."""
+    """A role written as one mapping is one pool named 'default'; a list is several pools."""
     if isinstance(v, dict):
         pool: dict[Any, Any] = {"name": DEFAULT_POOL}
         pool.update(v)  # not {**v}: a non-string key (1: x) is pydantic's to reject, not a TypeError here

