@@ -508,3 +508,24 @@ def test_a_fleets_baseline_has_one_aggregated_server_per_instance():
     t, p = _fleet()
     b = baseline_plan(t, base_dir=CONFIGS, state_dir=Path("/s"))
     assert len([s for s in b.processes if s.role == "baseline"]) == len(p.by_role("prefill") + p.by_role("decode"))
+
+
+def test_the_baseline_of_cuda_to_gaudi_serves_aggregated_on_both_kinds_of_device(run_cli):
+    """Goodput's baseline for a CUDA prefill -> Gaudi decode topology: an aggregated server on the CUDA devices and
+    one on the Gaudi devices (each with its pool's platform, device visibility and block size), no connector."""
+    code, out, err = run_cli("plan", CONFIGS / "cuda-to-gaudi.yaml", "--baseline", "--json", "--state-dir",
+                             "/tmp/pdctl-golden")
+    assert code == 0, err
+    got = _normalized(out)
+    path = os.path.join(GOLDEN, "cuda-to-gaudi.baseline.plan.json")
+    if os.environ.get("UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            json.dump(got, f, indent=2)
+            f.write("\n")
+    with open(path) as f:
+        assert got == json.load(f), f"baseline plan changed; rerun with UPDATE_GOLDEN=1 if intended ({path})"
+    servers = [p for p in got["processes"] if p["role"] == "baseline"]
+    assert sorted(p["platform"] for p in servers) == ["cuda", "hpu"]
+    assert all("--kv-transfer-config" not in p["argv"] for p in servers)
+    assert any("CUDA_VISIBLE_DEVICES" in p["env"] for p in servers)
+    assert any("HABANA_VISIBLE_MODULES" in p["env"] for p in servers)
