@@ -1,0 +1,112 @@
+"""Is a setting worth its place? Each candidate setting against the topology's defaults, for goodput, in one
+interleaved run (the decision rule of the goodput issue: a setting becomes a default when it raises median goodput
+by at least 5 % over the repetitions without making TTFT or TPOT at concurrency 1 more than 5 % worse; otherwise
+it leaves the topology schema).
+
+Deployments: the baseline (aggregated on the same devices: `--slo auto` is measured on it first), the topology as
+it is ("defaults"), and the topology with each `--setting` applied alone; every one brought up alone in turn, the
+order rotating every repetition, the same prompts and seeded Poisson arrivals at each of `--rates`
+(pdctl.bench.goodput_run.run_deployments). Then, per repetition and deployment, --c1-requests prompts one at a time
+for TTFT and TPOT at concurrency 1.
+
+Usage: python scripts/bench_settings.py [configs/cpu-demo.yaml] --setting proxy.early_decode=true
+           --setting proxy.first_token=auto --rates 2,3,4,5,6 [--repeat 3] [--requests 200] [--c1-requests 20]
+           [--out results/bench_settings.json]
+Each --setting is a `--set` override (dotted.path=value); several in one, separated by ';', are one candidate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdctl import api  # noqa: E402
+from pdctl.bench import goodput, load  # noqa: E402
+from pdctl.bench.goodput_run import run_deployments  # noqa: E402
+from pdctl.bench.options import BenchOptions  # noqa: E402
+from pdctl.launch import run as run_mod  # noqa: E402
+from pdctl.launch.local import LocalBackend  # noqa: E402
+from pdctl.topology import resolved_model  # noqa: E402
+
+GAIN = 1.05  # goodput at least this many times the defaults'
+LATENCY_SLACK = 1.05  # TTFT and TPOT at concurrency 1 at most this many times the defaults'
+
+
+def concurrency_one(plans: dict, loaded, o: BenchOptions, n: int, repeat: int) -> dict[str, list[dict]]:
+    """TTFT and TPOT p50 at one request at a time, per deployment and repetition (the order rotating)."""
+    t = loaded.topology
+    tok = load.load_tokenizer(resolved_model(t, t.decode[0], loaded.base_dir))
+    backend, out = LocalBackend(), {name: [] for name in plans}
+    names = list(plans)
+    for rep in range(repeat):
+        w = load.workload(n, o.prompt_len, loaded.model_info.vocab_size or 1000, 7000 + rep, max_tokens=o.max_tokens,
+                          tokenizer=tok)
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            plan = plans[name]
+            state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+            try:
+                r = load.run_load(name, plan.by_role("proxy")[0].http_url, t.model.name, w, o.max_tokens, 1,
+                                  seed=rep)
+                out[name].append({"ttft_ms_p50": r.ttft_ms_p50, "tpot_ms_p50": r.tpot_ms_p50})
+            finally:
+                run_mod.down(state, backend)
+            print(f"concurrency 1, {rep + 1}/{repeat} {name}: TTFT p50 {r.ttft_ms_p50:.1f} ms, TPOT p50 "
+                  f"{r.tpot_ms_p50:.2f} ms", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("topology", nargs="?", default="configs/cpu-demo.yaml")
+    ap.add_argument("--setting", action="append", required=True, help="dotted.path=value[;dotted.path=value]")
+    ap.add_argument("--rates", required=True, help="offered req/s, e.g. 2,3,4,5,6")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=goodput.MIN_REQUESTS)
+    ap.add_argument("--c1-requests", type=int, default=20)
+    ap.add_argument("--slo", default="auto")
+    ap.add_argument("--out", default="results/bench_settings.json")
+    a = ap.parse_args()
+    o = BenchOptions(goodput=True, rates=api.parse_rates(a.rates), repeat=a.repeat, requests=a.requests,
+                     slo=a.slo).resolved()
+    work = Path("/tmp/pdctl-bench-settings")
+    base_t = api.load(a.topology, gated=True)  # a fallback to decode-only fails instead of passing as P/D
+    plans = {"baseline": api.plan(base_t, state_dir=work / "baseline", baseline=True)}
+    plans["defaults"] = api.plan(base_t, state_dir=work / "defaults")
+    for setting in a.setting:
+        t = api.load(a.topology, [s.strip() for s in setting.split(";")], gated=True)
+        plans[setting] = api.plan(t, state_dir=work / f"s{len(plans)}")
+    t0 = time.monotonic()
+    g = run_deployments(api.origin(base_t), plans, LocalBackend(), Path("results") / "bench_settings", o,
+                        lambda text: print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True))
+    c1 = concurrency_one(plans, api.origin(base_t), o, a.c1_requests, a.repeat)
+    rows = []
+    for name in plans:
+        med = {k: statistics.median(r[k] for r in c1[name]) for k in ("ttft_ms_p50", "tpot_ms_p50")}
+        rows.append({"deployment": name, "sustained_req_s": g[name]["sustained_req_s"], **med})
+    d = next(r for r in rows if r["deployment"] == "defaults")
+    for r in rows:
+        r["goodput_x"] = r["sustained_req_s"] / d["sustained_req_s"] if d["sustained_req_s"] else None
+        r["ttft_c1_x"], r["tpot_c1_x"] = r["ttft_ms_p50"] / d["ttft_ms_p50"], r["tpot_ms_p50"] / d["tpot_ms_p50"]
+        r["verdict"] = ("reference" if r["deployment"] in ("baseline", "defaults") else
+                        "make it the default" if (r["goodput_x"] or 0) >= GAIN and r["ttft_c1_x"] <= LATENCY_SLACK
+                        and r["tpot_c1_x"] <= LATENCY_SLACK else "take it out of the schema")
+    print(f"\nSLO: {g['slo']['origin']}; rates {a.rates}; {a.requests} requests per rate; median of {a.repeat}")
+    print(f"{'deployment':44}{'req/s':>7}{'x dflt':>8}{'TTFT c1':>9}{'x':>6}{'TPOT c1':>9}{'x':>6}  verdict")
+    for r in rows:
+        gx = "-" if r["goodput_x"] is None else f"{r['goodput_x']:.2f}"
+        print(f"{r['deployment'][:44]:44}{r['sustained_req_s']:>7g}{gx:>8}{r['ttft_ms_p50']:>9.1f}"
+              f"{r['ttft_c1_x']:>6.2f}{r['tpot_ms_p50']:>9.2f}{r['tpot_c1_x']:>6.2f}  {r['verdict']}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows, "goodput": g,
+                                       "concurrency_one": c1}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
