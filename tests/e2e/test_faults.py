@@ -146,22 +146,11 @@ def test_3_prefill_killed_before_the_read_recompute_gives_the_right_tokens(fleet
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
     # The reference: the same greedy request computed whole by one server (block size does not change CPU output).
     # Both prefills serve first (the drill before restarted one; a slow host may still be busy with it).
-    for n in ("prefill-0", "prefill-1"):
-        assert wait_for(lambda n=n: record(fleet.state_dir, n).get("phase") == "running" and complete(
-            fleet.urls[n], {**body, "prompt": fresh_prompt(rng, 8), "max_tokens": 1}, timeout=30).ok, 240, 1.0), \
-            "\n".join(f"--- {x} (tail)\n{_tail(fleet, x)}" for x in ("supervisor", n))
+    _both_prefills_serve(fleet, rng)
     ref = complete(fleet.urls["prefill-1"], body)
     assert ref.ok, ref.error
     computed = {n: prompt_tokens_by_source(fleet.urls[n]).get("local_compute", 0) for n in ("decode-0", "decode-1")}
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(complete(fleet.proxy, body, {"X-Request-Id": "pdctl-delay-read-1"})))
-    t.start()
-    held = "holding the read of request"
-    assert wait_for(lambda: any(held in _log(fleet, n) for n in ("decode-0", "decode-1")), 60)
-    for n in ("prefill-0", "prefill-1"):  # whichever holds the KV
-        kill_server(fleet.state_dir, n)
-    t.join(300)
-    (a,) = out
+    a, _ = _kill_prefills_while(fleet, body, "pdctl-delay-read-1", "holding the read of request")
     decode = a.headers.get("x-pdctl-decode")
     print(f"\ndrill (d): prefill killed while {decode} held its read for {DELAY_S} s; answer {a.status} in "
           f"{a.ended - a.started:.1f} s")
@@ -179,6 +168,22 @@ def _both_prefills_serve(fleet, rng) -> None:
             240, 1.0), "\n".join(f"--- {x} (tail)\n{_tail(fleet, x)}" for x in ("supervisor", n))
 
 
+def _kill_prefills_while(fleet, body: dict, rid: str, hook_line: str, after_kill=lambda killed: None):
+    """Send `body` through the proxy as `rid`; once a decode's test hook logs `hook_line` for it, SIGKILL both
+    prefills (whichever holds the KV) and call `after_kill(time of the kill)`; the answer and the kill's time."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(complete(fleet.proxy, body, {"X-Request-Id": rid})))
+    t.start()
+    assert wait_for(lambda: any(hook_line in _log(fleet, n) for n in ("decode-0", "decode-1")), 60)
+    for n in ("prefill-0", "prefill-1"):
+        kill_server(fleet.state_dir, n)
+    killed = time.monotonic()
+    after_kill(killed)
+    t.join(300)
+    (a,) = out
+    return a, killed
+
+
 def test_3b_prefill_killed_while_a_read_is_in_progress_is_given_up_at_once(fleet):
     """The decode's test hook reports one request's posted read in progress for 30 s, as a read whose prefill
     stopped answering looks; both prefills are SIGKILLed meanwhile. The decode finds the prefill gone (its side
@@ -189,20 +194,16 @@ def test_3b_prefill_killed_while_a_read_is_in_progress_is_given_up_at_once(fleet
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
     ref = complete(fleet.urls["prefill-1"], body)
     assert ref.ok, ref.error
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(complete(fleet.proxy, body, {"X-Request-Id": "pdctl-gone-read-1"})))
-    t.start()
-    stalled = "reporting the read of request"
-    assert wait_for(lambda: any(stalled in _log(fleet, n) for n in ("decode-0", "decode-1")), 60)
-    for n in ("prefill-0", "prefill-1"):  # whichever holds the KV
-        kill_server(fleet.state_dir, n)
-    killed = time.monotonic()
     gone = lambda: [ln for n in ("decode-0", "decode-1") for ln in _log(fleet, n).splitlines()  # noqa: E731
                     if protocol.PEER_GONE_MARK in ln and "gone-read-1" in ln]
-    assert wait_for(lambda: gone(), 30, 0.05), "\n".join(_tail(fleet, n) for n in ("decode-0", "decode-1"))
-    given_up_s = time.monotonic() - killed
-    t.join(300)
-    (a,) = out
+    given_up: list[float] = []
+
+    def wait_given_up(killed: float) -> None:
+        assert wait_for(lambda: gone(), 30, 0.05), "\n".join(_tail(fleet, n) for n in ("decode-0", "decode-1"))
+        given_up.append(time.monotonic() - killed)
+
+    a, _ = _kill_prefills_while(fleet, body, "pdctl-gone-read-1", "reporting the read of request", wait_given_up)
+    given_up_s = given_up[0]
     decode = a.headers.get("x-pdctl-decode")
     print(f"\ndrill (e): prefill killed while {decode}'s read was in progress; given up {given_up_s:.2f} s after "
           f"the kill; answer {a.status} in {a.ended - a.started:.1f} s")

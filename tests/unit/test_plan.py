@@ -25,8 +25,11 @@ def _normalized(text: str) -> dict:
 def test_plan_json_golden(run_cli, config):
     code, out, err = run_cli("plan", CONFIGS / f"{config}.yaml", "--json", "--state-dir", "/tmp/pdctl-golden")
     assert code == 0, err
-    got = _normalized(out)
-    path = os.path.join(GOLDEN, f"{config}.plan.json")
+    _check_golden(_normalized(out), f"{config}.plan.json")
+
+
+def _check_golden(got: dict, name: str) -> None:
+    path = os.path.join(GOLDEN, name)
     if os.environ.get("UPDATE_GOLDEN"):
         with open(path, "w") as f:
             json.dump(got, f, indent=2)
@@ -517,13 +520,7 @@ def test_the_baseline_of_cuda_to_gaudi_serves_aggregated_on_both_kinds_of_device
                              "/tmp/pdctl-golden")
     assert code == 0, err
     got = _normalized(out)
-    path = os.path.join(GOLDEN, "cuda-to-gaudi.baseline.plan.json")
-    if os.environ.get("UPDATE_GOLDEN"):
-        with open(path, "w") as f:
-            json.dump(got, f, indent=2)
-            f.write("\n")
-    with open(path) as f:
-        assert got == json.load(f), f"baseline plan changed; rerun with UPDATE_GOLDEN=1 if intended ({path})"
+    _check_golden(got, "cuda-to-gaudi.baseline.plan.json")
     servers = [p for p in got["processes"] if p["role"] == "baseline"]
     assert sorted(p["platform"] for p in servers) == ["cuda", "hpu"]
     assert all("--kv-transfer-config" not in p["argv"] for p in servers)
