@@ -348,38 +348,39 @@ def logs(
 
 @app.command()
 def proxy(
-    decode: Annotated[list[str], typer.Option("--decode", help="decode [POOL=]URL (repeatable)")],
+    decode: Annotated[list[str] | None, typer.Option("--decode", help="decode [POOL=]URL (repeatable)")] = None,
     prefill: Annotated[list[str] | None, typer.Option("--prefill", help="prefill [POOL=]URL (repeatable; none: "
                                                       "aggregated, each request to one --decode)")] = None,
-    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="listen port")] = 8000,
-    policy: Annotated[str, typer.Option(help="least_outstanding|round_robin|prefix_affinity")] = "least_outstanding",
+    spec: Annotated[str | None, typer.Option(help="the whole configuration as JSON (what pdctl up writes); "
+                                             "instead of every other flag")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address [127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option(help="listen port [8000]")] = None,
+    policy: Annotated[str | None, typer.Option(help="least_outstanding|round_robin|prefix_affinity")] = None,
     weight: Annotated[list[str] | None, typer.Option("--weight", help="ROLE/POOL=W: a pool's share of traffic "
                                               "(repeatable)")] = None,
     exclude_pair: Annotated[list[str] | None, typer.Option("--exclude-pair", help="PREFILL_POOL/DECODE_POOL never "
                                                     "routed (repeatable)")] = None,
-    affinity_epsilon: Annotated[float, typer.Option(help="prefix_affinity: skip an instance above (1 + eps) x "
-                                                    "the mean outstanding + 1")] = 0.25,
-    affinity_prefix_chars: Annotated[int, typer.Option(help="prefix_affinity: prompt characters hashed")] = 256,
-    on_prefill_down: Annotated[str, typer.Option(help="no prefill answers with usable KV: fallback (a decode "
-                                                 "computes the prompt, counted) | reject (error at once)")]
-    = "fallback",
-    connect_timeout: Annotated[float, typer.Option(help="upstream connect timeout, s")] = 10.0,
-    first_byte_timeout: Annotated[float, typer.Option(help="request sent -> first byte of the answer, s")] = 600.0,
-    read_timeout: Annotated[float, typer.Option(help="upstream read timeout between bytes, s")] = 600.0,
-    breaker_failures: Annotated[int, typer.Option(help="consecutive failures that open an instance's circuit "
-                                                  "breaker")] = 3,
-    breaker_open: Annotated[float, typer.Option(help="seconds a tripped instance stays out before a trial")] = 10.0,
-    access_log: Annotated[bool, typer.Option(help="one log line per request: id, status, ms, pair")] = True,
+    affinity_epsilon: Annotated[float | None, typer.Option(help="prefix_affinity: skip an instance above (1 + "
+                                                           "eps) x the mean outstanding + 1 [0.25]")] = None,
+    affinity_prefix_chars: Annotated[int | None, typer.Option(help="prefix_affinity: prompt characters hashed "
+                                                              "[256]")] = None,
+    on_prefill_down: Annotated[str | None, typer.Option(help="no prefill answers with usable KV: fallback (a "
+                                                        "decode computes the prompt, counted) | reject")] = None,
+    connect_timeout: Annotated[float | None, typer.Option(help="upstream connect timeout, s [10]")] = None,
+    first_byte_timeout: Annotated[float | None, typer.Option(help="request sent -> first byte, s [600]")] = None,
+    read_timeout: Annotated[float | None, typer.Option(help="upstream read timeout between bytes, s [600]")] = None,
+    breaker_failures: Annotated[int | None, typer.Option(help="consecutive failures that open an instance's "
+                                                         "circuit breaker [3]")] = None,
+    breaker_open: Annotated[float | None, typer.Option(help="seconds a tripped instance stays out [10]")] = None,
+    access_log: Annotated[bool | None, typer.Option(help="one log line per request [on]")] = None,
     api_key_env: Annotated[str | None, typer.Option(help="require the key this environment variable holds "
                                                     "(Bearer, on /v1/*) and send it to the instances")] = None,
     handover: Annotated[list[str] | None, typer.Option("--handover", help="early decode: each decode's hand-over "
-                                                       "socket, one per --decode in its order (pdctl up sets it)")]
-    = None,
-    first_token: Annotated[str, typer.Option(help="off | on | auto: stream the prefill's token first (greedy "
-                                             "streams; auto: while the decode is busy)")] = "off",
+                                                       "socket, one per --decode in its order")] = None,
+    first_token: Annotated[str | None, typer.Option(help="off | on | auto: stream the prefill's token first "
+                                                    "(greedy streams; auto: while the decode is busy)")] = None,
 ) -> None:
-    """Run the P/D proxy standalone (pdctl up starts it from the topology).
+    """Run the P/D proxy standalone (pdctl up starts it from the topology, with --spec).
 
     Each request goes to a prefill, then to a decode of a pool allowed for that prefill's pool. The header
     `x-pdctl-route: PREFILL_POOL/DECODE_POOL` pins the pair; the response says which instances served it
@@ -394,14 +395,14 @@ def proxy(
       pdctl proxy --prefill p32=http://h:8100 --prefill p128=http://h:8101 --decode d64=http://h:8200 \\
         --decode d32=http://h:8201 --exclude-pair p128/d32 --weight decode/d64=2 --policy prefix_affinity
     """
-    api.serve_proxy(prefill or [], decode, host=host, port=port, policy=policy,
+    api.serve_proxy(prefill, decode, spec=spec, host=host, port=port, policy=policy,
                     on_prefill_down=on_prefill_down, connect_timeout_s=connect_timeout,
                     read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
                     breaker_failures=breaker_failures, breaker_open_s=breaker_open,
-                    weights=api.proxy_weights(weight or []), exclude_pairs=api.proxy_pairs(exclude_pair or []),
-                    affinity_epsilon=affinity_epsilon, handovers=handover or [],
-                    affinity_prefix_chars=affinity_prefix_chars, access_log=access_log, api_key_env=api_key_env,
-                    first_token=first_token)
+                    weights=api.proxy_weights(weight) if weight else None,
+                    exclude_pairs=api.proxy_pairs(exclude_pair) if exclude_pair else None,
+                    affinity_epsilon=affinity_epsilon, handovers=handover, affinity_prefix_chars=affinity_prefix_chars,
+                    access_log=access_log, api_key_env=api_key_env, first_token=first_token)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,15 +7,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pdctl.auth import PROXY_FLAG, VLLM_KEY_ENV, key_env
+from pdctl.auth import VLLM_KEY_ENV, key_env
 from pdctl.kv.lease import KV_LEASE_S
 from pdctl.proxy import handover
+from pdctl.proxy.config import SPEC_FLAG, ProxyConfig, moved_upstreams, spec_of, upstream, with_spec
 from pdctl.topology import (
     DEFAULT_POOL,
     ROLES,
     ROUTER_POLICY,
     InstanceGroup,
     Placement,
+    ProxySettings,
     Role,
     Topology,
     instance_name,
@@ -113,6 +115,8 @@ class Plan:
             argv = list(s.argv)
             if "--host" in argv:
                 argv[argv.index("--host") + 1] = h
+            elif SPEC_FLAG in argv:  # pdctl's proxy
+                argv = with_spec(argv, spec_of(argv).model_copy(update={"host": h}))
             env = dict(s.env)
             if "VLLM_NIXL_SIDE_CHANNEL_HOST" in env:
                 env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = h
@@ -120,8 +124,8 @@ class Plan:
                           readiness_url=s.readiness_url.replace(s.http_url, f"http://{h}:{s.ports['http']}", 1))
             moved[s.http_url] = new.http_url
             out.append(new)
-        return self.with_processes(
-            [replace(s, argv=[_moved_upstream(a, moved) for a in s.argv]) if s.role == "proxy" else s for s in out])
+        return self.with_processes([replace(s, argv=_proxy_moved(s.argv, moved)) if s.role == "proxy" else s
+                                    for s in out])
 
     def placement_of(self, spec: ProcessSpec) -> Placement:
         """Where a process must run on a cluster engine: its pool's placement, else its role's, else anywhere."""
@@ -159,12 +163,11 @@ class Plan:
                    Topology.model_validate(d["topology"]))
 
 
-def _moved_upstream(arg: str, moved: dict[str, str]) -> str:
-    """A proxy argv item with its upstream URL moved: a bare URL, or a named pool's POOL=URL (proxy_argv)."""
-    if arg in moved:
-        return moved[arg]
-    pool, sep, url = arg.partition("=")
-    return f"{pool}={moved[url]}" if sep and url in moved else arg
+def _proxy_moved(argv: list[str], moved: dict[str, str]) -> list[str]:
+    """A proxy's argv with its upstreams' URLs moved: pdctl's proxy's spec, or vllm-router's URL arguments."""
+    if SPEC_FLAG in argv:
+        return with_spec(argv, moved_upstreams(spec_of(argv), moved))
+    return [moved.get(a, a) for a in argv]
 
 
 def connect_host(host: str) -> str:
@@ -271,31 +274,26 @@ def server_secret_env(t: Topology) -> dict[str, str]:
     return {VLLM_KEY_ENV: name} if name else {}
 
 
+def proxy_config(t: Topology, servers: list[ProcessSpec]) -> ProxyConfig:
+    """pdctl's proxy for these servers: the topology's proxy settings, every instance as [POOL=]URL (a single-pool
+    role's URLs stay bare), the pools' weights, and each decode's hand-over socket with early decode."""
+    settings = t.proxy.model_dump(include=set(ProxySettings.model_fields))
+    prefill = [upstream(s.pool or DEFAULT_POOL, s.http_url) for s in servers if s.role == "prefill"]
+    if not prefill:  # goodput's baseline: aggregated servers, each request whole to one of them
+        return ProxyConfig(**{**settings, "first_token": "off", "exclude_pairs": []}, api_key_env=key_env(t),
+                           decode=[s.http_url for s in servers if s.role == "baseline"])
+    decode = [upstream(s.pool or DEFAULT_POOL, s.http_url) for s in servers if s.role == "decode"]
+    weights = {f"{role}/{g.name}": g.weight for role in ROLES for g in t.pools(role) if g.weight != 1.0}
+    # each decode's hand-over socket, named after its side channel as its connector names it
+    handovers = [handover.name(s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
+                 for s in servers if s.role == "decode"] if t.proxy.early_decode else []
+    return ProxyConfig(**settings, prefill=prefill, decode=decode, weights=weights, handovers=handovers,
+                       api_key_env=key_env(t))
+
+
 def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
-    """The proxy's command line: every instance as [POOL=]URL (a single-pool role's URLs stay bare), with the
-    pools' weights and the excluded pairs."""
-    px = t.proxy
-    argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
-            "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s),
-            "--first-byte-timeout", str(px.first_byte_timeout_s), "--on-prefill-down", px.on_prefill_down,
-            "--breaker-failures", str(px.breaker_failures), "--breaker-open", str(px.breaker_open_s)]
-    for s in servers:
-        argv += [f"--{s.role}", s.http_url if s.pool == DEFAULT_POOL else f"{s.pool}={s.http_url}"]
-    for role in ROLES:
-        argv += [a for g in t.pools(role) if g.weight != 1.0 for a in ("--weight", f"{role}/{g.name}={g.weight:g}")]
-    for p, d in px.exclude_pairs:
-        argv += ["--exclude-pair", f"{p}/{d}"]
-    if key_env(t):  # the variable's name: the proxy reads the key from its environment (secret_env)
-        argv += [PROXY_FLAG, key_env(t)]
-    if px.policy == "prefix_affinity":
-        argv += ["--affinity-epsilon", f"{px.affinity_epsilon:g}", "--affinity-prefix-chars",
-                 str(px.affinity_prefix_chars)]
-    if px.first_token != "off":
-        argv += ["--first-token", px.first_token]
-    if px.early_decode:  # each decode's hand-over socket, named after its side channel as its connector names it
-        argv += [a for s in servers if s.role == "decode" for a in ("--handover", handover.name(
-            s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])))]
-    return argv
+    """The proxy's command line: its whole configuration as one JSON argument (pdctl.proxy.config)."""
+    return [python, "-m", "pdctl", "proxy", SPEC_FLAG, proxy_config(t, servers).to_spec()]
 
 
 def router_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:
@@ -406,13 +404,7 @@ def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str =
     logs = state_dir / "logs"
     servers = _servers(t, base_dir, logs, python, baseline=True)
     px = t.proxy
-    argv = [python, "-m", "pdctl", "proxy", "--host", px.host, "--port", str(px.port), "--policy", px.policy,
-            "--connect-timeout", str(px.connect_timeout_s), "--read-timeout", str(px.read_timeout_s),
-            "--first-byte-timeout", str(px.first_byte_timeout_s), "--breaker-failures", str(px.breaker_failures),
-            "--breaker-open", str(px.breaker_open_s)]
-    argv += [a for s in servers for a in ("--decode", s.http_url)]
-    if key_env(t):
-        argv += [PROXY_FLAG, key_env(t)]
+    argv = proxy_argv(t, servers, python)
     proxy = ProcessSpec(
         name="baseline-proxy", role="proxy", index=0, argv=argv, env={"PYTHONUNBUFFERED": "1"}, host=px.host,
         ports={"http": px.port}, log_path=str(logs / "baseline-proxy.log"),

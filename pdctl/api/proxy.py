@@ -31,35 +31,38 @@ def proxy_pairs(flags: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def serve_proxy(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1", port: int = 8000,
+def serve_proxy(prefill: list[str] | None = None, decode: list[str] | None = None, *, spec: str | None = None,
                 **settings) -> None:
     """Run the P/D proxy in this process until interrupted; every routing rule is checked before the port opens.
-    settings: ProxyConfig's fields (policy, on_prefill_down, timeouts, weights, exclude_pairs, ...), and
-    api_key_env: the name of the environment variable holding the key clients must send (never the key itself:
-    a flag's value is in the process's command line)."""
-    from pdctl.proxy import first_token
-    from pdctl.proxy.server import Proxy, ProxyConfig, serve
 
-    name = settings.pop("api_key_env", None)
-    if name:
+    Its configuration is one pdctl.proxy.config.ProxyConfig: `spec` (the JSON `pdctl up` writes: the whole of
+    it), or the upstreams and `settings` (ProxyConfig's fields; None: its default), never both. api_key_env names
+    the environment variable holding the key clients must send (never the key itself: argv is visible)."""
+    from pydantic import ValidationError
+
+    from pdctl.proxy.config import FLAGS, ProxyConfig, problem
+    from pdctl.proxy.server import Proxy, serve
+
+    given = {k: v for k, v in settings.items() if v is not None}
+    try:
+        if spec is not None:
+            extra = [*(["--prefill"] if prefill else []), *(["--decode"] if decode else []),
+                     *(FLAGS.get(k, "--" + k.replace("_", "-")) for k in given)]
+            if extra:
+                raise UserError(f"--spec holds the whole configuration: drop {', '.join(extra)}")
+            cfg = ProxyConfig.model_validate_json(spec)
+        else:
+            cfg = ProxyConfig(prefill=prefill or [], decode=decode or [], **given)
+    except ValidationError as e:
+        raise UserError(f"proxy: {problem(e, by_flags=spec is None)}") from None
+    if cfg.api_key_env:
         try:
-            settings["api_key"] = auth.read(name, what=f"{auth.PROXY_FLAG} {name}")
+            key = auth.read(cfg.api_key_env, what=f"{auth.PROXY_FLAG} {cfg.api_key_env}")
         except auth.MissingKey as e:
             raise UserError(str(e)) from None
-
-    flags = {"connect_timeout_s": "--connect-timeout", "first_byte_timeout_s": "--first-byte-timeout",
-             "read_timeout_s": "--read-timeout", "breaker_open_s": "--breaker-open",
-             "breaker_failures": "--breaker-failures"}
-    for key, flag in flags.items():
-        value = settings.get(key)
-        if value is not None and not value > 0:
-            raise UserError(f"{flag} {value:g}: must be > 0")
-    mode = settings.get("first_token", "off")
-    if mode not in first_token.MODES:
-        raise UserError(f"--first-token {mode}: expected one of {', '.join(first_token.MODES)}")
-    cfg = ProxyConfig(prefill, decode, **settings)
+        cfg = cfg.model_copy(update={"api_key": key})
     try:
         Proxy(cfg)
     except ValueError as e:
         raise UserError(f"proxy: {e}") from None
-    serve(cfg, host, port)
+    serve(cfg)

@@ -18,6 +18,7 @@ import re
 from pathlib import PurePosixPath
 
 from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
+from pdctl.proxy.config import spec_of, upstream, with_spec
 from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Topology, is_local_path
 from pdctl.topology.transport import UCX_ACROSS_HOSTS, UCX_ONE_HOST
 
@@ -100,6 +101,20 @@ def _server_container(t: Topology, g: InstanceGroup, spec: ProcessSpec, image: s
     return c, local
 
 
+def _proxy_command(argv: list[str], urls: dict[str, list[str]], router: bool) -> list[str]:
+    """The plan's proxy command for a pod: listening on every address, and its upstreams the StatefulSets' stable
+    pod names instead of the plan's host addresses (no hand-over sockets: those are host-local)."""
+    argv = ["python3", *argv[1:]]
+    if not router:
+        return with_spec(argv, spec_of(argv).model_copy(
+            update={"host": "0.0.0.0", "prefill": urls["prefill"], "decode": urls["decode"], "handovers": []}))
+    argv[argv.index("--host") + 1] = "0.0.0.0"
+    argv[argv.index("--prometheus-host") + 1] = "0.0.0.0"  # its metrics listen apart, on their own port
+    kept = [a for k, a in enumerate(argv) if a not in ("--prefill", "--decode")
+            and (k == 0 or argv[k - 1] not in ("--prefill", "--decode"))]
+    return kept + [a for role in ROLES for u in urls[role] for a in (f"--{role}", u)]
+
+
 def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: str = "default") -> dict[str, dict]:
     """File name -> manifest."""
     name = dns_name(t.name)
@@ -110,7 +125,7 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
         "metadata": {**meta, "name": dns_name(name, "topology"), "labels": _labels(t, "topology")},
         "data": {"topology.json": json.dumps(plan.to_dict()["topology"], indent=2)},
     }
-    upstreams: list[str] = []
+    urls: dict[str, list[str]] = {role: [] for role in ROLES}  # [POOL=]URL per instance, as the proxy reads them
     for i, role in enumerate(ROLES, start=1):
         for k, g in enumerate(t.pools(role)):
             # One StatefulSet per pool: a pool is one kind of hardware with one block size.
@@ -142,20 +157,13 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
             }
             for n in range(g.count):
                 url = f"http://{svc}-{n}.{svc}.{namespace}.svc:{spec.ports['http']}"
-                upstreams += [f"--{role}", url if g.name == DEFAULT_POOL else f"{g.name}={url}"]
+                urls[role].append(upstream(g.name, url))
     px = plan.by_role("proxy")[0]
-    argv = ["python3", *px.argv[1:]]
-    argv[argv.index("--host") + 1] = "0.0.0.0"
     router = t.proxy.kind == "vllm-router"
-    if router:  # its metrics listen apart, on their own port
-        argv[argv.index("--prometheus-host") + 1] = "0.0.0.0"
     metrics_port = px.ports.get("metrics", px.ports["http"])
-    # The plan's upstreams are host addresses; in the cluster they are the StatefulSets' stable pod names.
-    kept = [a for k, a in enumerate(argv) if a not in ("--prefill", "--decode")
-            and (k == 0 or argv[k - 1] not in ("--prefill", "--decode"))]
     labels = _labels(t, "proxy")
     proxy_container: dict = {
-        "name": "proxy", "image": image, "command": kept + upstreams,
+        "name": "proxy", "image": image, "command": _proxy_command(px.argv, urls, router),
         "ports": [{"name": "http", "containerPort": px.ports["http"]}] + (
             [{"name": "metrics", "containerPort": metrics_port}] if router else []),
         "readinessProbe": {"httpGet": {"path": "/readiness" if router else "/ready", "port": "http"},
@@ -163,7 +171,7 @@ def render(t: Topology, plan: Plan, *, image: str = DEFAULT_IMAGE, namespace: st
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
         "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
     }
-    if px.secret_env:  # its argv names the variable (--api-key-env NAME); the Secret fills it
+    if px.secret_env:  # its spec names the variable (api_key_env); the Secret fills it
         proxy_container["env"] = secret_env(t, px)
     out["30-proxy-deployment.yaml"] = {
         "apiVersion": "apps/v1", "kind": "Deployment",

@@ -14,8 +14,6 @@ them, the prefill may free its blocks as soon as they are read. Every instance h
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import time
@@ -38,10 +36,12 @@ from pdctl.protocol import (
     ROUTE_HEADER,
 )
 from pdctl.proxy import first_token, handover
+from pdctl.proxy.admin import AdminRoutes, error_body
+from pdctl.proxy.config import ProxyConfig, names
+from pdctl.proxy.keys import KeyGuard
 from pdctl.proxy.metrics import Metrics
 from pdctl.proxy.routing import Instance, NoRoute, Router, affinity_key
 from pdctl.proxy.upstream import ConnectFailed, FirstByteTimeout, Upstream, UpstreamError
-from pdctl.topology import DEFAULT_POOL, instance_name
 
 log = logging.getLogger("pdctl.proxy")
 
@@ -49,59 +49,10 @@ PASS_HEADERS = ("Authorization",)
 TIMINGS_KEPT = 4096
 
 
-def _refusal(message: str) -> bytes:
-    """A 401's body in OpenAI's shape (what its clients parse), built once."""
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "invalid_api_key"}}).encode()
-
-
-NO_KEY = _refusal("missing API key: send the header 'Authorization: Bearer <key>'")
-WRONG_KEY = _refusal("incorrect API key provided")
-
-
-@dataclass
-class ProxyConfig:
-    prefill: list[str]  # [POOL=]URL per instance; a bare URL is in pool "default"
-    decode: list[str]
-    policy: str = "least_outstanding"
-    on_prefill_down: str = "fallback"  # fallback | reject (see topology.ProxySpec)
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 600.0  # between bytes
-    first_byte_timeout_s: float = 600.0
-    breaker_failures: int = 3
-    breaker_open_s: float = 10.0
-    health_interval_s: float = 2.0  # how often every instance's /health is probed for routing
-    weights: dict[str, float] = field(default_factory=dict)  # "ROLE/POOL" -> weight
-    exclude_pairs: list[tuple[str, str]] = field(default_factory=list)
-    affinity_epsilon: float = 0.25
-    affinity_prefix_chars: int = 256
-    access_log: bool = True
-    # Clients must send it on /v1/* and the proxy sends it to the instances; None: no auth. The value, read from
-    # the environment by whoever builds the config (never argv); kept out of repr.
-    api_key: str | None = field(default=None, repr=False)
-    # Early decode (pdctl.proxy.handover): each decode's hand-over socket, in the order of `decode`; empty: off.
-    handovers: list[str] = field(default_factory=list)
-    # pdctl.proxy.first_token: the prefill's token streamed first; auto: only while the pair's decode is busy.
-    first_token: str = "off"
-
-
-def parse_upstream(text: str) -> tuple[str, str]:
-    """'p32=http://h:8100' -> ('p32', 'http://h:8100'); a bare URL is in the default pool."""
-    pool, sep, url = text.partition("=")
-    if not sep or "://" in pool:
-        return DEFAULT_POOL, text.rstrip("/")
-    return pool, url.rstrip("/")
-
-
 def instances(role: str, upstreams: list[str], weights: dict[str, float]) -> list[Instance]:
     """The role's instances named as the plan names them (prefill-p32-0: index within its pool)."""
-    out: list[Instance] = []
-    seen: dict[str, int] = {}
-    for text in upstreams:
-        pool, url = parse_upstream(text)
-        k = seen[pool] = seen.get(pool, -1) + 1
-        out.append(Instance(instance_name(role, pool, k), url, role, pool, weights.get(f"{role}/{pool}", 1.0)))
-    return out
+    return [Instance(name, url, role, pool, weights.get(f"{role}/{pool}", 1.0))
+            for name, pool, url in names(role, upstreams)]
 
 
 def usable_kv_params(params: object) -> bool:
@@ -109,23 +60,10 @@ def usable_kv_params(params: object) -> bool:
         params.get("remote_engine_id"))
 
 
-def error_body(message: str, kind: str = "proxy_error", code: int = 502) -> dict:
-    return {"error": {"message": message, "type": kind, "code": code}}
-
-
-class Proxy:
+class Proxy(AdminRoutes):
     def __init__(self, cfg: ProxyConfig):
-        self.cfg = cfg
-        if cfg.on_prefill_down not in ("fallback", "reject"):
-            raise ValueError(f"on_prefill_down must be fallback or reject, got {cfg.on_prefill_down!r}")
-        if cfg.first_token not in first_token.MODES:
-            raise ValueError(f"first_token must be one of {', '.join(first_token.MODES)}, got {cfg.first_token!r}")
+        self.cfg = cfg  # validated as a whole by its model (pdctl.proxy.config)
         decodes = instances("decode", cfg.decode, cfg.weights)
-        if not cfg.prefill and (cfg.handovers or cfg.first_token != "off"):
-            raise ValueError("aggregated serving (no prefill instances) has no early decode and no prefill token")
-        if cfg.handovers and len(cfg.handovers) != len(decodes):
-            raise ValueError(f"{len(cfg.handovers)} hand-over sockets for {len(decodes)} decodes: give one per "
-                             "--decode, in the same order")
         self._handovers = {d.name: h for d, h in zip(decodes, cfg.handovers, strict=False)}
         self.router = Router(instances("prefill", cfg.prefill, cfg.weights), decodes, cfg.policy,
                              cfg.exclude_pairs, cfg.affinity_epsilon, cfg.affinity_prefix_chars)
@@ -135,11 +73,7 @@ class Proxy:
         key = cfg.api_key
         if key is not None and not auth.is_token(key):
             raise ValueError("api_key: use printable ASCII without spaces (it goes into an HTTP header)")
-        # Only the key's digest is compared, in constant time (vLLM's own check does the same); None: auth off,
-        # and a request pays one attribute test for it.
-        self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
-        # Clients authenticate to the proxy, the proxy to the instances: their header is replaced, not passed on.
-        self._upstream_auth = f"Bearer {key}" if key else None
+        self._keys = KeyGuard(key)
         self._upstreams: dict[str, Upstream] = {}
         # The last requests' timestamps (GET /debug/timings): a few clock reads per request, always on.
         self.timings: deque[dict] = deque(maxlen=TIMINGS_KEPT)
@@ -167,17 +101,6 @@ class Proxy:
         app.on_cleanup.append(self._close)
         return app
 
-    async def _probe_forever(self) -> None:
-        while True:
-            insts = self.router.instances
-            oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
-            for inst, ok in zip(insts, oks, strict=True):
-                if inst.healthy != ok:
-                    log.warning("%s %s is %s", inst.name, inst.url, "back: routing to it again" if ok else
-                                "down: no longer routing to it")
-                inst.healthy = ok
-            await asyncio.sleep(self.cfg.health_interval_s)
-
     async def _open(self, _app: web.Application) -> None:
         self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
@@ -186,54 +109,9 @@ class Proxy:
         for up in self._upstreams.values():
             up.close()
 
-    # -- simple routes ---------------------------------------------------------------------------------------
-
-    async def health(self, _req: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def _instance_ok(self, inst: Instance) -> bool:
-        try:
-            async with asyncio.timeout(2):
-                async with await self.upstream(inst).request("GET", "/health") as r:
-                    await r.read()
-                    inst.refused = False
-                    return r.status == 200
-        except ConnectFailed:
-            inst.refused = True
-            return False
-        except (TimeoutError, UpstreamError):
-            return False
-
-    async def ready(self, _req: web.Request) -> web.Response:
-        insts = self.router.instances
-        oks = await asyncio.gather(*(self._instance_ok(i) for i in insts))
-        for inst, ok in zip(insts, oks, strict=True):
-            inst.healthy = ok
-        up = {i.pool for i, ok in zip(insts, oks, strict=True) if ok and not i.held and i.role == "prefill"}, {
-            i.pool for i, ok in zip(insts, oks, strict=True) if ok and not i.held and i.role == "decode"}
-        # Ready when some allowed pair has a healthy instance on both sides (aggregated: some instance).
-        pairs = {f"{p}/{d}": p in up[0] and d in up[1] for p, d in self.router.pairs}
-        ready = bool(up[1]) if self.router.aggregated else any(pairs.values())
-        instances = [{"name": i.name, "role": i.role, "pool": i.pool, "url": i.url, "healthy": ok, "held": i.held}
-                     for i, ok in zip(insts, oks, strict=True)]
-        return web.json_response({"ready": ready, "instances": instances, "pairs": pairs},
-                                 status=200 if ready else 503)
-
-    def _authorized(self, req: web.Request) -> bool:
-        """The request's `Authorization: Bearer <key>` is the key (parsed as vLLM parses it)."""
-        scheme, _, token = req.headers.get("Authorization", "").partition(" ")
-        # surrogatepass: whatever the header held encodes (and mismatches) instead of raising.
-        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
-        return hmac.compare_digest(digest, self._key_digest) and scheme.lower() == "bearer"
-
-    def _refuse(self, req: web.Request) -> web.Response:
-        self.metrics.reject("unauthorized")
-        return web.Response(status=401, body=WRONG_KEY if "Authorization" in req.headers else NO_KEY,
-                            content_type="application/json", headers={"WWW-Authenticate": "Bearer"})
-
     async def models(self, req: web.Request) -> web.Response:
-        if self._key_digest is not None and not self._authorized(req):
-            return self._refuse(req)
+        if (refused := self._refused(req)) is not None:
+            return refused
         decodes = [i for i in self.router.instances if i.role == "decode"]
         inst = next((i for i in decodes if i.healthy), decodes[0])
         try:
@@ -242,61 +120,29 @@ class Proxy:
         except UpstreamError as e:
             return web.json_response(error_body(f"decode {inst.url} unreachable: {e}", code=503), status=503)
 
-    async def metrics_route(self, _req: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
-
-    async def hold_route(self, req: web.Request) -> web.Response:
-        """The supervisor holds an instance (no requests) while it restarts and its pairs are proven again, then
-        releases it. Guarded by the API key like /v1: a client must not be able to take instances out."""
-        if self._key_digest is not None and not self._authorized(req):
-            return self._refuse(req)
-        try:
-            body = await req.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
-        name, held = (body.get("instance"), body.get("held")) if isinstance(body, dict) else (None, None)
-        if not isinstance(name, str) or not isinstance(held, bool):
-            return web.json_response(error_body('expected {"instance": NAME, "held": true|false}',
-                                                "invalid_request", 400), status=400)
-        inst = next((i for i in self.router.instances if i.name == name), None)
-        if inst is None:
-            known = ", ".join(i.name for i in self.router.instances)
-            return web.json_response(error_body(f"no instance {name!r}; instances: {known}", "invalid_request",
-                                                404), status=404)
-        if inst.held != held:
-            log.warning("%s %s is %s", inst.name, inst.url, "held by the supervisor: no requests until it is "
-                        "released" if held else "released by the supervisor: routing to it again")
-        inst.held = held
-        return web.json_response({"instance": name, "held": held})
-
-    async def timings_route(self, req: web.Request) -> web.Response:
-        """Per-request wall-clock stamps of the last requests (`?since=T`: only those received after T):
-        recv, prefill_sent, prefill_done, decode_sent, decode_first (the decode's first token event),
-        client_first (written to the client), end; with the request id and who served it."""
-        try:
-            since = float(req.query.get("since", "0"))
-        except ValueError:
-            return web.json_response(error_body("since: expected a number (seconds since the epoch)",
-                                                "invalid_request", 400), status=400)
-        return web.json_response([t for t in list(self.timings) if t["recv"] > since])
+    def _refused(self, req: web.Request) -> web.Response | None:
+        refused = self._keys.refusal(req)
+        if refused is not None:
+            self.metrics.reject("unauthorized")
+        return refused
 
     # -- P/D -------------------------------------------------------------------------------------------------
 
     # Every /v1 route checks the key (like vLLM's middleware, which guards /v1 and leaves /health and /metrics
     # open); a check in the handler, not a middleware, costs nothing when auth is off.
     async def completions(self, req: web.Request) -> web.StreamResponse:
-        if self._key_digest is not None and not self._authorized(req):
-            return self._refuse(req)
+        if (refused := self._refused(req)) is not None:
+            return refused
         return await self._pd(req, "/v1/completions")
 
     async def chat_completions(self, req: web.Request) -> web.StreamResponse:
-        if self._key_digest is not None and not self._authorized(req):
-            return self._refuse(req)
+        if (refused := self._refused(req)) is not None:
+            return refused
         return await self._pd(req, "/v1/chat/completions")
 
     def _headers(self, req: web.Request, request_id: str) -> dict[str, str]:
-        if self._upstream_auth is not None:
-            h = {"Authorization": self._upstream_auth}
+        if self._keys.upstream_header is not None:
+            h = {"Authorization": self._keys.upstream_header}
         else:
             h = {k: req.headers[k] for k in PASS_HEADERS if k in req.headers}
         if request_id:
@@ -764,7 +610,7 @@ class _Route:
         return h
 
 
-def serve(cfg: ProxyConfig, host: str, port: int) -> None:
+def serve(cfg: ProxyConfig) -> None:
     try:
         import uvloop
 
@@ -773,8 +619,8 @@ def serve(cfg: ProxyConfig, host: str, port: int) -> None:
         pass
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     proxy = Proxy(cfg)
-    log.info("pdctl proxy on %s:%d: %s; pairs %s; policy %s%s", host, port,
+    log.info("pdctl proxy on %s:%d: %s; pairs %s; policy %s%s", cfg.host, cfg.port,
              ", ".join(f"{i.name} {i.url}" for i in proxy.router.instances),
              ", ".join(f"{p}/{d}" for p, d in proxy.router.pairs), cfg.policy,
              f", on_prefill_down {cfg.on_prefill_down}" + (", API key required on /v1" if cfg.api_key else ""))
-    web.run_app(proxy.app(), host=host, port=port, print=None, access_log=None, handler_cancellation=True)
+    web.run_app(proxy.app(), host=cfg.host, port=cfg.port, print=None, access_log=None, handler_cancellation=True)

@@ -63,6 +63,7 @@ from pdctl.topology.schema import (
     Pools,
     Port,
     ProxyKind,
+    ProxySettings,
     ProxySpec,
     ReferenceSpec,
     Role,
@@ -81,6 +82,6 @@ __all__ = [
     "CPU_BLOCK_MULTIPLE", "DEFAULT_BLOCK_SIZE", "DEFAULT_POOL", "MAX_POOLS", "POOL_NAME_PATTERN", "RAY_PLACEMENT",
     "ROLE_PORTS", "ROLES", "ROUTER_POLICY", "SLURM_PLACEMENT", "AuthSpec", "BufferDevice", "ByteSize",
     "ConnectorSpec", "EngineKind", "EngineSpec", "InstanceGroup", "KvLayout", "ModelSpec", "MonitoringSpec",
-    "Placement", "Platform", "Policy", "Pools", "Port", "ProxyKind", "ProxySpec", "ReferenceSpec", "Role",
-    "SupervisionSpec", "Topology", "instance_name", "parse_bytes",
+    "Placement", "Platform", "Policy", "Pools", "Port", "ProxyKind", "ProxySettings", "ProxySpec", "ReferenceSpec",
+    "Role",    "SupervisionSpec", "Topology", "instance_name", "parse_bytes",
 ]

@@ -197,13 +197,12 @@ ProxyKind = Literal["pdctl", "vllm-router"]
 ROUTER_POLICY = {"round_robin": "round_robin", "prefix_affinity": "cache_aware", "least_outstanding": "power_of_two"}
 
 
-class ProxySpec(_Strict):
-    kind: ProxyKind = Field("pdctl", description="pdctl (pdctl's own proxy) or vllm-router (the vLLM project's "
-                            "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
+class ProxySettings(_Strict):
+    """How the proxy listens and routes: the topology's `proxy:` section and, with the instances' addresses,
+    the whole configuration of a running pdctl proxy (pdctl.proxy.config.ProxyConfig): one definition each."""
+
     host: str = Field("127.0.0.1", description="where the proxy listens: the deployment's one endpoint")
     port: Port = Field(8000, description="the proxy's port")
-    metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
-                                      "(default port + 1); pdctl's proxy serves /metrics on its own port")
     policy: Policy = Field("least_outstanding", description="least_outstanding (weighted, across pools), "
                            "round_robin, or prefix_affinity (same prompt head -> same prefill and decode)")
     exclude_pairs: list[tuple[str, str]] = Field(
@@ -224,11 +223,6 @@ class ProxySpec(_Strict):
                                   "routing (circuit breaker)")
     breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
                                   "trial request (half-open)")
-    early_decode: bool = Field(
-        False, description="pdctl's proxy and connector, local engine: send each P/D request to its decode at the "
-        "same time as to its prefill; the decode's own request path (API server, scheduler, blocks: ~8 ms of TTFT "
-        "on a CPU host) then runs while the prefill computes, and the prefill's KV parameters are handed to the "
-        "waiting decode over a host-local socket. A request whose prefill fails is served the ordinary way")
     first_token: Annotated[Literal["off", "on", "auto"], BeforeValidator(_on_off)] = Field(
         "off", description="pdctl's proxy: stream the prefill's token to the client as soon as the prefill "
         "answers, and the decode's stream after it without its first token (the same token: only for greedy "
@@ -237,6 +231,20 @@ class ProxySpec(_Strict):
         "shows between tokens 1 and 2 instead. 'auto': only while the pair's decode has other requests in "
         "flight (under load, where the decode's first token waits longest). Per request, the header "
         "x-pdctl-first-token: on|off overrides it")
+
+
+class ProxySpec(ProxySettings):
+    """The topology's `proxy:` section: the settings above, and which proxy runs (kind) with what it needs."""
+
+    kind: ProxyKind = Field("pdctl", description="pdctl (pdctl's own proxy) or vllm-router (the vLLM project's "
+                            "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
+    metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
+                                      "(default port + 1); pdctl's proxy serves /metrics on its own port")
+    early_decode: bool = Field(
+        False, description="pdctl's proxy and connector, local engine: send each P/D request to its decode at the "
+        "same time as to its prefill; the decode's own request path (API server, scheduler, blocks: ~8 ms of TTFT "
+        "on a CPU host) then runs while the prefill computes, and the prefill's KV parameters are handed to the "
+        "waiting decode over a host-local socket. A request whose prefill fails is served the ordinary way")
 
     @property
     def router_metrics_port(self) -> int | None:

@@ -19,6 +19,7 @@ import pytest
 from pdctl.gates import fleet, parity
 from pdctl.launch import probe
 from pdctl.launch import state as state_mod
+from pdctl.proxy.config import spec_of, with_spec
 from tests.conftest import REPO, SHARED, sample
 from tests.e2e.conftest import ExtraProxy, Reference, Up, get_text, live, pdctl, prompt_tokens_by_source, wait_for
 
@@ -103,9 +104,8 @@ def _cache_hits(urls: list[str]) -> float:
 def test_prefix_affinity_hits_the_decodes_prefix_cache_more_than_least_outstanding(fleet_up, tmp_path):
     """Same workload shape (groups sharing a 384-token head, fresh per policy), one bring-up: the fleet's own proxy
     (least outstanding) against a second proxy over the same instances with prefix affinity."""
-    argv = list(fleet_up.plan.get("proxy").argv)
-    argv[argv.index("--port") + 1] = "8009"
-    argv[argv.index("--policy") + 1] = "prefix_affinity"
+    argv = fleet_up.plan.get("proxy").argv
+    argv = with_spec(argv, spec_of(argv).model_copy(update={"port": 8009, "policy": "prefix_affinity"}))
     log = open(tmp_path / "proxy-pa.log", "wb")
     proc = subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

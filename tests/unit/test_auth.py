@@ -18,6 +18,7 @@ import pdctl
 from pdctl import auth
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, build_plan, with_plain_reference
+from pdctl.proxy.config import spec_of
 from pdctl.topology import ModelInfo, Topology, TopologyError, compatibility_problems, load_topology
 from tests.conftest import CONFIGS, wait_for
 
@@ -113,7 +114,7 @@ def test_the_plan_carries_the_variables_name_never_its_value(key, run_cli):
     assert [s.secret_env for s in servers] == [{"VLLM_API_KEY": NAME}] * 3
     assert all("--api-key" not in s.argv and "VLLM_API_KEY" not in s.env for s in servers)  # argv is in /proc
     px = p.get("proxy")
-    assert px.argv[px.argv.index("--api-key-env") + 1] == NAME and px.secret_env == {NAME: NAME}
+    assert spec_of(px.argv).api_key_env == NAME and px.secret_env == {NAME: NAME}
     assert key not in p.to_json() and key not in repr(p)
     back = Plan.from_dict(json.loads(p.to_json()))
     assert back.to_dict() == p.to_dict() and back.topology.auth.api_key_env == NAME
@@ -388,7 +389,7 @@ def test_k8s_takes_the_key_from_a_secret(key):
         assert {"name": "VLLM_API_KEY", "valueFrom": ref} in env
     proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
     assert proxy["env"] == [{"name": NAME, "valueFrom": ref}]
-    assert proxy["command"][proxy["command"].index("--api-key-env") + 1] == NAME
+    assert spec_of(proxy["command"]).api_key_env == NAME
     text = yaml.safe_dump(m)
     assert key not in text
     for manifest in m.values():
@@ -406,13 +407,13 @@ def test_the_standalone_proxy_reads_its_key_from_the_named_variable(monkeypatch)
     from pdctl.proxy import server
 
     got = {}
-    monkeypatch.setattr(server, "serve", lambda cfg, host, port: got.update(cfg=cfg))
+    monkeypatch.setattr(server, "serve", lambda cfg: got.update(cfg=cfg))
     monkeypatch.delenv(NAME, raising=False)
     with pytest.raises(pdctl.UserError, match=f"--api-key-env {NAME}: {NAME} is not set"):
         pdctl.api.serve_proxy(["http://p:1"], ["http://d:2"], api_key_env=NAME)
     monkeypatch.setenv(NAME, "K4")
     pdctl.api.serve_proxy(["http://p:1"], ["http://d:2"], api_key_env=NAME)
-    assert got["cfg"].api_key == "K4" and "K4" not in repr(got["cfg"])
+    assert got["cfg"].api_key == "K4" and "K4" not in repr(got["cfg"]) and "K4" not in got["cfg"].to_spec()
 
 
 def test_validate_with_auth_loads_through_the_topology_error_path():

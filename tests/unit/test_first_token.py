@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 
 from pdctl.proxy import first_token as ft
-from pdctl.proxy.server import Proxy, ProxyConfig
+from pdctl.proxy.config import ProxyConfig
+from pdctl.proxy.server import Proxy
 from tests.conftest import sample, wait_for
 from tests.unit.test_proxy import KVP, EarlyDecode, Loop, free_port, get, post
 
@@ -208,7 +209,7 @@ def fleet():
     p_url, d_url = loop.serve(pre.app()), loop.serve(dec.app())
 
     def proxy(**cfg):
-        px = Proxy(ProxyConfig([p_url], [d_url], read_timeout_s=5.0, connect_timeout_s=1.0, **cfg))
+        px = Proxy(ProxyConfig(prefill=[p_url], decode=[d_url], read_timeout_s=5.0, connect_timeout_s=1.0, **cfg))
         return px, loop.serve(px.app())
 
     yield type("Fleet", (), {"prefill": pre, "decode": dec, "proxy": proxy, "loop": loop, "p_url": p_url,
@@ -290,7 +291,7 @@ def test_a_decode_that_fails_after_the_token_went_out_ends_the_stream_with_its_e
 
 def test_a_decode_nobody_listens_on_is_tried_again_on_another_and_the_token_sent_once(fleet):
     dead = f"http://127.0.0.1:{free_port()}"
-    px = Proxy(ProxyConfig([fleet.p_url], [dead, fleet.d_url], read_timeout_s=5.0, connect_timeout_s=1.0,
+    px = Proxy(ProxyConfig(prefill=[fleet.p_url], decode=[dead, fleet.d_url], read_timeout_s=5.0, connect_timeout_s=1.0,
                            first_token="on", policy="round_robin", health_interval_s=60))
     url = fleet.loop.serve(px.app())
     dead_inst = next(i for i in px.router.instances if i.url == dead)
@@ -318,7 +319,8 @@ class EarlyVllm(EarlyDecode):
 
 def test_with_early_decode_the_prefills_token_goes_first_too(fleet):
     dec = EarlyVllm()
-    px = Proxy(ProxyConfig([fleet.p_url], [fleet.loop.serve(dec.app())], handovers=[dec.listener.sock_name],
+    px = Proxy(ProxyConfig(prefill=[fleet.p_url], decode=[fleet.loop.serve(dec.app())],
+                           handovers=[dec.listener.sock_name],
                            read_timeout_s=2.0, connect_timeout_s=1.0, first_token="on"))
     try:
         status, text, headers = post(fleet.loop.serve(px.app()) + CMPL, GREEDY)
@@ -330,5 +332,5 @@ def test_with_early_decode_the_prefills_token_goes_first_too(fleet):
 
 
 def test_a_proxy_refuses_an_unknown_mode():
-    with pytest.raises(ValueError, match="first_token must be one of off, on, auto"):
-        Proxy(ProxyConfig(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], first_token="always"))
+    with pytest.raises(ValueError, match="first_token"):
+        Proxy(ProxyConfig(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"], first_token="always"))

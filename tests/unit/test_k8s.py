@@ -12,6 +12,7 @@ import yaml
 
 from pdctl.launch import k8s
 from pdctl.plan import build_plan
+from pdctl.proxy.config import spec_of
 from pdctl.topology import load_topology
 from tests.conftest import CONFIGS
 
@@ -64,7 +65,8 @@ def test_cuda_to_gaudi_requests_devices_and_uses_the_pod_ip():
         assert c["command"][c["command"].index("--host") + 1] == "0.0.0.0"
     assert dec["command"][dec["command"].index("--block-size") + 1] == str(t.decode[0].block_size)
     proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert proxy[proxy.index("--decode") + 1] == "http://cuda-to-gaudi-decode-0.cuda-to-gaudi-decode.pd.svc:8200"
+    cfg = spec_of(proxy)
+    assert cfg.decode == ["http://cuda-to-gaudi-decode-0.cuda-to-gaudi-decode.pd.svc:8200"] and cfg.host == "0.0.0.0"
     assert "127.0.0.1" not in " ".join(proxy)
 
 
@@ -103,9 +105,9 @@ def test_a_fleet_gets_one_statefulset_per_pool_and_the_proxy_names_pools():
     # Selectors tell the pools of a role apart.
     selectors = [v["spec"]["selector"]["matchLabels"]["pdctl.dev/pool"] for v in sts.values()]
     assert sorted(selectors) == ["cuda16", "cuda16", "gaudi128", "gaudi128"]
-    proxy = m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    proxy = spec_of(m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"])
     svc = "cuda-gaudi-fleet-decode-gaudi128"
-    assert f"gaudi128=http://{svc}-1.{svc}.pd.svc:8200" in proxy and "--exclude-pair" not in proxy
+    assert f"gaudi128=http://{svc}-1.{svc}.pd.svc:8200" in proxy.decode and proxy.exclude_pairs == []
 
 
 def test_every_pod_carries_prometheus_scrape_annotations_for_its_metrics_port():

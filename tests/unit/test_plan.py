@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.plan import build_plan
+from pdctl.proxy.config import spec_of
 from pdctl.topology import Override, load_topology
 from tests.conftest import CONFIGS, REPO
 
@@ -118,8 +119,8 @@ def test_counts_and_devices_per_instance():
     assert p.get("prefill-1").env["CUDA_VISIBLE_DEVICES"] == "3"
     assert p.get("decode-0").env["CUDA_VISIBLE_DEVICES"] == "1,2"
     assert p.get("prefill-1").ports == {"http": 8101, "side_channel": 5601}
-    proxy = p.get("proxy")
-    assert proxy.argv.count("--prefill") == 2 and proxy.argv.count("--decode") == 1
+    cfg = spec_of(p.get("proxy").argv)
+    assert len(cfg.prefill) == 2 and len(cfg.decode) == 1
 
 
 def test_platform_device_env():
@@ -142,8 +143,8 @@ def test_with_hosts_moves_instances_and_the_proxys_upstreams():
     assert pre.argv[pre.argv.index("--host") + 1] == "127.0.0.2" and pre.host == "127.0.0.2"
     assert pre.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.2"
     assert dec.readiness_url == "http://127.0.0.3:8200/health" and dec.side_channel == ("127.0.0.3", 5700)
-    assert px.argv[px.argv.index("--prefill") + 1] == "http://127.0.0.2:8100"
-    assert px.argv[px.argv.index("--decode") + 1] == "http://127.0.0.3:8200"
+    assert spec_of(px.argv).prefill == ["http://127.0.0.2:8100"]
+    assert spec_of(px.argv).decode == ["http://127.0.0.3:8200"]
     assert px.host == p.get("proxy").host  # not named: stays where it was
     # Everything else is untouched, and the original plan is not modified.
     assert [a for a in pre.argv if "127.0.0" not in a] == [a for a in p.get("prefill-0").argv if "127.0.0" not in a]
@@ -275,13 +276,16 @@ def test_staging_is_sized_for_the_largest_ratio_that_reaches_each_decode_pool():
     assert "staging_blocks" not in _pdctl_extra(p.get("decode-d32-0"))[1]
 
 
-def test_fleet_proxy_argv_names_pools_weights_and_excluded_pairs():
-    _, p = _fleet("proxy.exclude_pairs=[[p128, d32]]", "decode.d64.weight=2", "proxy.policy=prefix_affinity")
+def test_fleet_proxy_spec_names_pools_weights_and_excluded_pairs():
+    _, p = _fleet("proxy.exclude_pairs=[[p128, d32]]", "decode.d64.weight=2", "proxy.policy=prefix_affinity",
+                  "proxy.affinity_epsilon=0.5")
     argv = p.get("proxy").argv
-    assert ["--prefill", "p32=http://127.0.0.1:8100"] == argv[argv.index("--prefill"):argv.index("--prefill") + 2]
-    assert "d32=http://127.0.0.1:8201" in argv and ["--weight", "decode/d64=2"] == argv[
-        argv.index("--weight"):argv.index("--weight") + 2]
-    assert argv[argv.index("--exclude-pair") + 1] == "p128/d32" and "--affinity-epsilon" in argv
+    assert argv[1:5] == ["-m", "pdctl", "proxy", "--spec"] and len(argv) == 6  # one argument: the whole of it
+    cfg = spec_of(argv)
+    assert cfg.prefill[0] == "p32=http://127.0.0.1:8100" and "d32=http://127.0.0.1:8201" in cfg.decode
+    assert cfg.weights == {"decode/d64": 2.0} and cfg.exclude_pairs == [("p128", "d32")]
+    assert cfg.policy == "prefix_affinity" and cfg.affinity_epsilon == 0.5
+    assert '"affinity_prefix_chars"' not in argv[5]  # a default is not written: the model holds it
 
 
 def test_kv_buffer_device_per_pool():
@@ -323,19 +327,17 @@ def test_with_plain_reference_is_the_reference_uncalmed_on_its_own_port():
 
 def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_sockets_in_order():
     _, p = _fleet("proxy.early_decode=true")
-    argv = p.get("proxy").argv
+    cfg = spec_of(p.get("proxy").argv)
     decodes = [s for s in p.processes if s.role == "decode"]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--decode"] == [
-        s.http_url if s.pool == "default" else f"{s.pool}={s.http_url}" for s in decodes]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--handover"] == [
-        f"pdctl-handover-127.0.0.1:{s.env['VLLM_NIXL_SIDE_CHANNEL_PORT']}" for s in decodes]
+    assert cfg.decode == [s.http_url if s.pool == "default" else f"{s.pool}={s.http_url}" for s in decodes]
+    assert cfg.handovers == [f"pdctl-handover-127.0.0.1:{s.env['VLLM_NIXL_SIDE_CHANNEL_PORT']}" for s in decodes]
     def handover(plan) -> dict:  # the decodes take hand-overs, the prefills give them
         return {s.name: json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
             "pdctl"].get("handover") for s in plan.processes if s.role in ("prefill", "decode")}
 
     assert set(handover(p).values()) == {True}
     _, off = _fleet()  # negative control
-    assert "--handover" not in off.get("proxy").argv and set(handover(off).values()) == {None}
+    assert spec_of(off.get("proxy").argv).handovers == [] and set(handover(off).values()) == {None}
 
 
 # -- nice: a pool's CPU priority --------------------------------------------------------------------------------
@@ -413,9 +415,8 @@ def test_slurm_step_adds_the_nice_before_it_becomes_the_server(monkeypatch):
 
 def test_first_token_reaches_the_proxy_only_when_asked():
     _, p = _fleet("proxy.first_token=auto")
-    argv = p.get("proxy").argv
-    assert argv[argv.index("--first-token") + 1] == "auto"
-    assert "--first-token" not in _fleet()[1].get("proxy").argv  # off: the argv (and goldens) unchanged
+    assert spec_of(p.get("proxy").argv).first_token == "auto"
+    assert "first_token" not in _fleet()[1].get("proxy").argv[-1]  # off: the default, not written
 
 
 def test_first_token_reads_yamls_bare_on_and_off_and_refuses_anything_else_with_its_place(run_cli, tmp_path):
@@ -439,13 +440,13 @@ def test_with_hosts_moves_every_named_pools_upstream_of_a_fleets_proxy():
     _, p = _fleet()
     hosts = {s.name: f"127.0.0.{i + 2}" for i, s in enumerate(p.processes) if s.role in ("prefill", "decode")}
     q = p.with_hosts(hosts)
-    argv = q.get("proxy").argv
-    ups = [argv[i + 1] for i, a in enumerate(argv) if a in ("--prefill", "--decode")]
+    cfg = spec_of(q.get("proxy").argv)
+    ups = cfg.prefill + cfg.decode
     want = [f"{s.pool}={s.http_url}" for s in q.processes if s.role in ("prefill", "decode")]
     assert ups == want and len(ups) == 4
     assert all("127.0.0.1" not in u for u in ups)  # negative control: before the move, every one was on 127.0.0.1
-    before = p.get("proxy").argv
-    assert all("127.0.0.1" in before[i + 1] for i, a in enumerate(before) if a in ("--prefill", "--decode"))
+    before = spec_of(p.get("proxy").argv)
+    assert all("127.0.0.1" in u for u in before.prefill + before.decode)
 
 
 # UCX per placement: shared-memory lanes on one host with KV in host memory, UCX's own choice elsewhere.
@@ -500,9 +501,9 @@ def test_the_baseline_serves_aggregated_on_every_pd_instances_devices_behind_pdc
         assert not any(k.startswith(("UCX_", "VLLM_NIXL_")) for k in s.env)
     (router,) = [s for s in b.processes if s.role == "proxy"]
     assert router.ports["http"] == pd.get("proxy").ports["http"]
-    assert router.argv[router.argv.index("--policy") + 1] == t.proxy.policy  # the topology's routing
-    assert [router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--decode"] == [s.http_url for s in servers]
-    assert "--prefill" not in router.argv and router.argv[2:4] == ["pdctl", "proxy"]
+    cfg = spec_of(router.argv)
+    assert cfg.policy == t.proxy.policy  # the topology's routing
+    assert cfg.decode == [s.http_url for s in servers] and cfg.prefill == [] and router.argv[2:4] == ["pdctl", "proxy"]
 
 
 def test_a_fleets_baseline_has_one_aggregated_server_per_instance():

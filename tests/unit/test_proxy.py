@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from pdctl.proxy import handover
-from pdctl.proxy.server import Proxy, ProxyConfig
+from pdctl.proxy.config import ProxyConfig
+from pdctl.proxy.server import Proxy
 from tests.conftest import sample, wait_for
 
 KVP = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1", "remote_block_ids": [1, 2],
@@ -138,7 +139,7 @@ def pd():
     p_url, d_url = loop.serve(prefill.app()), loop.serve(decode.app())
 
     def make(decodes=(), **cfg):
-        proxy = Proxy(ProxyConfig([p_url], [*decodes, d_url], **cfg))
+        proxy = Proxy(ProxyConfig(prefill=[p_url], decode=[*decodes, d_url], **cfg))
         return proxy, loop.serve(proxy.app())
 
     proxy, url = make(read_timeout_s=2.0, connect_timeout_s=1.0)
@@ -224,7 +225,7 @@ def test_prefill_4xx_goes_back_to_the_client_and_skips_decode(pd):
 
 
 def test_prefill_unreachable_falls_back_to_decode_only_and_counts(pd):
-    proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1))
+    proxy = Proxy(ProxyConfig(prefill=[f"http://127.0.0.1:{free_port()}"], decode=[pd.d_url], connect_timeout_s=1))
     url = pd.loop.serve(proxy.app())
     status, text, h = post(url + "/v1/completions", BODY)
     assert status == 200 and h["x-pdctl-fallback"].startswith("decode-only") and h["x-pdctl-prefill"] == "none"
@@ -243,7 +244,7 @@ def _counted(metrics: str, name: str) -> float:
 
 
 def test_prefill_unreachable_is_503_at_once_when_rejecting(pd):
-    proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1,
+    proxy = Proxy(ProxyConfig(prefill=[f"http://127.0.0.1:{free_port()}"], decode=[pd.d_url], connect_timeout_s=1,
                               on_prefill_down="reject"))
     url = pd.loop.serve(proxy.app())
     t0 = time.monotonic()
@@ -278,7 +279,7 @@ def test_prefill_retried_once_on_another_prefill(pd):
     for failure in ("error500", "refused"):
         first = f"http://127.0.0.1:{free_port()}" if failure == "refused" else pd.p_url
         pd.prefill.mode = failure if failure != "refused" else "ok"
-        proxy = Proxy(ProxyConfig([first, p2], [pd.d_url], policy="round_robin", connect_timeout_s=1,
+        proxy = Proxy(ProxyConfig(prefill=[first, p2], decode=[pd.d_url], policy="round_robin", connect_timeout_s=1,
                                   health_interval_s=60))
         url = pd.loop.serve(proxy.app())
         time.sleep(0.3)
@@ -295,7 +296,7 @@ def test_prefill_client_error_is_not_retried(pd):
     second = Backend("prefill")
     p2 = pd.loop.serve(second.app())
     pd.prefill.mode = second.mode = "error400"
-    proxy = Proxy(ProxyConfig([pd.p_url, p2], [pd.d_url]))
+    proxy = Proxy(ProxyConfig(prefill=[pd.p_url, p2], decode=[pd.d_url]))
     url = pd.loop.serve(proxy.app())
     assert post(url + "/v1/completions", BODY)[0] == 400
     assert len(pd.prefill.requests) + len(second.requests) == 1 and not pd.decode.requests
@@ -324,7 +325,7 @@ def test_circuit_breaker_opens_then_lets_one_trial_through(pd):
     second = Backend("prefill")
     p2 = pd.loop.serve(second.app())
     pd.prefill.mode = "error500"
-    proxy = Proxy(ProxyConfig([pd.p_url, p2], [pd.d_url], policy="round_robin", breaker_failures=2,
+    proxy = Proxy(ProxyConfig(prefill=[pd.p_url, p2], decode=[pd.d_url], policy="round_robin", breaker_failures=2,
                               breaker_open_s=1.0, health_interval_s=60))
     # The breakers' clock stands still but for the test moving it: no wait, and the breaker stays open however
     # long the requests below take on a busy machine.
@@ -496,7 +497,7 @@ def test_pools_pins_route_headers_and_pair_metrics(pd):
     assert sample(metrics, "pdctl_proxy_pair_requests_total", prefill_pool="default", decode_pool="d32",
                   status="200") == 1
     assert 'name="decode-d32-0"' in metrics
-    excluded = Proxy(ProxyConfig([pd.p_url, f"p2={pd.p_url}"], [f"d32={d2}", pd.d_url],
+    excluded = Proxy(ProxyConfig(prefill=[pd.p_url, f"p2={pd.p_url}"], decode=[f"d32={d2}", pd.d_url],
                                  exclude_pairs=[("default", "d32")]))
     xurl = pd.loop.serve(excluded.app())
     status, text, _ = post(xurl + "/v1/completions", BODY, {"x-pdctl-route": "default/d32"})
@@ -540,7 +541,7 @@ def test_upstream_connections_are_kept_alive(pd):
     pd.prefill.completions = record
     app = pd.prefill.app()
     p_url = pd.loop.serve(app)
-    proxy = Proxy(ProxyConfig([p_url], [pd.d_url]))
+    proxy = Proxy(ProxyConfig(prefill=[p_url], decode=[pd.d_url]))
     url = pd.loop.serve(proxy.app())
     for _ in range(5):
         assert post(url + "/v1/completions", BODY)[0] == 200
@@ -718,7 +719,7 @@ def test_a_cancelled_half_open_trial_does_not_keep_the_instance_out(pd):
 
 
 def test_a_request_may_forbid_the_fallback_with_its_header(pd):
-    proxy = Proxy(ProxyConfig([f"http://127.0.0.1:{free_port()}"], [pd.d_url], connect_timeout_s=1))
+    proxy = Proxy(ProxyConfig(prefill=[f"http://127.0.0.1:{free_port()}"], decode=[pd.d_url], connect_timeout_s=1))
     url = pd.loop.serve(proxy.app())
     status, text, _ = post(url + "/v1/completions", BODY, {"x-pdctl-on-prefill-down": "reject"})
     assert status == 503 and json.loads(text)["error"]["type"] == "prefill_unavailable" and not pd.decode.requests
@@ -795,8 +796,8 @@ def test_without_a_key_the_proxy_asks_for_none(pd):
 def test_a_key_that_cannot_be_a_header_is_refused_at_start_and_never_shown():
     for bad in ("two words", "caf\u00e9", ""):  # an empty key would be auth silently off: refused too
         with pytest.raises(ValueError, match="printable ASCII"):
-            Proxy(ProxyConfig(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], api_key=bad))
-    assert "hunter2" not in repr(ProxyConfig([], [], api_key="hunter2"))
+            Proxy(ProxyConfig(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"], api_key=bad))
+    assert "hunter2" not in repr(ProxyConfig(decode=["http://127.0.0.1:2"], api_key="hunter2"))
 
 
 class EarlyDecode(Backend):
@@ -828,7 +829,8 @@ class EarlyDecode(Backend):
 def early(pd):
     dec = EarlyDecode()
     d_url = pd.loop.serve(dec.app())
-    proxy = Proxy(ProxyConfig([pd.p_url], [d_url], handovers=[dec.listener.sock_name], read_timeout_s=2.0,
+    proxy = Proxy(ProxyConfig(prefill=[pd.p_url], decode=[d_url], handovers=[dec.listener.sock_name],
+                              read_timeout_s=2.0,
                               connect_timeout_s=1.0))
     yield type("Early", (), {"prefill": pd.prefill, "decode": dec, "proxy": proxy, "url": pd.loop.serve(proxy.app())})
     dec.listener.close()
@@ -879,7 +881,8 @@ def test_a_retry_on_another_prefill_is_not_asked_to_hand_over_and_the_early_deco
     dec, second = EarlyDecode(), Backend("prefill")
     d_url, p2_url = pd.loop.serve(dec.app()), pd.loop.serve(second.app())
     pd.prefill.mode, second.hands_over = "error500", True
-    proxy = Proxy(ProxyConfig([pd.p_url, p2_url], [d_url], handovers=[dec.listener.sock_name], read_timeout_s=2.0,
+    proxy = Proxy(ProxyConfig(prefill=[pd.p_url, p2_url], decode=[d_url], handovers=[dec.listener.sock_name],
+                              read_timeout_s=2.0,
                               connect_timeout_s=1.0, policy="round_robin"))
     try:
         status, text, _ = post(pd.loop.serve(proxy.app()) + "/v1/completions", BODY)
@@ -935,7 +938,7 @@ def test_aggregated_mode_sends_each_request_whole_to_one_instance_and_counts_no_
     """No --prefill (goodput's baseline): the request as the client sent it, to one of the servers, no
     kv_transfer_params, no decode-only fallback counted; ready once an instance is."""
     other = Backend("decode")
-    proxy = Proxy(ProxyConfig([], [pd.d_url, pd.loop.serve(other.app())], policy="round_robin"))
+    proxy = Proxy(ProxyConfig(prefill=[], decode=[pd.d_url, pd.loop.serve(other.app())], policy="round_robin"))
     url = pd.loop.serve(proxy.app())
     for _ in range(4):
         status, text, headers = post(url + "/v1/completions", BODY)
@@ -949,4 +952,4 @@ def test_aggregated_mode_sends_each_request_whole_to_one_instance_and_counts_no_
     pd.decode.healthy = other.healthy = False
     assert get(url + "/ready")[0] == 503
     with pytest.raises(ValueError, match="aggregated serving"):
-        Proxy(ProxyConfig([], [pd.d_url], first_token="on"))
+        Proxy(ProxyConfig(prefill=[], decode=[pd.d_url], first_token="on"))
