@@ -19,10 +19,11 @@ import types
 from typing import TYPE_CHECKING
 
 __all__ = [
-    "load", "plan", "up", "attach", "down", "check", "evaluate", "bench", "sweep", "render_k8s", "tiny_model",
-    "warnings", "gate_notes", "serve_proxy",
+    "load", "plan", "up", "attach", "down", "check", "check_topology", "check_deployment", "check_urls", "evaluate",
+    "bench", "sweep", "render_k8s", "tiny_model", "warnings", "gate_notes", "serve_proxy",
     "Deployment", "DownReport", "StatusReport", "CheckOptions", "EvalOptions", "EvalResult", "BenchOptions",
-    "BenchResult", "SweepResult", "UserError", "TopologyError", "LaunchFailed", "Topology", "Plan", "ProcessSpec",
+    "BenchResult", "SweepResult", "GoodputSweepResult", "UserError", "TopologyError", "LaunchFailed", "Topology",
+    "Plan", "ProcessSpec",
 ]
 
 _WHERE = {"TopologyError": "pdctl.topology", "Topology": "pdctl.topology", "LaunchFailed": "pdctl.launch.errors",
@@ -37,12 +38,16 @@ if TYPE_CHECKING:
         DownReport,
         EvalOptions,
         EvalResult,
+        GoodputSweepResult,
         StatusReport,
         SweepResult,
         UserError,
         attach,
         bench,
         check,
+        check_deployment,
+        check_topology,
+        check_urls,
         down,
         evaluate,
         gate_notes,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from pdctl.api.benchmarks import (  # noqa: F401
     BenchResult,
+    GoodputSweepResult,
     SweepResult,
     bench,
     parse_rates,
@@ -46,6 +47,9 @@ from pdctl.api.gates import (  # noqa: F401
     EvalOptions,
     EvalResult,
     check,
+    check_deployment,
+    check_topology,
+    check_urls,
     evaluate,
     expected_table,
     gsm8k_source,

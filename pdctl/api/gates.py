@@ -48,11 +48,32 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
           options: CheckOptions | None = None, say: Say = _quiet, progress: Say = _quiet):
     """Parity gate: P/D output equals an aggregated reference token for token, and the KV travelled.
 
-    target: a Topology (or its file; brought up beside an aggregated reference, checked, taken down); a running
-    Deployment (with `reference` URL, or its own reference); or None with `proxy` and `reference` URLs. A fleet is
-    checked per pool pair. Returns a ParityReport or FleetReport (`.passed`, `.to_dict()`)."""
-    from pdctl.gates import check as check_mod
-    from pdctl.gates import fleet, gsm8k, parity
+    target: a Topology (or its file; brought up beside an aggregated reference, checked, taken down:
+    check_topology); a running Deployment (with `reference` URL, or its own reference: check_deployment); or None
+    with `proxy` and `reference` URLs (check_urls). A fleet is checked per pool pair. Returns a ParityReport or
+    FleetReport (`.passed`, `.to_dict()`)."""
+    o = _check_options(options)
+    for flag, url in (("--proxy", proxy), ("--reference", reference), *(("--decode", u) for u in decodes or ())):
+        _check_url(flag, url)
+    if isinstance(target, (str, Path)):
+        target = load(target, gated=True)
+    if isinstance(target, Topology):
+        return check_topology(target, options=o, say=say, progress=progress)
+    if isinstance(target, Deployment) and proxy is None:
+        return check_deployment(target, reference=reference, model=model, options=o, say=say, progress=progress)
+    if target is not None and not isinstance(target, Deployment):
+        raise UserError(f"check: cannot check a {type(target).__name__}; give a Topology, a Deployment or URLs")
+    if isinstance(target, Deployment) and (o.reference_first or o.state_dir):
+        raise UserError("--reference-first and --state-dir are for a topology pdctl brings up, not a running one")
+    if not (proxy and reference):
+        raise UserError("give a TOPOLOGY, --state-dir of a running one with --reference, or both --proxy and "
+                        "--reference for running systems")
+    say(_running_warning(target))
+    return check_urls(proxy, reference, decodes=decodes, model=model, options=o, progress=progress)
+
+
+def _check_options(options: CheckOptions | None) -> CheckOptions:
+    from pdctl.gates import gsm8k
 
     o = options or CheckOptions()
     if o.gsm8k_dir is not None:
@@ -60,58 +81,71 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
             gsm8k.check_dir(Path(o.gsm8k_dir), "--gsm8k-dir ")
         except gsm8k.DataError as e:
             raise UserError(str(e)) from None
+    return o
 
-    window: list[int | None] = [None]  # a hybrid model's sliding window, once the topology is known
 
-    def prompts(blocks: list[int], vocab: int, max_prompt: int, seed: int | None) -> list:
-        return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, seed, o.lengths, window[0])
+def _prompts(o: CheckOptions, blocks: list[int], vocab: int, max_prompt: int, seed: int | None,
+             window: int | None) -> list:
+    from pdctl.gates import check as check_mod
 
-    def pair_prompts(vocab: int, max_prompt: int):  # a fleet's: pair k draws from its own seed (fleet.pair_seed)
-        return lambda pb, db, k: prompts([pb, db], vocab, max_prompt, fleet.pair_seed(o.seed, k))
+    return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, seed, o.lengths, window)
 
-    for flag, url in (("--proxy", proxy), ("--reference", reference), *(("--decode", u) for u in decodes or ())):
-        _check_url(flag, url)
-    if isinstance(target, (str, Path)):
-        target = load(target, gated=True)
-    if isinstance(target, Deployment) and (o.reference_first or o.state_dir):
+
+def _pair_prompts(o: CheckOptions, vocab: int, max_prompt: int, window: int | None):
+    """A fleet's prompts: pair k draws from its own seed (fleet.pair_seed)."""
+    from pdctl.gates import fleet
+
+    return lambda pb, db, k: _prompts(o, [pb, db], vocab, max_prompt, fleet.pair_seed(o.seed, k), window)
+
+
+def check_urls(proxy: str, reference: str, *, decodes: list[str] | None = None, model: str | None = None,
+               options: CheckOptions | None = None, progress: Say = _quiet):
+    """The parity gate on running systems known only by their URLs: P/D through `proxy` against the aggregated
+    server at `reference`; the KV's travel proven on `decodes` (default: the decodes the proxy's /ready lists)."""
+    from pdctl.gates import parity
+
+    o = _check_options(options)
+    urls = decodes or [i["url"] for i in _ready_instances(proxy) if i.get("role") == "decode"]
+    if not urls:
+        raise UserError("no decode URL to prove the transfer with: pass --decode URL")
+    name = model or _served_model(reference)
+    progress(f"sending prompts through P/D {proxy} and the reference {reference}")
+    report = parity.run_parity(proxy, reference, urls, name, _prompts(o, [], o.vocab, 1024, o.seed, None),
+                               o.max_tokens, o.concurrency, stream=o.stream)
+    return _reported(report, o)
+
+
+def check_deployment(d: Deployment, *, reference: str | None = None, model: str | None = None,
+                     options: CheckOptions | None = None, say: Say = _quiet, progress: Say = _quiet):
+    """The parity gate on a running deployment, against `reference` (an aggregated server's URL) or its own."""
+    o = _check_options(options)
+    if o.reference_first or o.state_dir:
         raise UserError("--reference-first and --state-dir are for a topology pdctl brings up, not a running one")
-    if isinstance(target, Deployment) and proxy is None:
-        d = target
-        ref = reference or d.reference_url
-        if not ref:
-            raise UserError("a running topology is checked against a running reference: give --reference URL of an "
-                            "aggregated server")
-        say(_running_warning(d))
-        t = d.topology
-        window[0] = _sliding_window(d)
-        key = _api_key(t)
-        vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
-        max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
-        report = _check_fleet(d.plan, d.proxy_url, ref, model or t.model.name,
-                              pair_prompts(vocab, max_prompt), replace(o, vocab=vocab), progress,
-                              key)
-        return _reported(report, o)
-    if not isinstance(target, Topology):
-        if target is not None and not isinstance(target, Deployment):
-            raise UserError(f"check: cannot check a {type(target).__name__}; give a Topology, a Deployment or URLs")
-        if not (proxy and reference):
-            raise UserError("give a TOPOLOGY, --state-dir of a running one with --reference, or both --proxy and "
-                            "--reference for running systems")
-        say(_running_warning(target))
-        urls = decodes or [i["url"] for i in _ready_instances(proxy) if i.get("role") == "decode"]
-        if not urls:
-            raise UserError("no decode URL to prove the transfer with: pass --decode URL")
-        name = model or _served_model(reference)
-        progress(f"sending prompts through P/D {proxy} and the reference {reference}")
-        report = parity.run_parity(proxy, reference, urls, name, prompts([], o.vocab, 1024, o.seed), o.max_tokens,
-                                   o.concurrency, stream=o.stream)
-        return _reported(report, o)
+    ref = reference or d.reference_url
+    if not ref:
+        raise UserError("a running topology is checked against a running reference: give --reference URL of an "
+                        "aggregated server")
+    say(_running_warning(d))
+    t = d.topology
+    key = _api_key(t)
+    vocab = (t.origin.model_info.vocab_size if t.origin else None) or o.vocab
+    max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
+    report = _check_fleet(d.plan, d.proxy_url, ref, model or t.model.name,
+                          _pair_prompts(o, vocab, max_prompt, _sliding_window(d)), replace(o, vocab=vocab), progress,
+                          key)
+    return _reported(report, o)
 
-    t = _gated(target, say)
+
+def check_topology(t: Topology, *, options: CheckOptions | None = None, say: Say = _quiet, progress: Say = _quiet):
+    """The parity gate on a topology pdctl brings up beside an aggregated reference, checks and takes down."""
+    from pdctl.gates import parity
+
+    o = _check_options(options)
+    t = _gated(t, say)
     _local_engine(t)
     key = _api_key(t)  # before anything starts
     vocab = origin(t).model_info.vocab_size or o.vocab
-    window[0] = origin(t).model_info.sliding_window
+    window = origin(t).model_info.sliding_window
     max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
     ref = p.get("reference")
@@ -122,10 +156,10 @@ def check(target: Topology | Deployment | str | Path | None = None, *, proxy: st
                             "sends every pair's prompts at once)")
         with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name} and an aggregated reference") as d:
             report = _check_fleet(d.plan, d.proxy_url, ref.http_url, t.model.name,
-                                  pair_prompts(vocab, max_prompt), replace(o, vocab=vocab),
+                                  _pair_prompts(o, vocab, max_prompt, window), replace(o, vocab=vocab),
                                   progress, key)
         return _reported(report, o)
-    ps = prompts([t.prefill[0].block_size, t.decode[0].block_size], vocab, max_prompt, o.seed)
+    ps = _prompts(o, [t.prefill[0].block_size, t.decode[0].block_size], vocab, max_prompt, o.seed, window)
     answers: str | list = ref.http_url
     if o.reference_first:
         _preflight(p, t)  # the whole plan, before the reference alone starts

@@ -180,3 +180,18 @@ def test_a_seeded_fleet_check_draws_other_prompts_for_each_pair(monkeypatch):
     monkeypatch.setattr(gates, "_check_fleet", lambda *a: again.append(a[4](32, 64, 0)) or "report")
     pdctl.check(Running(), options=api.CheckOptions(seed=5))
     assert [p.ids for p in again[0]] == first  # still reproducible: the same seed, the same prompts per pair
+
+
+def test_check_hands_each_kind_of_target_to_its_own_function(monkeypatch):
+    from pdctl.api import gates
+
+    called: list = []
+    for name in ("check_topology", "check_deployment", "check_urls"):
+        monkeypatch.setattr(gates, name, lambda *a, _n=name, **k: called.append(_n) or _n)
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml")
+    d = object.__new__(gates.Deployment)
+    assert pdctl.check(t) == "check_topology"
+    assert pdctl.check(d, reference="http://127.0.0.1:1") == "check_deployment"
+    assert pdctl.check(proxy="http://127.0.0.1:1", reference="http://127.0.0.1:2") == "check_urls"
+    assert called == ["check_topology", "check_deployment", "check_urls"]
+    assert all(callable(getattr(pdctl, n)) for n in ("check_topology", "check_deployment", "check_urls"))  # exported
