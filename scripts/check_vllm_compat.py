@@ -29,7 +29,7 @@ from pdctl.connector import seam  # noqa: E402  (pure: imports nothing from vLLM
 
 # pdctl's subclasses and the vLLM classes they extend (names pdctl adds must not shadow the base's).
 SUBCLASSES = [("pdctl.connector.nixl:PdctlNixlWorker", seam.PULL_WORKER),
-              ("pdctl.connector.nixl:PdctlNixlScheduler", seam.PULL_SCHEDULER),
+              ("pdctl.connector.scheduler:PdctlNixlScheduler", seam.PULL_SCHEDULER),
               ("pdctl.connector.nixl:NixlConnector", seam.PULL_CONNECTOR)]
 _OWN = {"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
         "__static_attributes__", "__firstlineno__", "_abc_impl", "__abstractmethods__", "__parameters__"}
@@ -101,10 +101,13 @@ def _shadowing(internals: tuple[seam.Internal, ...]) -> list[str]:
         ours, base = _resolve(ours_path), _resolve(base_path)
         declared = {e.name for e in internals if e.kind in ("hook", "attr", "method")
                     and (e.owner == base_path or issubclass(base, _resolve(e.owner)))}
-        for name in set(vars(ours)) - _OWN:
+        # The class and the mixins it is built from (pdctl's own classes in its MRO).
+        own = [k for k in ours.__mro__ if k.__module__.startswith("pdctl.")]
+        for name in set().union(*(vars(k) for k in own)) - _OWN:
             if hasattr(base, name) and name not in declared:
                 problems.append(f"{ours_path}.{name}: overrides vLLM's {base.__name__}.{name} but is not a seam hook")
-        for name in set(re.findall(r"self\.(\w+)\s*(?::[^=\n]*)?=(?!=)", inspect.getsource(ours))):
+        source = "\n".join(inspect.getsource(k) for k in own)
+        for name in set(re.findall(r"self\.(\w+)\s*(?::[^=\n]*)?=(?!=)", source)):
             if name not in declared and (hasattr(base, name) or _assigns(base, name)):
                 problems.append(f"{ours_path}: self.{name} is also vLLM's {base.__name__}.{name} (not in the seam)")
     return problems

@@ -3,7 +3,8 @@ attention ISA in the handshake. Which block goes where is pdctl.kv.index's (test
 
 import pytest
 
-from pdctl.connector.nixl import PdctlNixlWorker, _as_decode_sized
+from pdctl.connector.nixl import PdctlNixlWorker
+from pdctl.connector.split import as_decode_sized
 
 
 def test_decode_sized_view_of_the_prefill_metadata():
@@ -16,7 +17,7 @@ def test_decode_sized_view_of_the_prefill_metadata():
                              "attn_backend_name": "CPU_ATTN", "physical_blocks_per_logical_kv_block": 1,
                              "region_num_blocks": [10], "dcp_size": 1, "pcp_size": 1, "region_members": [],
                              "packed_member_layouts": {}})
-    v = _as_decode_sized(m, 2)
+    v = as_decode_sized(m, 2)
     assert (v.block_size, v.num_blocks, v.block_lens, v.block_strides, v.region_num_blocks) == (
         32, 20, [2048], [2048], [20])
     assert m.block_size == 64  # the original is untouched
@@ -26,7 +27,7 @@ def test_decode_sized_view_of_the_prefill_metadata():
 
 
 def test_backend_tag_round_trip():
-    from pdctl.connector.nixl import tag_backend, untag_backend
+    from pdctl.connector.handshake import tag_backend, untag_backend
 
     assert untag_backend(tag_backend("CPU_ATTN", "amx")) == ("CPU_ATTN", "amx")
     assert untag_backend("CPU_ATTN") == ("CPU_ATTN", None)  # a stock prefill sends no ISA
@@ -127,7 +128,7 @@ def test_prefill_backoff_only_for_sliding_window_groups(monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from pdctl.connector.nixl import PdctlNixlScheduler
+    from pdctl.connector.scheduler import PdctlNixlScheduler
 
     monkeypatch.setattr(NixlBaseConnectorScheduler, "_prefill_backoff", lambda self: 0)
     s = object.__new__(PdctlNixlScheduler)

@@ -53,7 +53,7 @@ def test_the_socket_name_follows_the_side_channel():
 def scheduler(monkeypatch, listener):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 
-    from pdctl.connector.nixl import PdctlNixlScheduler
+    from pdctl.connector.scheduler import PdctlNixlScheduler
 
     calls: list[tuple] = []
     monkeypatch.setattr(NixlPullConnectorScheduler, "update_state_after_alloc",

@@ -1,0 +1,23 @@
+"""What every part of pdctl's connector shares: its logger, its settings in vLLM's config, the timing lines."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+
+from pdctl import protocol
+
+log = init_logger("vllm.pdctl.connector")  # under "vllm" so it lands in the server log
+
+
+def settings(vllm_config) -> dict[str, Any]:
+    """pdctl's own entries of the connector's extra config (the plan writes them under "pdctl")."""
+    return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
+
+
+def trace(stage: str, req_id: str, at: float | None = None) -> None:
+    """One timing line (wall clock `at`, default now: the proxy and every engine process on a host share it),
+    read by pdctl.bench.breakdown. Only when the connector's `trace` setting is on."""
+    log.info("%s", protocol.trace_line(stage, req_id, time.time() if at is None else at))

@@ -1,0 +1,117 @@
+"""Hybrid models (sliding-window + full-attention KV groups under vLLM's hybrid KV cache manager): each side keeps
+only the window's tail of a sliding-window group, cut by its own block size; those blocks are paired by absolute
+token position (pdctl.kv.window) in both directions, and what the prefill no longer holds is zeroed. A mixin of
+pdctl.connector.nixl.PdctlNixlWorker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdctl.connector import seam
+from pdctl.connector.common import log
+from pdctl.kv.convert import Side, merge_in_place, slots_mask
+from pdctl.kv.window import WindowFill, window_pairs
+
+
+class SlidingWindowReads:
+    def _window_groups(self) -> dict[int, int]:
+        """KV transfer group -> sliding window (tokens), for the groups that are sliding-window ones."""
+        if self._windows is None:
+            groups = range(seam.group_count(self))
+            self._windows = {g: w for g in groups if (w := seam.group_window(self, g))}
+        return self._windows
+
+    def _window_tails(self, meta, group: int, window: int, prefill_block: int) -> dict[str, Any] | None:
+        """Where the two tails of a sliding-window group lie, as pdctl.kv.window's arguments; None when the
+        lists are not the tails vLLM cuts (then the load fails and vLLM recomputes, never a silent misread).
+
+        Both sides hold the request's first `tokens` tokens (the prefill stopped one short: `_prefill_backoff`),
+        so the decode's first query is token `tokens` and needs keys from tokens - window + 1. Each list ends
+        with the block holding the last token; the prefill's first entries are vLLM's null block where the
+        window had already left them."""
+        tokens = meta.remote.num_tokens
+        remote = list(meta.remote.block_ids[group])
+        local = list(meta.local_physical_block_ids[group])
+        if tokens is None:
+            return None
+        remote_first = -(-tokens // prefill_block) - len(remote)
+        local_first = -(-tokens // self.block_size) - len(local)
+        if remote_first < 0 or local_first < 0:
+            return None
+        held = max(remote_first, max(0, tokens - window + 1) // prefill_block)  # past the null entries
+        return dict(local=local, remote=remote[held - remote_first:], local_first=local_first, remote_first=held,
+                    prefill_block=prefill_block, decode_block=self.block_size, tokens=tokens,
+                    need_from=max(0, tokens - window + 1, local_first * self.block_size))
+
+    def _plan_window_merge(self, req_id: str, meta) -> bool:
+        """P <= D: pair each sliding-window group's sub-blocks by absolute tokens (vLLM pairs the tails from
+        their starts); False: a needed token is on neither list."""
+        prefill_block = self._remote_block.get(meta.remote.engine_id, self.block_size)
+        if prefill_block == self.block_size:
+            return True  # equal tails end at the same block: vLLM's end-trim pairs them right
+        for g, window in self._window_groups().items():
+            tails = self._window_tails(meta, g, window, prefill_block)
+            plan = window_pairs(**tails) if tails else None
+            if plan is None:
+                self._window_now = {}
+                log.warning("pdctl connector: request %s: the sliding-window tails of group %d do not hold the "
+                            "window (%s); its KV load fails", req_id, g, tails and {
+                                k: v for k, v in tails.items() if k not in ("local", "remote")})
+                return False
+            self._window_now[g] = plan
+            if tails["local"]:
+                key = (g, tails["local"][0])
+                self._window_fills[key] = plan.fills
+                self._window_keys.setdefault(req_id, []).append(key)
+        self._log_window_read(meta, {g: len(p.remote) for g, p in self._window_now.items()}, prefill_block)
+        return True
+
+    def _log_window_read(self, meta, window_reads: dict[int, int], prefill_block: int) -> None:
+        """Once per prefill engine: what each KV group of a hybrid model reads (prefill blocks, bytes)."""
+        engine = meta.remote.engine_id
+        if engine in self._window_logged:
+            return
+        self._window_logged.add(engine)
+        parts = []
+        for g in range(len(meta.local_physical_block_ids)):
+            names = seam.group_layer_names(self, g)
+            cache = self.device_kv_caches[names[0]]
+            block_bytes = cache[0].numel() * cache.element_size() * prefill_block // self.block_size * len(names)
+            n = window_reads.get(g, len(meta.remote.block_ids[g]))
+            kind = f"sliding window {self._window_groups()[g]}" if g in self._window_groups() else "full attention"
+            parts.append(f"group {g} ({kind}, {len(names)} layers): {n} prefill blocks, {n * block_bytes} bytes")
+        log.info("pdctl connector: hybrid model, prefill engine %s (block %d -> decode block %d), first request "
+                 "of %s tokens: %s", engine, prefill_block, self.block_size, meta.remote.num_tokens, "; ".join(parts))
+
+    def _merge_window(self, names: list[str], block_ids, ratio: int, fills: tuple[WindowFill, ...],
+                      convert: bool) -> None:
+        """A sliding-window group's decode blocks after a P < D read paired by tokens: merge every block's
+        sub-blocks, then zero what the prefill did not send (the window's head, the slots past the prompt)."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        for name in names:
+            cache = self.device_kv_caches[name]
+            local = self._side(cache, self.block_size)
+            blocks = cache.index_select(0, idx).reshape(len(block_ids), -1)
+            if convert and ratio > 1:
+                received = self._side(cache, self.block_size // ratio, self._received_isa.get(ratio))
+                blocks = merge_in_place(blocks, ratio, received, local)
+            for row, fill in zip(blocks, fills, strict=True):
+                _zero_slots(row, local, fill)
+            cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
+
+    def _zero_fills(self, cache: torch.Tensor, local: Side, fills: tuple[WindowFill, ...]) -> None:
+        """Zero the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
+        for fill in fills:
+            if fill.zero:
+                _zero_slots(cache[fill.id].view(-1), local, fill)
+
+
+
+
+def _zero_slots(block: torch.Tensor, local: Side, fill: WindowFill) -> None:
+    """Zero, in place, the token slots of one decode block (flat, in the local layout) that `fill` says received
+    nothing."""
+    for start, stop in fill.zero:
+        block.masked_fill_(slots_mask(local, start, stop), 0)
