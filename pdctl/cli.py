@@ -421,7 +421,7 @@ def check(
     vocab: Annotated[int, typer.Option(help="random prompt token ids are drawn below this")] = 1000,
     max_tokens: Annotated[int, typer.Option(help="tokens generated per prompt")] = 16,
     concurrency: Annotated[int, typer.Option(help="prompts in flight at once")] = 1,
-    gsm8k_dir: Annotated[Path | None, typer.Option(help="dir with GSM8K test/train.jsonl: adds 5-shot prompts")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="dir with GSM8K test/train.jsonl: adds 5-shot prompts")] = None,
     reference_port: RefPortOpt = 8300,
     reference_first: Annotated[bool, typer.Option(help="run the reference alone first and record its answers, "
                                                   "then bring up P/D: for hosts too small for both at once (e.g. "
@@ -449,7 +449,7 @@ def check(
     decodes' logs (which prefill each read came from); then prompts over every pair at once.
 
     Prompts: random tokens at every block boundary of
-    both sides, prompts sharing a prefix with earlier ones, and GSM8K 5-shot prompts with --gsm8k-dir. The
+    both sides, prompts sharing a prefix with earlier ones, and GSM8K 5-shot prompts with --data-dir. The
     decode's /metrics must show the prompts arrived by KV transfer. Exit 1 on any mismatch or missing transfer.
 
     Examples:
@@ -491,23 +491,23 @@ def check(
 @app.command("eval")
 @topology_command
 def eval_(
-    topology: Annotated[Path | None, typer.Argument(help="topology to bring up (or --url)")] = None,
-    url: Annotated[str | None, typer.Option(help="running P/D proxy URL instead of a topology")] = None,
-    baseline: Annotated[str | None, typer.Option(help="aggregated reference URL to compare with; 'auto' "
-                                                 "starts one beside the topology")] = None,
+    topology: Annotated[Path | None, typer.Argument(help="topology to bring up (or --proxy)")] = None,
+    proxy: Annotated[str | None, typer.Option(help="running P/D proxy URL instead of a topology")] = None,
+    reference: Annotated[str | None, typer.Option(help="aggregated reference URL to compare with; 'auto' "
+                                                  "starts one beside the topology")] = None,
     limit: Annotated[int | None, typer.Option(help="evaluate the first N test rows")] = None,
     num_fewshot: Annotated[int, typer.Option(help="few-shot examples per prompt")] = 5,
     concurrency: Annotated[int, typer.Option(help="requests in flight; above 1, batches differ between the P/D "
-                                             "and baseline runs and so does float rounding: per-sample "
+                                             "and reference runs and so does float rounding: per-sample "
                                              "agreement is exact only at 1")] = 1,
     data_dir: DataDirOpt = None,
     expected: ExpectedOpt = None, allow_ungated: AllowUngatedOpt = False,
-    model: Annotated[str | None, typer.Option(help="served model name (with --url)")] = None,
+    model: Annotated[str | None, typer.Option(help="served model name (with --proxy)")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="tokenizer path or id (default: the model's path)")] = None,
-    min_agreement: Annotated[float | None, typer.Option(help="with a baseline: minimum per-sample agreement "
+    min_agreement: Annotated[float | None, typer.Option(help="with a reference: minimum per-sample agreement "
                                                         "(default: expected.yaml's relative gate, else 1.0)")]
     = None,
-    tolerance: Annotated[float | None, typer.Option(help="with a baseline: maximum |accuracy difference| "
+    tolerance: Annotated[float | None, typer.Option(help="with a reference: maximum |accuracy difference| "
                                                     "(default: expected.yaml's relative gate, else 0.0)")] = None,
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
     reference_port: RefPortOpt = 8300,
@@ -525,17 +525,17 @@ def eval_(
 
     The gate is expected.yaml's for the model: absolute (accuracy within rtol of a known value) and/or relative
     (per-sample agreement and accuracy delta against an aggregated reference, for a model whose accuracy says
-    nothing, like the random tiny one). --baseline URL|auto evaluates an aggregated reference too (any model:
-    agreement >= --min-agreement, |delta| <= --tolerance). A model with a relative gate needs a baseline: with a
-    TOPOLOGY pdctl starts one beside it (as --baseline auto); with --url, give --baseline URL. The topology runs
+    nothing, like the random tiny one). --reference URL|auto evaluates an aggregated reference too (any model:
+    agreement >= --min-agreement, |delta| <= --tolerance). A model with a relative gate needs a reference: with a
+    TOPOLOGY pdctl starts one beside it (as --reference auto); with --proxy, give --reference URL. The topology runs
     with proxy.on_prefill_down=reject and connector.kv_load_failure_policy=fail (unless set on the command line):
     a fallback never counts as P/D. Exit 1 on FAIL, and on UNGATED (a model the table lacks) unless --allow-ungated.
 
     Examples:
 
-      pdctl eval configs/cpu-demo.yaml --data-dir ../shared/data/gsm8k --limit 20 --baseline auto
+      pdctl eval configs/cpu-demo.yaml --data-dir ../shared/data/gsm8k --limit 20 --reference auto
 
-      pdctl eval --url http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
+      pdctl eval --proxy http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
     """
     opts = _options(api.EvalOptions, locals(), timeout_s=timeout)
     if topology is not None:
@@ -543,7 +543,7 @@ def eval_(
     else:
         target = api.attach(state_dir=state_dir) if state_dir is not None else None
     with err.status("evaluating ...") as st:
-        r = api.evaluate(target, url=url, baseline=baseline, model=model, options=opts, say=say,
+        r = api.evaluate(target, proxy=proxy, reference=reference, model=model, options=opts, say=say,
                          progress=lambda text: st.update(f"{text} ..."))
     if json_:
         print(json.dumps(r.summary, indent=2))
@@ -657,6 +657,7 @@ def sweep(
 
 def main() -> None:
     try:
+        api.refuse_renamed(sys.argv[1:])
         app(standalone_mode=True)
     except topo_mod.TopologyError as e:
         err.print(e.render(), markup=False, highlight=False)

@@ -30,8 +30,10 @@ from pdctl.api.benchmarks import (  # noqa: F401
 )
 from pdctl.api.common import (  # noqa: F401
     DASHBOARD,
+    RENAMED_FLAGS,
     Say,
     UserError,
+    refuse_renamed,
 )
 from pdctl.api.deploy import (  # noqa: F401
     Deployment,

@@ -309,7 +309,7 @@ def _local_engine(t: Topology) -> None:
     if t.engine.kind != "local":
         raise UserError(f"this brings a topology up on this host with a reference beside it; for the "
                         f"{t.engine.kind} engine run `pdctl up -d` and then point the gate at the running system "
-                        "(pdctl check --proxy URL --reference URL, pdctl eval --url URL)")
+                        "(pdctl check --proxy URL --reference URL, pdctl eval --proxy URL)")
 
 
 def _running_warning(d: Deployment | None, gate: str = "check") -> str:

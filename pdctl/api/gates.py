@@ -30,7 +30,7 @@ class CheckOptions:
     max_tokens: int = 16
     concurrency: int = 1
     vocab: int = 1000  # random prompt ids are drawn below this (a loaded model's own vocabulary wins)
-    gsm8k_dir: Path | None = None  # adds 5-shot GSM8K prompts
+    data_dir: Path | None = None  # GSM8K (test/train.jsonl): adds 5-shot prompts
     seed: int | None = None  # fresh prompts every run by default
     lengths: list[int] | None = None  # only random prompts of these token lengths
     mixed_prompts: int = 16  # fleets: prompts pinned over every pair at once after the per-pair phases
@@ -76,9 +76,9 @@ def _check_options(options: CheckOptions | None) -> CheckOptions:
     from pdctl.gates import gsm8k
 
     o = options or CheckOptions()
-    if o.gsm8k_dir is not None:
+    if o.data_dir is not None:
         try:
-            gsm8k.check_dir(Path(o.gsm8k_dir), "--gsm8k-dir ")
+            gsm8k.check_dir(Path(o.data_dir), "--data-dir ")
         except gsm8k.DataError as e:
             raise UserError(str(e)) from None
     return o
@@ -88,7 +88,7 @@ def _prompts(o: CheckOptions, blocks: list[int], vocab: int, max_prompt: int, se
              window: int | None) -> list:
     from pdctl.gates import check as check_mod
 
-    return check_mod.prompts_for(blocks, vocab, max_prompt, o.gsm8k_dir, seed, o.lengths, window)
+    return check_mod.prompts_for(blocks, vocab, max_prompt, o.data_dir, seed, o.lengths, window)
 
 
 def _pair_prompts(o: CheckOptions, vocab: int, max_prompt: int, window: int | None):
@@ -291,27 +291,33 @@ def gsm8k_source(data_dir: Path | None, say: Say = _quiet) -> Path | None:
     return source.data_dir
 
 
-def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: str | None = None,
-             baseline: str | None = None, model: str | None = None, options: EvalOptions | None = None,
-             say: Say = _quiet, progress: Say = _quiet) -> EvalResult:
+def evaluate(target: Topology | Deployment | str | Path | None = None, *, proxy: str | None = None,
+             reference: str | None = None, model: str | None = None, options: EvalOptions | None = None,
+             say: Say = _quiet, progress: Say = _quiet, **renamed) -> EvalResult:
     """Accuracy gate: lm-eval's gsm8k through the P/D proxy, judged by expected.yaml (absolute and/or relative to
     an aggregated reference). target: a Topology (or its file; brought up, with a reference when the gate needs
-    one or baseline='auto'), a running Deployment, or None with `url` of a running proxy."""
+    one or reference='auto'), a running Deployment, or None with `proxy`, the URL of a running proxy."""
     from pdctl.gates import accuracy
 
+    for old, new in (("url", "proxy"), ("baseline", "reference")):  # renamed in 0.2; said for one release
+        if old in renamed:
+            raise UserError(f"evaluate({old}=...): renamed to {new}=")
+    if renamed:
+        raise TypeError(f"evaluate() got unexpected keyword arguments {sorted(renamed)}")
+    url, baseline = proxy, reference
     o = options or EvalOptions()
     table = expected_table(o.expected)
-    _check_url("--url", url)
+    _check_url("--proxy", url)
     if baseline != "auto":
-        _check_url("--baseline", baseline)
+        _check_url("--reference", baseline)
     if isinstance(target, (str, Path)):
         target = load(target, gated=True)
     if target is not None and not isinstance(target, (Topology, Deployment)):
         raise UserError(f"evaluate: cannot evaluate a {type(target).__name__}; give a Topology, a Deployment or a URL")
     if target is None and not url:
-        raise UserError("give a TOPOLOGY, or --url of a running P/D proxy")
+        raise UserError("give a TOPOLOGY, or --proxy URL of a running P/D proxy")
     if not isinstance(target, Topology) and baseline == "auto":
-        raise UserError("--baseline auto needs a TOPOLOGY; with --url give the reference's URL")
+        raise UserError("--reference auto needs a TOPOLOGY; with --proxy give the reference's URL")
     data_dir = gsm8k_source(o.data_dir, say)
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
@@ -333,7 +339,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
         if accuracy.needs_baseline(table, name) and not baseline:
             raise UserError(f"model '{name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)} "
                             "(per-sample agreement and accuracy delta against an aggregated reference): give "
-                            "--baseline URL of an aggregated server of the same model, or a TOPOLOGY (pdctl then "
+                            "--reference URL of an aggregated server of the same model, or a TOPOLOGY (pdctl then "
                             "starts one)")
         say(_running_warning(d, "eval"))
         local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
@@ -346,7 +352,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, url: s
     if accuracy.needs_baseline(table, t.model.name) and not baseline:
         baseline = "auto"  # the gate cannot be judged without it, and the topology says how to start one
         say(f"model '{t.model.name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)}: starting "
-            "an aggregated reference beside the topology to compare with (as --baseline auto)")
+            "an aggregated reference beside the topology to compare with (as --reference auto)")
     p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port if baseline == "auto" else None)
     tok = o.tokenizer or _model_path(t)
     out_dir = o.results or Path("results") / f"eval-{t.name}-{stamp}"

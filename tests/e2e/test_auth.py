@@ -94,7 +94,7 @@ def test_check_passes_with_the_key_and_refuses_without_it(authed):
 
 
 def test_eval_passes_with_the_key(authed):
-    r = pdctl("eval", "--state-dir", authed.up.state_dir, "--baseline", authed.ref, "--data-dir",
+    r = pdctl("eval", "--state-dir", authed.up.state_dir, "--reference", authed.ref, "--data-dir",
               SHARED / "data" / "gsm8k", "--limit", "2", "--results", authed.dir / "eval", "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout)

@@ -120,7 +120,7 @@ def test_negative_control_stock_connector_p32_d64_fails(stock):
 def test_eval_negative_control_stock_connector_p32_d64_fails_on_agreement(stock, tmp_path):
     """The accuracy gate sees the same corruption. The tiny model scores 0 either way, so only the relative gate
     (per-sample agreement with the reference) can; one 5-shot GSM8K prompt (~700 tokens) is enough to diverge."""
-    r = pdctl("eval", "--url", stock.urls["proxy"], "--baseline", stock.reference, "--data-dir",
+    r = pdctl("eval", "--proxy", stock.urls["proxy"], "--reference", stock.reference, "--data-dir",
               SHARED / "data" / "gsm8k", "--limit", "1", "--results", tmp_path / "res", "--json", timeout=900)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout)

@@ -49,7 +49,7 @@ def fleet_up(tmp_path_factory):
 
 def test_every_pool_pair_is_token_for_token_equal_with_kv_from_its_own_prefill_pool(fleet_up, tmp_path):
     r = pdctl("check", "--state-dir", fleet_up.state_dir, "--reference", fleet_up.reference, "--json",
-              "--gsm8k-dir", SHARED / "data" / "gsm8k", "--junit", tmp_path / "fleet.xml", timeout=900)
+              "--data-dir", SHARED / "data" / "gsm8k", "--junit", tmp_path / "fleet.xml", timeout=900)
     doc = json.loads(r.stdout)
     failed = [(x["pair"], x["label"], x["first_divergence"], x["error"]) for x in doc["results"] if not x["passed"]]
     assert r.returncode == 0 and doc["passed"] and doc["logs_checked"], (failed, doc["pairs"], r.stderr[-2000:])

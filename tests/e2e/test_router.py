@@ -54,7 +54,7 @@ def test_check_passes_through_the_router_with_the_transfer_proven_per_decode_ins
 
 
 def test_eval_agrees_with_the_reference_through_the_router(routed):
-    r = pdctl("eval", "--state-dir", routed.up.state_dir, "--baseline", routed.ref, "--data-dir",
+    r = pdctl("eval", "--state-dir", routed.up.state_dir, "--reference", routed.ref, "--data-dir",
               SHARED / "data" / "gsm8k", "--limit", "2", "--results", routed.dir / "eval", "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout)

@@ -74,8 +74,24 @@ def test_check_and_evaluate_name_what_they_need():
         pdctl.check()
     with pytest.raises(pdctl.UserError, match="cannot check a int"):
         pdctl.check(3, proxy="http://x", reference="http://y")
-    with pytest.raises(pdctl.UserError, match="--baseline auto needs a TOPOLOGY"):
-        pdctl.evaluate(url="http://127.0.0.1:9", baseline="auto")
+    with pytest.raises(pdctl.UserError, match="--reference auto needs a TOPOLOGY"):
+        pdctl.evaluate(proxy="http://127.0.0.1:9", reference="auto")
+
+
+def test_renamed_names_say_their_new_name_for_one_release(run_cli):
+    """check --gsm8k-dir, eval --url and eval --baseline (and evaluate's url=/baseline=) were renamed: one word per
+    concept (--data-dir, --proxy for a running proxy, --reference for the gates' aggregated server)."""
+    for args, said in ((("check", "--gsm8k-dir", "d"), "pdctl check --gsm8k-dir: renamed to --data-dir"),
+                       (("eval", "--url=http://x:1"), "pdctl eval --url: renamed to --proxy"),
+                       (("eval", "--proxy", "http://x:1", "--baseline", "auto"),
+                        "pdctl eval --baseline: renamed to --reference")):
+        code, _, err = run_cli(*args)
+        assert code == 1 and said in err
+    with pytest.raises(pdctl.UserError, match=r"evaluate\(url=...\): renamed to proxy="):
+        pdctl.evaluate(url="http://127.0.0.1:9")
+    with pytest.raises(pdctl.UserError, match=r"evaluate\(baseline=...\): renamed to reference="):
+        pdctl.evaluate(baseline="auto")
+    assert run_cli("plan", CONFIGS / "cpu-demo.yaml", "--baseline")[0] == 0  # plan's --baseline is another flag
 
 
 def test_attach_and_down_when_nothing_is_up(tmp_path):

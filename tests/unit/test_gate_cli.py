@@ -82,7 +82,7 @@ def test_no_gsm8k_anywhere_is_one_clear_error_before_anything_starts(command, of
 
 
 def test_no_gsm8k_with_cli_runner(offline, no_launch):
-    r = _invoke("eval", "--url", "http://127.0.0.1:9", "--model", "tiny", "--baseline", "http://127.0.0.1:9")
+    r = _invoke("eval", "--proxy", "http://127.0.0.1:9", "--model", "tiny", "--reference", "http://127.0.0.1:9")
     assert isinstance(r.exception, cli.UserError) and no_launch == {}
     assert str(r.exception).startswith("GSM8K is not available, so nothing was started")
 
@@ -210,17 +210,17 @@ def test_hub_probe_is_bounded_and_reads_the_answer(monkeypatch):
 
 
 def test_eval_on_a_running_system_refuses_a_relative_gate_without_a_baseline(offline, no_launch, run_cli):
-    code, _, err = run_cli("eval", "--url", "http://127.0.0.1:9", "--model", "tiny", "--data-dir", GSM8K)
+    code, _, err = run_cli("eval", "--proxy", "http://127.0.0.1:9", "--model", "tiny", "--data-dir", GSM8K)
     assert code == 1 and no_launch == {}
     assert ("error: model 'tiny' has a relative gsm8k gate in pdctl's expected-accuracy table (per-sample "
-            "agreement and accuracy delta against an aggregated reference): give --baseline URL") in err
+            "agreement and accuracy delta against an aggregated reference): give --reference URL") in err
 
 
 def test_eval_on_a_topology_starts_the_reference_a_relative_gate_needs(offline, no_launch, run_cli):
     code, _, err = run_cli("eval", CONFIGS / "cpu-demo.yaml", "--data-dir", GSM8K)
     assert no_launch["reference_port"] == 8300
     assert ("model 'tiny' has a relative gsm8k gate in pdctl's expected-accuracy table: starting an aggregated "
-            "reference beside the topology to compare with (as --baseline auto)") in err
+            "reference beside the topology to compare with (as --reference auto)") in err
 
 
 def test_eval_of_a_model_with_an_absolute_gate_starts_no_reference(offline, no_launch, run_cli, tmp_path):
@@ -397,7 +397,7 @@ def test_an_ungated_model_fails_eval_and_bench_unless_allowed(monkeypatch, run_c
 
     monkeypatch.setattr(api, "evaluate", fake_eval)
     monkeypatch.setattr(api, "bench", fake_bench)
-    args = [command, "--url", "http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9"] if command == "eval" else \
+    args = [command, "--proxy", "http://127.0.0.1:9", "--reference", "http://127.0.0.1:9"] if command == "eval" else \
         [command, CONFIGS / "cpu-demo.yaml"]
     code, _, _ = run_cli(*args, "--json", *(["--allow-ungated"] if allow else []))
     assert seen["allow"] is allow and code == (0 if allow else 1)
