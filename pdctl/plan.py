@@ -60,12 +60,15 @@ class ProcessSpec:
     secret_env: dict[str, str] = field(default_factory=dict)
     # Added to the niceness of the process and all it starts (its pool's `nice`), set at spawn by the guard.
     nice: int = 0
+    # A vLLM server's model path as it was started with (its tokenizer too); None for the proxy and monitoring.
+    model: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name, unset in (("secret_env", not self.secret_env), ("nice", not self.nice)):
+        for name, unset in (("secret_env", not self.secret_env), ("nice", not self.nice),
+                            ("model", self.model is None)):
             if unset:
-                del d[name]  # a plan without auth or nice reads as it did before the field existed
+                del d[name]  # a field a process does not use is left out
         return d
 
     @property
@@ -336,7 +339,7 @@ def _servers(t: Topology, base_dir: Path, logs: Path, python: str, baseline: boo
                     ports=ports, log_path=str(logs / f"{name}.log"),
                     readiness_url=f"http://{connect_host(g.host)}:{g.http_port_of(i)}/health",
                     platform=g.platform, block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, pool=g.name,
-                    secret_env=server_secret_env(t), nice=g.nice,
+                    secret_env=server_secret_env(t), nice=g.nice, model=model,
                 ))
     return out
 
@@ -384,7 +387,8 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
     connector (greedy output does not depend on the block size on CPU, so one reference serves a fleet). Its
     executor queues are calmed like the P/D servers' unless `reference.calm_queues` is false (plain vLLM)."""
     g = t.decode[0]
-    argv = _server_argv(t, "decode", g, 0, resolved_model(t, g, base_dir), python, connector=False)
+    model = resolved_model(t, g, base_dir)
+    argv = _server_argv(t, "decode", g, 0, model, python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
     calm = t.reference.calm_queues
     env = {k: v for k, v in _server_env(t, g, 0, queue_spin_s(t, g) if calm else None).items()
@@ -392,7 +396,8 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,
-                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, secret_env=server_secret_env(t))
+                       block_size=g.block_size, tp=g.tp, kv_layout=g.kv_layout, secret_env=server_secret_env(t),
+                       model=model)
 
 
 def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:

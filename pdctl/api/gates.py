@@ -182,11 +182,8 @@ def _sliding_window(d: Deployment) -> int | None:
 
     if d.topology.origin is not None:
         return d.topology.origin.model_info.sliding_window
-    for spec in d.plan.processes:
-        if "--model" in spec.argv[:-1]:
-            model = spec.argv[spec.argv.index("--model") + 1]
-            return read_model_info(ModelSpec(path=model), Path("/")).sliding_window
-    return None
+    model = next((s.model for s in d.plan.processes if s.model), None)
+    return read_model_info(ModelSpec(path=model), Path("/")).sliding_window if model else None
 
 
 def _ready_instances(proxy_url: str) -> list[dict]:
@@ -365,8 +362,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, proxy:
 
 def _served_path(d: Deployment) -> str:
     """The model path a deployment's decodes were started with (their tokenizer too)."""
-    argv = d.plan.by_role("decode")[0].argv
-    return argv[argv.index("--model") + 1]
+    return d.plan.by_role("decode")[0].model
 
 
 def _model_path(t: Topology) -> str:

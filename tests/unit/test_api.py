@@ -161,8 +161,8 @@ def test_a_running_hybrid_models_window_is_read_from_its_servers_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 256, "sliding_window": 96,
         "layer_types": ["sliding_attention", "full_attention"] * 2}))
-    spec = SimpleNamespace(argv=["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)])
-    d = SimpleNamespace(topology=SimpleNamespace(origin=None), plan=SimpleNamespace(processes=[spec]))
+    proxy, spec = SimpleNamespace(model=None), SimpleNamespace(model=str(tmp_path))  # the plan's typed field
+    d = SimpleNamespace(topology=SimpleNamespace(origin=None), plan=SimpleNamespace(processes=[proxy, spec]))
     assert _sliding_window(d) == 96
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     assert _sliding_window(d) is None
