@@ -86,9 +86,9 @@ def _check_options(options: CheckOptions | None) -> CheckOptions:
 
 def _prompts(o: CheckOptions, blocks: list[int], vocab: int, max_prompt: int, seed: int | None,
              window: int | None) -> list:
-    from pdctl.gates import check as check_mod
+    from pdctl.gates import prompts as prompts_mod
 
-    return check_mod.prompts_for(blocks, vocab, max_prompt, o.data_dir, seed, o.lengths, window)
+    return prompts_mod.prompts_for(blocks, vocab, max_prompt, o.data_dir, seed, o.lengths, window)
 
 
 def _pair_prompts(o: CheckOptions, vocab: int, max_prompt: int, window: int | None):
@@ -214,7 +214,7 @@ def _check_fleet(p: Plan, proxy_url: str, reference: str, model: str, prompts_fo
 
 def _reported(report, o: CheckOptions):
     if o.junit:
-        from pdctl.gates.check import junit_xml
+        from pdctl.gates.junit import junit_xml
 
         junit = Path(o.junit)
         junit.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ from pathlib import Path
 from pdctl import auth
 from pdctl.bench import breakdown, load
 from pdctl.bench.options import BenchOptions
-from pdctl.gates import accuracy, check, fleet, parity
+from pdctl.gates import accuracy, fleet, parity
+from pdctl.gates import prompts as gate_prompts
 from pdctl.launch import probe
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
@@ -62,23 +63,26 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
         if not o.skip_check:
             phase("parity check")
             max_prompt = (t.model.max_model_len or 2048) - 17
+
+            def pair_prompts(pb: int, db: int, k: int) -> list:  # pool pair k's: fresh, its own draw
+                return gate_prompts.prompts_for([pb, db], vocab, max_prompt, o.data_dir)
+
             if fleet_mode:
-                frep = fleet.check_fleet(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.prompts_for(
-                    [pb, db], vocab, max_prompt, o.data_dir), vocab=vocab, api_key=key)
+                frep = fleet.check_fleet(plan, proxy, ref.http_url, t.model.name, pair_prompts, vocab=vocab,
+                                         api_key=key)
                 (out_dir / "parity.json").write_text(json.dumps(frep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if frep.passed else "FAIL", "pass_rate": frep.pass_rate,
                                      "prompts": len(frep.results), "kv_travelled": all(
                                          p.report.proof and p.report.proof.ok for p in frep.all()),
                                      "pairs": [p.to_dict() for p in frep.pairs]}
             elif router:  # every pair's prompts, unpinned; the transfer proven per decode instance
-                rep = fleet.check_unpinned(plan, proxy, ref.http_url, t.model.name, lambda pb, db: check.prompts_for(
-                    [pb, db], vocab, max_prompt, o.data_dir))
+                rep = fleet.check_unpinned(plan, proxy, ref.http_url, t.model.name, pair_prompts)
                 (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
                                      "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)
                                      and not rep.problems, "pinned": False, "note": rep.note}
             else:
-                prompts = check.prompts_for([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
+                prompts = gate_prompts.prompts_for([p0.block_size, d0.block_size], vocab, max_prompt, o.data_dir)
                 rep = parity.run_parity(proxy, ref.http_url, decodes, t.model.name, prompts, 16, 1, api_key=key)
                 (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,

@@ -3,6 +3,8 @@ pair's proof can fail (the e2e test runs it on a real fleet)."""
 
 from pathlib import Path
 
+import pytest
+
 from pdctl.gates.fleet import FleetReport, PairReport, attribute, received_from
 from pdctl.gates.parity import ParityReport, PromptResult, TransferProof
 from pdctl.plan import build_plan
@@ -68,7 +70,7 @@ def test_a_fleet_without_pairs_or_with_a_failed_prompt_fails():
 
 
 def test_a_pair_one_token_short_of_all_but_the_last_fails_and_the_junit_says_why(tmp_path):
-    from pdctl.gates.check import junit_xml
+    from pdctl.gates.junit import junit_xml
 
     plan = _plan()
     pools = {s.name: s.pool for s in plan.processes if s.pool}
@@ -121,3 +123,28 @@ def test_each_pair_and_the_mixed_phase_of_a_seeded_run_draw_their_own_prompts(mo
     mixed = {fleet.mixed_seed(5, i) for i in range(16)}
     assert len(pair_seeds) == 100 and not pair_seeds & mixed and len(sent[-1]) == 16
     assert fleet.pair_seed(None, 3) is None and fleet.mixed_seed(None, 3) is None
+
+
+def test_bench_hands_the_fleet_gate_a_prompt_source_it_can_call(monkeypatch, tmp_path):
+    """The fleet gates call prompts_for(prefill_block, decode_block, pair); bench's must take those three."""
+    from types import SimpleNamespace
+
+    from pdctl.bench import run as bench_run
+    from pdctl.bench.options import BenchOptions
+
+    loaded = load_topology(CONFIGS / "cpu-fleet.yaml")
+    plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
+    drawn: list = []
+
+    def fake_check_fleet(plan, proxy, ref, model, prompts_for, **kw):
+        drawn.append(len(prompts_for(32, 64, 1)))
+        raise RuntimeError("stop here")  # the servers are not real: the prompts are what this test is about
+
+    monkeypatch.setattr(bench_run.fleet, "check_fleet", fake_check_fleet)
+    monkeypatch.setattr(bench_run.run_mod, "up", lambda *a, **k: SimpleNamespace())
+    monkeypatch.setattr(bench_run.run_mod, "down", lambda *a, **k: None)
+    ref = SimpleNamespace(http_url="http://127.0.0.1:1")
+    with pytest.raises(RuntimeError, match="stop here"):
+        bench_run.run_bench(loaded, plan, ref, None, tmp_path / "r", BenchOptions(skip_perf=True, skip_eval=True)
+                            .resolved(), {})
+    assert drawn and drawn[0] > 0

@@ -187,7 +187,7 @@ def test_parity_gate_fails_on_one_mismatching_prompt():
     assert not report.passed and report.proof.ok  # the KV travelled; one prompt's tokens differ
     failed = [r for r in report.results if not r.passed]
     assert [(r.label, r.first_divergence) for r in failed] == [("random-65", 5)]
-    from pdctl.gates.check import junit_xml
+    from pdctl.gates.junit import junit_xml
 
     assert '<failure message="first divergent token 5">' in junit_xml(report)
 
@@ -215,7 +215,7 @@ def test_parity_gate_fails_when_the_kv_did_not_travel():
     assert all(r.passed for r in report.results) and not report.passed
     assert report.proof.message == ("KV did not travel: 0 prompt tokens arrived by transfer, at least 224 "
                                     "required: all but the last token of 3 prompts (227 - 3); 227 computed locally")
-    from pdctl.gates.check import junit_xml
+    from pdctl.gates.junit import junit_xml
 
     assert '<failure message="KV did not travel: 0 prompt tokens arrived by transfer' in junit_xml(report)
 
