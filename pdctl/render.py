@@ -426,15 +426,16 @@ def goodput(out: Console, g: dict) -> None:
                                 *(fmt(st.get(f"tpot_ms_p{q}"), ".1f") for q in (50, 90, 99)))
         out.print(lat)
     cross = g.get("crossover") or {}
-    if cross.get("from_req_s") is not None:
-        out.print(f"P/D pays from {cross['from_req_s']:g} req/s offered: at and above it, at least as many of its "
-                  "requests meet the SLOs as the aggregated deployment's", highlight=False)
-    elif cross.get("winner") == "baseline":
-        out.print("the aggregated deployment meets the SLOs for more requests at the highest rate tried: P/D does "
-                  "not pay at this SLO and workload", highlight=False)
+    if cross.get("winner") == "baseline":
+        out.print("the aggregated deployment sustains the higher rate at this SLO and workload: P/D does not pay "
+                  "here", highlight=False)
+    elif cross.get("from_req_s") is not None:
+        out.print(f"P/D pays from {cross['from_req_s']:g} req/s offered: from there up to where both miss the "
+                  "target, at least as many of its requests meet the SLOs as the aggregated deployment's",
+                  highlight=False)
     elif cross.get("winner") in ("pd", "tie"):
-        out.print("P/D meets the SLOs for at least as many requests as the aggregated deployment at every rate "
-                  "tried", highlight=False)
+        out.print("P/D meets the SLOs for at least as many requests as the aggregated deployment at every rate where "
+                  "either meets the target", highlight=False)
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
     if g.get("plots"):

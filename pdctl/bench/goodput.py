@@ -159,21 +159,24 @@ def point_stats(requests: Sequence[RequestTimes], slo: Slo, duration_s: float) -
 
 def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:
     """Where P/D starts to pay, from the attainment per offered rate of each side (rates tried on both only).
-    `from_req_s`: the lowest rate from which P/D's attainment is at least the baseline's at it and at every higher
-    rate, when the baseline did better just below it; `winner` says who leads at the highest common rate
-    ("pd", "baseline" or "tie"); both None when the sides share no rate."""
+    `winner`: the side that sustains the higher rate (goodput's verdict; "tie" when equal). `from_req_s`: among
+    the rates where either side still meets the target (above them both fail, and who fails less says nothing),
+    the lowest from which P/D's attainment is at least the baseline's at every higher one, when the baseline did
+    better just below it; None when one side leads throughout. Both None when the sides share no rate."""
     common = sorted(set(pd) & set(baseline))
     if not common:
         return {"from_req_s": None, "winner": None}
-    top = common[-1]
-    winner = "pd" if pd[top] > baseline[top] else "baseline" if baseline[top] > pd[top] else "tie"
+    sp = sustained({r: pd[r] for r in common}) or 0.0
+    sb = sustained({r: baseline[r] for r in common}) or 0.0
+    winner = "pd" if sp > sb else "baseline" if sb > sp else "tie"
+    live = [r for r in common if max(pd[r], baseline[r]) >= ATTAINMENT]
     start = None
-    for r in reversed(common):
+    for r in reversed(live):
         if pd[r] < baseline[r]:
             break
         start = r
-    if start is None or start == common[0]:
-        start = None  # P/D never behind (or behind at the top): no crossing to name
+    if not live or start == live[0]:
+        start = None  # P/D never behind where it matters (or behind at the top of it): no crossing to name
     return {"from_req_s": start, "winner": winner}
 
 
