@@ -619,7 +619,7 @@ def sweep(
     data_dir: DataDirOpt = None,
     limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate per case")] = 20,
     expected: ExpectedOpt = None,
-    requests: Annotated[int, typer.Option(help="load benchmark: requests per side")] = 32,
+    requests: Annotated[int | None, typer.Option(help="load: requests per side [32; --goodput: per rate, 200]")] = None,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
     request_rate: RateOpt = None, dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
     eval_concurrency: EvalConcOpt = 1,

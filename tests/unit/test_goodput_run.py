@@ -238,6 +238,14 @@ def test_sweep_goodput_recommends_the_baseline_when_it_serves_most(tmp_path, mon
 def test_sweep_goodput_needs_rates_and_renders_the_recommendation(tmp_path, monkeypatch, run_cli):
     code, _, err = run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", CONFIGS / "cpu-matrix.yaml", "--goodput")
     assert code == 1 and "give --rates" in err
+    from pdctl import api
+
+    seen: list = []
+    with monkeypatch.context() as m:
+        m.setattr(api, "sweep", lambda t, mx, o, **k: seen.append(o) or (_ for _ in ()).throw(api.UserError("stop")))
+        run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", CONFIGS / "cpu-matrix.yaml", "--goodput", "--rates",
+                "1")
+    assert seen[0].resolved().requests == 200  # goodput's own default, not the load benchmark's 32
     from rich.console import Console
 
     from pdctl import render
