@@ -452,7 +452,9 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
         t.add_column(col, overflow="fold")
     for name in g["deployments"]:
         mark = " (recommended)" if name == rec["best"] else ""
-        t.add_row(name + mark, f"{rec['sustained_req_s'][name]:g}", g["layouts"][name])
+        down = sum(bool(r.get("failed")) for r in g[name]["runs"])
+        said = f" (did not come up {down} of {len(g[name]['runs'])} times)" if down else ""
+        t.add_row(name + mark, f"{rec['sustained_req_s'][name]:g}{said}", g["layouts"][name])
     for name, why in refused.items():
         t.add_row(name, "REFUSED", why)
     out.print(t)

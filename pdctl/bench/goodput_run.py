@@ -16,6 +16,7 @@ from pdctl.bench import goodput, load
 from pdctl.bench.options import BenchOptions
 from pdctl.launch import run as run_mod
 from pdctl.launch.backend import Backend
+from pdctl.launch.errors import LaunchFailed
 from pdctl.plan import Plan
 from pdctl.topology import Loaded, resolved_model
 
@@ -69,7 +70,16 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], backend: Backe
         for name in names[k0:] + names[:k0]:
             plan = deployments[name]
             phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
-            state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+            try:
+                state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+            except LaunchFailed as e:
+                if slo is None:  # the baseline, whose first instance fixes the SLO: nothing to compare with
+                    raise
+                # One layout that does not come up (a pair that does not wire) is that layout's result.
+                phase(f"  {name} did not come up: {e}")
+                legs[name].append({"points": {}, "stats": {}, "sustained": None, "requests": {},
+                                   "failed": str(e)})
+                continue
             url = plan.by_role("proxy")[0].http_url
             try:
                 if slo is None:  # the first leg is the baseline's

@@ -179,7 +179,7 @@ LAYOUTS = """cases:
 """
 
 
-def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], **opts):
+def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], fail: tuple = (), **opts):
     from pdctl import api
     from pdctl.api import benchmarks
 
@@ -191,6 +191,10 @@ def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], **opts):
     def up(plan, backend, attached, timeout_s):
         fake.current = Path(plan.state_dir).name  # state/<deployment>
         legs.append(fake.current)
+        if fake.current in fail:
+            from pdctl.launch.errors import LaunchFailed
+
+            raise LaunchFailed("decode-0", "warm-up probe of pair prefill-0 -> decode-0: read timed out", None)
         fake.capacity[fake.current] = capacity[fake.current]
         return plan
 
@@ -256,3 +260,12 @@ def test_sweep_goodput_needs_rates_and_renders_the_recommendation(tmp_path, monk
     text = " ".join(c.export_text().split())
     assert "p32-d64 (recommended)" in text and "the answer changes at 0.5x the SLO" in text
     assert "elsewhere REFUSED" in text
+
+
+def test_a_layout_that_does_not_come_up_is_its_result_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    g, legs, said = _sweep(tmp_path, monkeypatch, {"baseline": 1.5, "p32-d64": 3.0, "p64-d64": 2.0}, fail=("p32-d64",))
+    assert legs.count("p64-d64") == 2 and legs.count("p32-d64") == 2  # tried every repetition, the others ran
+    assert all("read timed out" in r["failed"] for r in g.summary["p32-d64"]["runs"])
+    assert g.summary["recommendation"]["best"] == "p64-d64"
+    assert g.summary["recommendation"]["sustained_req_s"]["p32-d64"] == 0.0
+    assert any("p32-d64 did not come up" in s for s in said)
