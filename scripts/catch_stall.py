@@ -3,7 +3,9 @@
 Run beside scripts/bench_first_read.py (or any `pdctl up` with connector.trace on). When a decode's read is issued
 and not done for 2 s, it records for that decode's worker: its main thread's /proc/PID/task/PID/{syscall,stack,stat}
 three times 0.3 s apart, 3 s of `strace -p`, two `py-spy dump --native` (pip install py-spy), every vLLM worker
-thread's kernel stack, and the logs (at the catch and 35 s later). Linux, as root or with ptrace rights.
+thread's kernel stack, every vLLM worker's native stacks of all its threads (`gdb -batch thread apply all bt`: the
+UCX progress and async threads py-spy does not show; whether one holds a UCX lock the post spins on), and the logs
+(at the catch and 35 s later). Linux, as root or with ptrace rights.
 
   python scripts/catch_stall.py /tmp/pdctl-bench-first-read /tmp/stalls &
   python scripts/bench_first_read.py --placement shared --ucx pdctl --repeat 10
@@ -52,6 +54,12 @@ def evidence(pid: str | None) -> list[str]:
             out.append(f"--- py-spy {k}\n{(r.stdout or r.stderr)[:4000]}")
             time.sleep(1)
     workers = subprocess.run(["pgrep", "-f", "VLLM::Worker"], capture_output=True, text=True).stdout.split()
+    if shutil.which("gdb"):
+        for w in workers:  # every thread, native frames: UCX's progress/async threads and who holds what
+            r = subprocess.run(["timeout", "60", "gdb", "-p", w, "-batch", "-ex", "thread apply all bt 25"],
+                               capture_output=True, text=True)
+            out.append(f"--- gdb {w} (all threads)\n" + "\n".join(
+                ln for ln in r.stdout.splitlines() if ln.startswith(("Thread ", "#")))[:30000])
     for w in workers:
         for t in glob.glob(f"/proc/{w}/task/*"):
             stack = " < ".join(x.split()[-1] for x in read(t + "/stack").strip().splitlines()[:4])
