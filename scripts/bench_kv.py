@@ -13,6 +13,7 @@ Usage: python scripts/bench_kv.py [--tokens 1024] [--layers 28] [--idle] [--out 
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -113,22 +114,26 @@ def case(layout_name: str, pb: int, db: int, tokens: int, layers: int, nixl: Nix
     return row
 
 
+def cpu_seconds(pgid: int) -> float:
+    """CPU time (user + system, every thread) of every process in a process group so far."""
+    from pdctl.launch.local import group_members
+
+    ticks = 0
+    for pid in group_members(pgid):
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(f[11]) + int(f[12])  # utime + stime, all threads of the process
+        except OSError:
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def idle_cpu(seconds: float = 10.0) -> list[dict]:
     """Idle CPU (cores) of each real server under three NIXL progress settings."""
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend, group_members
+    from pdctl.launch.local import LocalBackend
     from pdctl.plan import build_plan
     from pdctl.topology import Override, load_topology
-
-    def cpu_seconds(pgid: int) -> float:
-        ticks = 0
-        for pid in group_members(pgid):
-            try:
-                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                ticks += int(f[11]) + int(f[12])  # utime + stime, all threads of the process
-            except OSError:
-                pass
-        return ticks / 100.0
 
     settings = {
         "stock NixlConnector (busy progress thread)": [Override(("connector", "kind"), "nixl", "x")],

@@ -31,8 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_kv import cpu_seconds  # noqa: E402
+
 from pdctl.bench.load import run_load, workload  # noqa: E402
-from pdctl.launch.local import group_members  # noqa: E402
 from pdctl.plan import build_plan  # noqa: E402
 from pdctl.topology import load_topology, resolved_model  # noqa: E402
 
@@ -56,17 +58,6 @@ def pdctl(tree: Path, *args: str, timeout: float = 600) -> subprocess.CompletedP
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.run([sys.executable, "-m", "pdctl", *args], cwd=tree, env=env, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def cpu_seconds(pgid: int) -> float:
-    ticks = 0
-    for pid in group_members(pgid):
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(f[11]) + int(f[12])  # utime + stime, every thread
-        except OSError:
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -256,8 +256,8 @@ def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say:
         check_dataset(o.dataset, o.dataset_path)
     except ValueError as e:
         raise UserError(str(e)) from None
-    _goodput_options(load(topology, gated=True), o, say)
     t = _gated(load(topology, gated=True), say)
+    _goodput_options(t, o, say)
     _local_engine(t)
     want = devices_used(t)
     state = out_dir / "state"

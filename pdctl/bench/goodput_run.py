@@ -33,8 +33,8 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
     out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
                                          {float(x): a for x, a in out["baseline"]["attainment_median"].items()})
     out["status"] = "PASS"  # a measurement: the ratio is the finding, whichever way it goes
-    (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
     out["plots"] = [str(x) for x in plots(out, out_dir / "goodput")]
+    (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
     return out
 
 

@@ -176,6 +176,8 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         failure path: each NIXL handle is released (NIXL cancels it) or, where NIXL cannot, kept and polled until
         it ends, so the request's blocks go back to the allocator (or are recomputed into) only once no transfer
         can still write them."""
+        if not self._posted_at:  # every engine step comes here; most have no read in progress
+            return
         now = time.monotonic()
         posted = {r: t for r, t in self._posted_at.items() if r not in self._gave_up}
         for req_id in lease.expired_reads(posted, now, self._read_timeout_s):
