@@ -21,7 +21,7 @@ app = typer.Typer(
     "Quick tour:\n\n"
     "  pdctl model tiny .pdctl/models/tiny\n\n"
     "  pdctl validate configs/cpu-demo.yaml\n\n"
-    "  pdctl plan configs/cpu-demo.yaml --decode-block-size 128 --json",
+    "  pdctl plan configs/cpu-demo.yaml --set decode.block_size=128 --json",
     no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -50,37 +50,23 @@ def _options(cls, values: dict, **extra):
     return cls(**{k: v for k, v in values.items() if k in names}, **extra)
 
 
-def _override_params() -> list[inspect.Parameter]:
-    params = []
-    for key, (flag, path) in topo_mod.OVERRIDE_FLAGS.items():
-        help_ = f"override {'.'.join(map(str, path))}"
-        params.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[str | None, typer.Option(flag, help=help_)]))
-    params.append(inspect.Parameter(
-        "set_", inspect.Parameter.KEYWORD_ONLY, default=[],
-        annotation=Annotated[list[str], typer.Option("--set", help="override any field: dotted.path=value "
-                                                    "(repeatable), e.g. --set proxy.port=9000")]))
-    return params
+SetOpt = Annotated[list[str], typer.Option("--set", help="override any field: dotted.path=value (repeatable), e.g. "
+                                           "--set decode.block_size=128")]
 
 
 def topology_command(fn):
-    """Give a command the override flags; it receives them as `overrides: list[Override]`."""
+    """Give a command --set; it receives the overrides as `overrides: list[Override]`."""
     sig = inspect.signature(fn)
-    extra = _override_params()
+    set_ = inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=[], annotation=SetOpt)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        flags = {k: kwargs.pop(k) for k in topo_mod.OVERRIDE_FLAGS}
-        sets = kwargs.pop("set_")
-        try:
-            kwargs["overrides"] = topo_mod.overrides_from_flags(flags, sets)
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        kwargs["overrides"] = [topo_mod.Override.parse_set(s) for s in kwargs.pop("set_")]
         return fn(*args, **kwargs)
 
     params = [p for p in sig.parameters.values() if p.name != "overrides"]
-    wrapper.__signature__ = sig.replace(parameters=params + extra)
-    wrapper.__annotations__ = {**{p.name: p.annotation for p in params + extra}, "return": None}
+    wrapper.__signature__ = sig.replace(parameters=[*params, set_])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in [*params, set_]}, "return": None}
     return wrapper
 
 
@@ -94,11 +80,10 @@ TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for readiness")
 ExpectedOpt = Annotated[Path | None, typer.Option(help="expected-accuracy table (default: pdctl's own)")]
 AllowUngatedOpt = Annotated[bool, typer.Option(help="a model the table does not know passes (UNGATED), not fails")]
 DataDirOpt = Annotated[Path | None, typer.Option(help="GSM8K train.jsonl/test.jsonl here instead of the hub")]
-RefPortOpt = Annotated[int, typer.Option(help="port of the aggregated reference pdctl starts")]
 RateOpt = Annotated[float | None, typer.Option(help="load benchmark in open loop: Poisson arrivals at this many "
                                                "requests/s (as vllm bench serve)")]
-EvalConcOpt = Annotated[int, typer.Option(help="accuracy gate: requests in flight (1 keeps per-sample agreement "
-                                          "exact)")]
+SkipOpt = Annotated[str | None, typer.Option(help="phases not to run, comma-separated: check (parity gate), eval "
+                                             "(accuracy gate), perf (load benchmark)")]
 DatasetOpt = Annotated[str, typer.Option(help="load benchmark: vLLM's random, prefix_repetition, sharegpt or custom")]
 DatasetPathOpt = Annotated[Path | None, typer.Option(help="load benchmark: sharegpt's JSON or custom's JSONL file")]
 
@@ -125,7 +110,7 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
 
       pdctl validate configs/cpu-demo.yaml
 
-      pdctl validate configs/cpu-demo.yaml --prefill-block-size 64 --decode-block-size 32
+      pdctl validate configs/cpu-demo.yaml --set prefill.block_size=64 --set decode.block_size=32
 
       pdctl validate configs/cpu-demo.yaml --set connector.kind=nixl --json
     """
@@ -159,9 +144,9 @@ def plan(topology: TopologyArg, json_: JsonOpt = False, output: OutputOpt = rend
 
       pdctl plan configs/cpu-demo.yaml
 
-      pdctl plan configs/qwen3-0.6b-cuda.yaml --decode-tp 2 --json
+      pdctl plan configs/qwen3-0.6b-cuda.yaml --set decode.tp=2 --json
 
-      pdctl plan configs/cpu-slurm.yaml --engine slurm -o wide
+      pdctl plan configs/cpu-slurm.yaml --set engine.kind=slurm -o wide
     """
     p = api.plan(_load(topology, overrides), state_dir=state_dir, baseline=baseline)
     render.plan(out, p, render.Output.json if json_ else output, api.slurm_batch(p))
@@ -247,7 +232,7 @@ def up(
 
       pdctl up -d configs/cpu-homog.yaml --timeout 180 && pdctl status cpu-homog
 
-      pdctl up -d configs/cpu-demo.yaml --decode-block-size 128 --state-dir /tmp/demo128
+      pdctl up -d configs/cpu-demo.yaml --set decode.block_size=128 --state-dir /tmp/demo128
     """
     t = _load(topology, [*overrides, topo_mod.MONITORING_ON] if monitoring else overrides)
     d = None
@@ -422,7 +407,6 @@ def check(
     max_tokens: Annotated[int, typer.Option(help="tokens generated per prompt")] = 16,
     concurrency: Annotated[int, typer.Option(help="prompts in flight at once")] = 1,
     data_dir: Annotated[Path | None, typer.Option(help="dir with GSM8K test/train.jsonl: adds 5-shot prompts")] = None,
-    reference_port: RefPortOpt = 8300,
     reference_first: Annotated[bool, typer.Option(help="run the reference alone first and record its answers, "
                                                   "then bring up P/D: for hosts too small for both at once (e.g. "
                                                   "decode TP 2 on 2 cores)")] = False,
@@ -456,9 +440,9 @@ def check(
 
       pdctl check configs/cpu-demo.yaml
 
-      pdctl check configs/cpu-demo.yaml --decode-block-size 128 --junit results/parity.xml
+      pdctl check configs/cpu-demo.yaml --set decode.block_size=128 --junit results/parity.xml
 
-      pdctl check configs/cpu-demo.yaml --decode-tp 2 --set "decode.devices=[0,1]" --reference-first
+      pdctl check configs/cpu-demo.yaml --set decode.tp=2 --set "decode.devices=[0,1]" --reference-first
 
       pdctl check configs/cpu-demo.yaml --set proxy.first_token=on --stream   # the prefill's token first
 
@@ -510,7 +494,6 @@ def eval_(
     tolerance: Annotated[float | None, typer.Option(help="with a reference: maximum |accuracy difference| "
                                                     "(default: expected.yaml's relative gate, else 0.0)")] = None,
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
-    reference_port: RefPortOpt = 8300,
     timeout: TimeoutOpt = 300.0,
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
@@ -557,9 +540,7 @@ def eval_(
 @topology_command
 def bench(
     topology: TopologyArg,
-    skip_check: Annotated[bool, typer.Option(help="skip the parity gate")] = False,
-    skip_eval: Annotated[bool, typer.Option(help="skip the accuracy gate")] = False,
-    skip_perf: Annotated[bool, typer.Option(help="skip the load benchmark")] = False,
+    skip: SkipOpt = None,
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
     data_dir: DataDirOpt = None,
     limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate")] = 20,
@@ -573,7 +554,6 @@ def bench(
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
     goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
     slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3,
-    eval_concurrency: EvalConcOpt = 1, reference_port: RefPortOpt = 8300,
     timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False,
     overrides: list = (),
 ) -> None:
@@ -592,15 +572,16 @@ def bench(
 
     Examples:
 
-      pdctl bench configs/cpu-demo.yaml --decode-block-size 128 --data-dir ../shared/data/gsm8k
+      pdctl bench configs/cpu-demo.yaml --set decode.block_size=128 --data-dir ../shared/data/gsm8k
 
-      pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --decode-block-size 64 --limit 256
+      pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --set decode.block_size=64 --limit 256
 
-      pdctl bench configs/cpu-demo.yaml --skip-check --skip-eval --breakdown   # where P/D's TTFT goes
+      pdctl bench configs/cpu-demo.yaml --skip check,eval --breakdown   # where P/D's TTFT goes
 
-      pdctl bench configs/cpu-demo.yaml --skip-check --skip-eval --goodput --slo auto   # does P/D pay here?
+      pdctl bench configs/cpu-demo.yaml --skip check,eval --goodput --slo auto   # does P/D pay here?
     """
-    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates))
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates),
+                    skip=api.parse_skip(skip))
     t = _load(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -614,7 +595,7 @@ def bench(
 @app.command()
 def sweep(
     topology: TopologyArg,
-    matrix: Annotated[Path, typer.Option(help="YAML with `cases:`, each a name plus bench overrides")],
+    matrix: Annotated[Path, typer.Option(help="YAML with `cases:`, each a name and the fields it `set:`s")],
     results: Annotated[Path | None, typer.Option(help="results directory (reuse it to resume)")] = None,
     data_dir: DataDirOpt = None,
     limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate per case")] = 20,
@@ -622,11 +603,7 @@ def sweep(
     requests: Annotated[int | None, typer.Option(help="load: requests per side [32; --goodput: per rate, 200]")] = None,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
     request_rate: RateOpt = None, dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
-    eval_concurrency: EvalConcOpt = 1,
-    skip_check: Annotated[bool, typer.Option(help="skip the parity gate")] = False,
-    skip_eval: Annotated[bool, typer.Option(help="skip the accuracy gate")] = False,
-    skip_perf: Annotated[bool, typer.Option(help="skip the load benchmark")] = False,
-    reference_port: RefPortOpt = 8300, timeout: TimeoutOpt = 300.0,
+    skip: SkipOpt = None, timeout: TimeoutOpt = 300.0,
     goodput: Annotated[bool, typer.Option(help="cases are layouts of the same devices: goodput per layout")] = False,
     slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, json_: JsonOpt = False,
 ) -> None:
@@ -646,7 +623,8 @@ def sweep(
 
       pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layout-matrix.yaml --goodput --rates 1,2,3,4,6
     """
-    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates))
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates),
+                    skip=api.parse_skip(skip))
     r = api.sweep(topology, matrix, opts, results=results, say=say)
     print(json.dumps(r.to_dict(), indent=2)) if json_ else render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)

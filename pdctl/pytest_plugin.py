@@ -11,7 +11,8 @@
 `pdctl_deployment` (session-scoped) brings the topology up once, in-process, beside an aggregated reference server
 (the gates compare with it), with the gates' settings (a request whose KV did not travel fails instead of passing as
 P/D), and takes everything down after the last test that uses it. Parametrize it (indirect) with a topology path,
-(path, overrides) or {"topology": path, "overrides": {...}, "reference_port": 8300, "timeout_s": 300}; or give
+(path, overrides) or {"topology": path, "overrides": {...}, "timeout_s": 300} (the reference listens on the
+topology's reference.port: {"reference.port": N} among the overrides, or a "reference_port": N key); or give
 `--pdctl-topology PATH` (and `--pdctl-set dotted.path=value`, repeatable) on the command line.
 
 pytest loads this module in every run of the environment (entry point `pytest11`), so it imports only pytest and
@@ -60,7 +61,8 @@ def pdctl_deployment(request, tmp_path_factory):
     t = pdctl.load(spec["topology"], spec.get("overrides"), gated=True)
     state_dir = spec.get("state_dir") or tmp_path_factory.mktemp(f"pdctl-{t.name}")
     timeout = spec.get("timeout_s", request.config.getoption("--pdctl-timeout"))
-    with pdctl.up(t, state_dir=state_dir, reference_port=spec.get("reference_port", 8300), timeout_s=timeout) as d:
+    port = spec.get("reference_port", t.reference.port)
+    with pdctl.up(t, state_dir=state_dir, reference_port=port, timeout_s=timeout) as d:
         yield d
 
 

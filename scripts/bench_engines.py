@@ -83,7 +83,7 @@ def main() -> None:
         elif engine == "ray":
             with RayCluster(tmp) as c:
                 idle = pss_kib(c.pids())
-                row = bring_up(engine, tmp / "state", env, ["--address", c.address])
+                row = bring_up(engine, tmp / "state", env, ["--set", f"engine.address={c.address}"])
                 row["engine_idle_pss_mib"] = round(idle / 1024, 1)
                 row["engine_pss_mib"] = round(pss_kib(c.pids()) / 1024, 1)
                 pdctl("down", "--state-dir", str(tmp / "state"), env=env)

@@ -37,11 +37,11 @@ from pdctl.topology import resolved_model  # noqa: E402
 
 CASES = {  # name: (topology, overrides, prefill block, decode block)
     "homog": ("cpu-homog.yaml", [], 32, 32),
-    "homog64": ("cpu-demo.yaml", ["--prefill-block-size", "64"], 64, 64),
-    "homog128": ("cpu-demo.yaml", ["--prefill-block-size", "128", "--decode-block-size", "128"], 128, 128),
+    "homog64": ("cpu-demo.yaml", ["--set", "prefill.block_size=64"], 64, 64),
+    "homog128": ("cpu-demo.yaml", ["--set", "prefill.block_size=128", "--set", "decode.block_size=128"], 128, 128),
     "d64": ("cpu-demo.yaml", [], 32, 64),
-    "d128": ("cpu-demo.yaml", ["--decode-block-size", "128"], 32, 128),
-    "p64": ("cpu-demo.yaml", ["--prefill-block-size", "64", "--decode-block-size", "32"], 64, 32),
+    "d128": ("cpu-demo.yaml", ["--set", "decode.block_size=128"], 32, 128),
+    "p64": ("cpu-demo.yaml", ["--set", "prefill.block_size=64", "--set", "decode.block_size=32"], 64, 32),
 }
 METRICS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "req_per_s", "bunched")
 PROMPT, OUTPUT, VOCAB = 256, 32, 1000

@@ -98,7 +98,7 @@ def main() -> int:
     a = ap.parse_args()
 
     state = Path(a.state_dir)
-    args = ["--prefill-count", "2", "--decode-count", "2", "--set", "prefill.devices=[0,0]",
+    args = ["--set", "prefill.count=2", "--set", "decode.count=2", "--set", "prefill.devices=[0,0]",
             "--set", "decode.devices=[1,1]", "--set", f"proxy.port={PORT}", "--set", "prefill.http_port=8195",
             "--set", "decode.http_port=8295", "--set", "prefill.side_channel_port=5695",
             "--set", "decode.side_channel_port=5795", "--set", "supervision.backoff_s=1",

@@ -169,7 +169,8 @@ def main() -> int:
     except pdctl.TopologyError as e:
         ap.error(str(e))
     state_dir = Path("/tmp/pdctl-bench-latency")
-    plan = with_plain_reference(pdctl.plan(t, state_dir=state_dir, reference_port=8300), port=8301)
+    port = t.reference.port
+    plan = with_plain_reference(pdctl.plan(t, state_dir=state_dir, reference_port=port), port=port + 1)
     pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
     pools = ({g.name for g in t.prefill}, {g.name for g in t.decode})
     for pair in pairs:  # refused before the servers start, not as failed requests after

@@ -44,7 +44,7 @@ def main() -> int:
 
     t = pdctl.load(a.topology)
     state_dir = Path("/tmp/pdctl-bench-reference")
-    p = pdctl.plan(t, state_dir=state_dir, reference_port=8300)  # the calmed reference (the default)
+    p = pdctl.plan(t, state_dir=state_dir, reference_port=t.reference.port)  # the calmed reference (the default)
     plain_t = t.model_copy(update={"reference": t.reference.model_copy(update={"calm_queues": False})})
     plain = reference_spec(plain_t, base_dir=t.origin.base_dir, state_dir=state_dir, port=8301, python=sys.executable)
     plain = dataclasses.replace(plain, name="reference-plain", log_path=str(state_dir / "logs" / "reference-plain.log"))

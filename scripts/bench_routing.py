@@ -77,7 +77,7 @@ def main() -> None:
     t = loaded.topology
     state = Path(a.state_dir).absolute()
     plan = build_plan(t, base_dir=loaded.base_dir, state_dir=state, python=sys.executable)
-    ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=state, port=8300, python=sys.executable)
+    ref = reference_spec(t, base_dir=loaded.base_dir, state_dir=state, port=t.reference.port, python=sys.executable)
     # A second proxy over the same instances, least outstanding: both policies see the same fleet in one run.
     lo = t.model_copy(update={"proxy": t.proxy.model_copy(update={"policy": POLICIES[0], "port": t.proxy.port + 1})})
     pa_proxy = plan.get("proxy")

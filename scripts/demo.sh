@@ -35,4 +35,4 @@ DATA_ARGS=()
 step "pdctl bench: up -> parity -> gsm8k accuracy (limit 10) -> P/D overhead at one request at a time -> down"
 $PDCTL bench "$TOPO" "${DATA_ARGS[@]}" --limit 10 --requests 16 --concurrency 1
 step "pdctl bench --goodput: P/D vs aggregated on the same two cores, 2048-token prompts, SLO from the unloaded baseline"
-$PDCTL bench "$TOPO" --skip-check --skip-eval --goodput --slo auto --rates 2,4 --requests 60 --repeat 1
+$PDCTL bench "$TOPO" --skip check,eval --goodput --slo auto --rates 2,4 --requests 60 --repeat 1

@@ -81,7 +81,7 @@ def main() -> int:
 
     state = Path(a.state_dir)
     port = 8090
-    args = ["--prefill-count", "2", "--decode-count", "2", "--set", "prefill.devices=[0,1]",
+    args = ["--set", "prefill.count=2", "--set", "decode.count=2", "--set", "prefill.devices=[0,1]",
             "--set", "decode.devices=[1,0]", "--set", f"proxy.port={port}", "--set", "prefill.http_port=8190",
             "--set", "decode.http_port=8290", "--set", "prefill.side_channel_port=5690",
             "--set", "decode.side_channel_port=5790", "--set", "supervision.backoff_s=1"]

@@ -26,10 +26,12 @@ from pdctl.api.benchmarks import (  # noqa: F401
     SweepResult,
     bench,
     parse_rates,
+    parse_skip,
     sweep,
 )
 from pdctl.api.common import (  # noqa: F401
     DASHBOARD,
+    REMOVED_FLAGS,
     RENAMED_FLAGS,
     Say,
     UserError,

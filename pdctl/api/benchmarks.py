@@ -12,7 +12,7 @@ from pdctl.api.common import Say, UserError, _quiet
 from pdctl.api.deploy import _interruptible, _local_engine, _preflight
 from pdctl.api.gates import expected_table, gsm8k_source
 from pdctl.api.topology import _gate_note, _gated, load, origin, plan
-from pdctl.bench.options import BenchOptions
+from pdctl.bench.options import BenchOptions, phases
 from pdctl.launch.errors import LaunchFailed
 from pdctl.plan import Plan
 from pdctl.topology import Topology, TopologyError
@@ -40,7 +40,7 @@ def _bench_data(o: BenchOptions, say: Say) -> BenchOptions:
         check_dataset(o.dataset, o.dataset_path)  # the load's prompts: before anything starts
     except ValueError as e:
         raise UserError(str(e)) from None
-    if not o.skip_eval:
+    if "eval" not in o.skip:
         return replace(o, data_dir=gsm8k_source(o.data_dir, say))
     if o.data_dir is not None:  # the parity gate's GSM8K prompts
         try:
@@ -72,7 +72,7 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
         t = _traced(t, o)
     if o.goodput:
         _goodput_options(t, o, say)
-    p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
+    p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port)
     backend = _preflight(p, t)
     t0 = time.monotonic()
 
@@ -104,6 +104,14 @@ def parse_rates(text: str | None) -> tuple[float, ...] | None:
     return rates
 
 
+def parse_skip(text: str | None) -> frozenset[str]:
+    """--skip check,eval -> {"check", "eval"}; None -> nothing skipped. UserError naming the option otherwise."""
+    try:
+        return phases(text or "")
+    except ValueError as e:
+        raise UserError(f"--skip {text}: {e}") from None
+
+
 def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
     """What --goodput refuses before anything starts, and what it warns of."""
     from pdctl.bench import goodput
@@ -130,11 +138,12 @@ def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions
     from pdctl.bench.run import overall_status, run_bench
     from pdctl.topology import summary as summary_line
 
-    if o.skip_check and o.skip_eval:
+    if {"check", "eval"} <= o.skip:
         out_dir.mkdir(parents=True, exist_ok=True)
         s: dict = {"name": t.name, "pools": summary_line(t)}
     else:
-        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, replace(o, skip_perf=True), table, phase)
+        gates = replace(o, skip=o.skip | {"perf"})
+        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, gates, table, phase)
     base = plan(t, state_dir=p.state_dir, baseline=True)
     pd = p.with_processes([x for x in p.processes if x.role != "reference"])
     s["goodput"] = run_goodput(origin(t), pd, base, backend, out_dir, o, phase,
@@ -146,8 +155,8 @@ def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions
 
 def _traced(t: Topology, o: BenchOptions) -> Topology:
     """The topology with connector.trace on (the decodes' timing lines), for a bench that follows its requests."""
-    if o.skip_perf:
-        raise UserError("--breakdown follows the load benchmark's requests: drop --skip-perf")
+    if "perf" in o.skip:
+        raise UserError("--breakdown follows the load benchmark's requests: drop perf from --skip")
     if t.connector.kind != "pdctl":
         raise UserError(f"--breakdown: the decode's timing lines come from pdctl's connector; topology '{t.name}' "
                         f"uses connector.kind {t.connector.kind}")
@@ -201,8 +210,8 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
     say(_gate_note() + " in every case")
 
     def run_case(case, case_dir: Path) -> dict:
-        base = {"prefill_block": case.prefill_block_size, "decode_block": case.decode_block_size,
-                "prefill_tp": case.prefill_tp, "decode_tp": case.decode_tp}
+        base = {k: case.value(path) for k, path in (("prefill_block", "prefill.block_size"), ("decode_block",
+                "decode.block_size"), ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp"))}
         try:
             t = load(topology, case.overrides(), gated=True)
         except TopologyError as e:
@@ -251,7 +260,7 @@ def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say:
                         "--rates 1,2,3,4,6,8 (pdctl bench --goodput searches one topology's rate)")
     from pdctl.bench.load import check_dataset
 
-    o = replace(o, skip_perf=True).resolved()
+    o = replace(o, skip=o.skip | {"perf"}).resolved()
     try:
         check_dataset(o.dataset, o.dataset_path)
     except ValueError as e:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdctl.topology.overrides import REMOVED_OVERRIDE_FLAGS
+
 Say = Callable[[str], None]
 
 
@@ -21,11 +23,27 @@ DASHBOARD = "configs/grafana/pdctl-fleet.json"  # over its Prometheus (docs/oper
 # the gates' aggregated server), refused with their new name for one release.
 RENAMED_FLAGS = {"check": {"--gsm8k-dir": "--data-dir"}, "eval": {"--url": "--proxy", "--baseline": "--reference"}}
 
+# Flags removed in 0.2 (no command keeps more than about 20 options), refused with what replaces each for one
+# release: the typed topology overrides (--set is the one way), the reference's port (a topology field now),
+# bench's three skips (one --skip list) and its accuracy gate's concurrency (1: per-sample agreement stays exact).
+_OVERRIDES = {flag: f"--set {s}" for flag, s in REMOVED_OVERRIDE_FLAGS.items()}
+_REFERENCE = {"--reference-port": "--set reference.port=N"}
+_BENCH = {"--skip-check": "--skip check", "--skip-eval": "--skip eval", "--skip-perf": "--skip perf",
+          "--eval-concurrency": "pdctl eval --concurrency N (bench's accuracy gate runs at 1)"}
+REMOVED_FLAGS = {"validate": _OVERRIDES, "plan": _OVERRIDES, "render k8s": _OVERRIDES, "up": _OVERRIDES,
+                 "check": {**_OVERRIDES, **_REFERENCE}, "eval": {**_OVERRIDES, **_REFERENCE},
+                 "bench": {**_OVERRIDES, **_REFERENCE, **_BENCH}, "sweep": {**_REFERENCE, **_BENCH}}
+
 
 def refuse_renamed(argv: list[str]) -> None:
-    """UserError naming the new flag when this command line uses one that was renamed."""
-    renamed = RENAMED_FLAGS.get(argv[0], {}) if argv else {}
-    for arg in argv[1:]:
+    """UserError naming the replacement when this command line uses a flag that was renamed or removed."""
+    command = " ".join(argv[:2]) if " ".join(argv[:2]) in REMOVED_FLAGS else argv[0] if argv else ""
+    renamed, removed = RENAMED_FLAGS.get(command, {}), REMOVED_FLAGS.get(command, {})
+    for arg in argv[len(command.split()):]:
+        if arg == "--":
+            return
         old = arg.partition("=")[0]
         if old in renamed:
-            raise UserError(f"pdctl {argv[0]} {old}: renamed to {renamed[old]}")
+            raise UserError(f"pdctl {command} {old}: renamed to {renamed[old]}")
+        if old in removed:
+            raise UserError(f"pdctl {command} {old}: removed: use {removed[old]}")

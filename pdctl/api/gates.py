@@ -36,7 +36,6 @@ class CheckOptions:
     mixed_prompts: int = 16  # fleets: prompts pinned over every pair at once after the per-pair phases
     mixed_concurrency: int = 12
     reference_first: bool = False  # the reference alone first, its answers recorded, then P/D
-    reference_port: int = 8300
     timeout_s: float = 300.0
     junit: Path | None = None  # write a JUnit XML report here
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
@@ -147,7 +146,7 @@ def check_topology(t: Topology, *, options: CheckOptions | None = None, say: Say
     vocab = origin(t).model_info.vocab_size or o.vocab
     window = origin(t).model_info.sliding_window
     max_prompt = (t.model.max_model_len or 2048) - o.max_tokens - 1
-    p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port)
+    p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port)
     ref = p.get("reference")
     if len(t.prefill) > 1 or len(t.decode) > 1 or t.proxy.kind == "vllm-router":
         if o.reference_first:
@@ -237,7 +236,6 @@ class EvalOptions:
     tokenizer: str | None = None
     min_agreement: float | None = None
     tolerance: float | None = None
-    reference_port: int = 8300
     timeout_s: float = 300.0
     results: Path | None = None
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
@@ -350,7 +348,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, proxy:
         baseline = "auto"  # the gate cannot be judged without it, and the topology says how to start one
         say(f"model '{t.model.name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)}: starting "
             "an aggregated reference beside the topology to compare with (as --reference auto)")
-    p = plan(t, state_dir=o.state_dir, reference_port=o.reference_port if baseline == "auto" else None)
+    p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port if baseline == "auto" else None)
     tok = o.tokenizer or _model_path(t)
     out_dir = o.results or Path("results") / f"eval-{t.name}-{stamp}"
     label = f"bringing up {p.name}{' and an aggregated reference' if baseline == 'auto' else ''}"

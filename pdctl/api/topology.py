@@ -100,9 +100,9 @@ def default_state_dir(t: Topology) -> Path:
 
 def plan(t: Topology, *, state_dir: str | Path | None = None, reference_port: int | None = None,
          python: str | None = None, baseline: bool = False) -> Plan:
-    """The exact processes `up` starts (pure: same topology, same plan); with `reference_port`, plus an
-    aggregated reference server (the first decode pool's settings, no connector) for the gates. `baseline`:
-    instead, the aggregated deployment `bench --goodput` compares the topology with (plan.baseline_plan)."""
+    """The exact processes `up` starts (pure: same topology, same plan); with `reference_port` (the gates give
+    `t.reference.port`), plus an aggregated reference server (the first decode pool's settings, no connector).
+    `baseline`: instead, the aggregated deployment `bench --goodput` compares the topology with (plan.baseline_plan)."""
     o = origin(t)
     sd = Path(state_dir).absolute() if state_dir else default_state_dir(t)
     if baseline:

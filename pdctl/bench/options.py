@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -9,15 +10,22 @@ from pathlib import Path
 # users run: vLLM's random dataset, 2048 prompt tokens, 64 output tokens, at least 200 requests per rate).
 LOAD_DEFAULTS = {"requests": 32, "prompt_len": 256, "max_tokens": 32}
 GOODPUT_DEFAULTS = {"requests": 200, "prompt_len": 2048, "max_tokens": 64}
+PHASES = ("check", "eval", "perf")  # what `skip` may name: the parity gate, the accuracy gate, the load benchmark
+
+
+def phases(names: str | Iterable[str]) -> frozenset[str]:
+    """Phases to skip, as "check,eval" or an iterable of names; ValueError naming one that is not of PHASES."""
+    names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
+    if unknown := [n for n in names if n not in PHASES]:
+        raise ValueError(f"unknown phase {', '.join(map(repr, unknown))} (choose from {', '.join(PHASES)})")
+    return frozenset(names)
 
 
 @dataclass
 class BenchOptions:
     """What `bench` and `sweep` run: the gates, the workload, the waits. Built by keyword."""
 
-    skip_check: bool = False
-    skip_eval: bool = False
-    skip_perf: bool = False
+    skip: frozenset[str] = frozenset()  # phases not run, of PHASES
     data_dir: Path | None = None  # GSM8K (the accuracy gate; the parity gate's 5-shot prompts too)
     limit: int | None = 20  # gsm8k rows
     num_fewshot: int = 5
@@ -31,8 +39,6 @@ class BenchOptions:
     breakdown: bool = False  # follow every P/D load request stage by stage (connector.trace on for the bring-up)
     dataset: str = "random"  # vLLM's benchmark dataset: random, prefix_repetition, sharegpt or custom
     dataset_path: Path | None = None  # sharegpt's JSON, custom's JSONL (a local file: nothing is downloaded)
-    eval_concurrency: int = 1  # per-sample agreement with the reference is exact only when batches match
-    reference_port: int = 8300
     timeout_s: float = 300.0
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
     # Goodput (pdctl.bench.goodput): the P/D topology against the baseline (aggregated, same devices) under SLOs.
@@ -40,6 +46,9 @@ class BenchOptions:
     slo: str = "auto"  # "ttft=MS,tpot=MS", or auto: measured on one unloaded baseline instance first
     rates: tuple[float, ...] | None = None  # offered req/s to run; None: search for the highest sustained one
     repeat: int = 3  # interleaved repetitions (median)
+
+    def __post_init__(self) -> None:
+        self.skip = phases(self.skip)
 
     def resolved(self) -> BenchOptions:
         """The options with the load's shape filled in from the defaults of its mode."""

@@ -46,7 +46,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     vocab = loaded.model_info.vocab_size or 1000
     seed = int(time.time())
     works: list[load.Workload] = []
-    if not o.skip_perf:
+    if "perf" not in o.skip:
         # The load's prompts, before anything starts (a dataset file that does not give enough fails here): one
         # workload for P/D and the reference alike, one fresh one per pool pair (the same servers as P/D's run).
         phase(f"load: {o.requests} prompts from vLLM's {o.dataset} dataset (seed {seed})")
@@ -60,7 +60,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
     key = auth.api_key(t)  # every call below sends it (auth.api_key_env); pre-flight made sure it is set
     key_h = auth.headers(key)
     try:
-        if not o.skip_check:
+        if "check" not in o.skip:
             phase("parity check")
             max_prompt = (t.model.max_model_len or 2048) - 17
 
@@ -87,14 +87,15 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                 (out_dir / "parity.json").write_text(json.dumps(rep.to_dict(), indent=2))
                 summary["parity"] = {"status": "PASS" if rep.passed else "FAIL", "pass_rate": rep.pass_rate,
                                      "prompts": len(rep.results), "kv_travelled": bool(rep.proof and rep.proof.ok)}
-        if not o.skip_eval:
+        if "eval" not in o.skip:
             phase(f"accuracy: lm-eval gsm8k, limit {o.limit}, P/D and reference")
             tok = resolved_model(t, d0, loaded.base_dir)
+            # One request at a time: the same batches on both sides, so per-sample agreement is exact.
             summary["accuracy"] = accuracy.run_gate(proxy, ref.http_url, t.model.name, out_dir / "eval",
                                                     expected, tokenizer=tok, limit=o.limit,
-                                                    num_fewshot=o.num_fewshot, concurrency=o.eval_concurrency,
+                                                    num_fewshot=o.num_fewshot, concurrency=1,
                                                     data_dir=o.data_dir, api_key=key)
-        if not o.skip_perf:
+        if "perf" not in o.skip:
             how = f"{o.request_rate:g} req/s (Poisson)" if o.request_rate else f"concurrency {o.concurrency}"
             size = f" x {o.prompt_len}" if o.dataset in ("random", "prefix_repetition") else ""
             phase(f"load: {o.requests} {o.dataset} prompts{size} + {o.max_tokens} output tokens, {how}, P/D then "

@@ -9,23 +9,31 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdctl.topology import OVERRIDE_FLAGS, Override, overrides_from_flags
+from pdctl.topology import REMOVED_OVERRIDE_FLAGS, Override, TopologyError
+
+# A case's keys that became `set:` paths (the command line's removed override flags, snake_case): refused with the
+# `set:` that replaces them.
+REMOVED_CASE_KEYS = {flag[2:].replace("-", "_"): s.partition("=")[0] for flag, s in REMOVED_OVERRIDE_FLAGS.items()}
 
 
 class Case(BaseModel):
+    """One run of the sweep: a name, and the topology's fields it changes (`set:` as {dotted.path: value} or a
+    list of "dotted.path=value", both as `--set`)."""
+
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    prefill_block_size: int | None = None
-    decode_block_size: int | None = None
-    prefill_tp: int | None = None
-    decode_tp: int | None = None
-    decode_layout: str | None = None
-    set: dict[str, Any] = Field(default_factory=dict)
+    set: dict[str, Any] | list[str] = Field(default_factory=dict)
 
     def overrides(self) -> list[Override]:
-        flags = {k: (None if getattr(self, k, None) is None else str(getattr(self, k))) for k in OVERRIDE_FLAGS
-                 if k in type(self).model_fields}
-        return overrides_from_flags(flags, [f"{k}={json.dumps(v)}" for k, v in self.set.items()])
+        sets = self.set if isinstance(self.set, list) else [f"{k}={json.dumps(v)}" for k, v in self.set.items()]
+        return [Override.parse_set(s) for s in sets]
+
+    def value(self, dotted: str) -> Any:
+        """What the case sets at one path (None: it leaves it as the topology has it), for a case that never ran."""
+        try:
+            return {o.path: o.value for o in self.overrides()}.get(tuple(dotted.split(".")))
+        except TopologyError:  # a --set that is not one: the case's REFUSED row says so
+            return None
 
 
 class Matrix(BaseModel):
@@ -34,13 +42,22 @@ class Matrix(BaseModel):
 
 
 def load_matrix(path: Path) -> Matrix:
+    """The matrix file, validated; ValueError with the line of a case that uses a removed key."""
     from pdctl import yamlsrc
 
     try:
-        data = yamlsrc.load_file(path, "the matrix")
+        doc = yamlsrc.load(yamlsrc.read_file(path, "the matrix"))
     except yamlsrc.YamlSourceError as e:
         raise ValueError(f"line {e.line}: {e.message}" if e.line else e.message) from None
-    return Matrix.model_validate(data or {})
+    cases = doc.data.get("cases") if isinstance(doc.data, dict) else None
+    for i, case in enumerate(cases if isinstance(cases, list) else []):
+        old = {k: v for k, v in case.items() if k in REMOVED_CASE_KEYS} if isinstance(case, dict) else {}
+        if old:
+            line = doc.line_of(("cases", i, next(iter(old))))
+            sets = ", ".join(f"{REMOVED_CASE_KEYS[k]}: {json.dumps(v)}" for k, v in old.items())
+            raise ValueError(f"{f'line {line}: ' if line else ''}case {case.get('name', i)!r}: "
+                             f"{', '.join(old)}: removed: use set: {{{sets}}}")
+    return Matrix.model_validate(doc.data or {})
 
 
 def run_sweep(matrix: Matrix, out_dir: Path, run_case: Callable[[Case, Path], dict],

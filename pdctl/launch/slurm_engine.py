@@ -1,8 +1,8 @@
 """Slurm backend: one batch job, one job step per vLLM instance, each on the nodes the topology's placement names.
 
 Each step learns its node's address at run time (`pdctl.launch.slurm_step`), so the script can be rendered before
-Slurm has placed anything (`pdctl plan --engine slurm` shows it). `pdctl up` submits it, reads which node each
-step landed on from `squeue`, fills those addresses into the plan, and starts the proxy here. `down` is
+Slurm has placed anything (`pdctl plan --set engine.kind=slurm` shows it). `pdctl up` submits it, reads which node
+each step landed on from `squeue`, fills those addresses into the plan, and starts the proxy here. `down` is
 `scancel` of that one job (the cgroup process tracker takes every process of every step with it).
 """
 

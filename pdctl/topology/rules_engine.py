@@ -14,8 +14,8 @@ def _engine_problems(t: Topology) -> list[Problem]:
     out: list[Problem] = []
     if e.kind == "ray" and not e.address and not os.environ.get("RAY_ADDRESS"):
         out.append(Problem(("engine", "address"), "the ray engine needs the cluster's address",
-                           "set engine.address: HOST:PORT (the head's GCS port), pass --address, or export "
-                           "RAY_ADDRESS"))
+                           "set engine.address: HOST:PORT (the head's GCS port; on the command line --set "
+                           "engine.address=HOST:PORT), or export RAY_ADDRESS"))
     if e.kind != "ray" and e.address:
         out.append(Problem(("engine", "address"), f"has no meaning for the {e.kind} engine",
                            "remove it, or use engine.kind: ray", severity="warning"))

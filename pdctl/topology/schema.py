@@ -308,6 +308,9 @@ class ReferenceSpec(_Strict):
     """The aggregated server the gates compare P/D against (`pdctl check`, `pdctl bench`): the first decode
     pool's hardware and settings, no connector."""
 
+    port: Port = Field(8300, description="the reference's HTTP port on the first decode pool's host while a gate "
+                       "runs (check, eval --reference auto, bench): set it where 8300 is taken, or to run two "
+                       "gates on one host at once")
     calm_queues: bool = Field(
         True, description="run the reference with vLLM's executor queues calmed like every P/D server pdctl "
         "starts (pdctl's vLLM plugin, connector.worker_spin_s; on CPU by default): a fair comparison. false "

@@ -9,7 +9,7 @@ from tests.e2e.conftest import pdctl
 
 
 def test_bench_p32_d128_end_to_end(tmp_path):
-    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--decode-block-size", "128", "--data-dir",
+    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--set", "decode.block_size=128", "--data-dir",
               SHARED / "data" / "gsm8k", "--limit", "10", "--requests", "12", "--results", tmp_path / "res",
               "--state-dir", tmp_path / "state", "--breakdown", "--json", timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -39,7 +39,7 @@ def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
     the baseline (two aggregated servers on the P/D pair's two cores behind pdctl's proxy) and the P/D topology at
     the same offered rate with the same prompts. One rate, one repetition, few requests: the path, not a finding
     (docs/benchmarks.md has the measured one)."""
-    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--skip-check", "--skip-eval", "--goodput", "--rates", "3",
+    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", "--goodput", "--rates", "3",
               "--requests", "24", "--repeat", "1", "--prompt-len", "512", "--max-tokens", "16",
               "--results", tmp_path / "res", "--state-dir", tmp_path / "state", "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

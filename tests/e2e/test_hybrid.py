@@ -44,7 +44,7 @@ def test_stock_connector_is_refused_and_forced_past_validation_fails_the_gate(tm
     assert r.returncode == 1 and "connector.kind" in r.stderr and "silent KV corruption" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     r = pdctl("check", "configs/cpu-hybrid.yaml", *stock, "--set", "connector.allow_unsafe_hybrid=true", "--json",
-              "--lengths", STOCK_LENGTHS, "--state-dir", tmp_path / "stock", "--reference-port", "8330",
+              "--lengths", STOCK_LENGTHS, "--state-dir", tmp_path / "stock", "--set", "reference.port=8330",
               "--set", "proxy.port=8030", *nice, timeout=900)
     assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
     doc = json.loads(r.stdout)

@@ -7,6 +7,8 @@ import sys
 import pytest
 
 import pdctl
+from pdctl import api
+from pdctl.bench.options import BenchOptions
 from pdctl.topology import Override, TopologyError
 from tests.conftest import CONFIGS
 
@@ -26,7 +28,7 @@ def test_the_api_is_at_the_package_root_and_plan_and_bench_are_still_modules_too
 
 
 @pytest.mark.parametrize("overrides", [{"decode.block_size": 128}, ["decode.block_size=128"],
-                                       [Override(("decode", "block_size"), 128, "--decode-block-size 128")]])
+                                       [Override(("decode", "block_size"), 128, "--set decode.block_size=128")]])
 def test_overrides_as_a_mapping_strings_or_override_objects(overrides):
     assert pdctl.load(CONFIGS / "cpu-demo.yaml", overrides).decode[0].block_size == 128
 
@@ -94,6 +96,60 @@ def test_renamed_names_say_their_new_name_for_one_release(run_cli):
     assert run_cli("plan", CONFIGS / "cpu-demo.yaml", "--baseline")[0] == 0  # plan's --baseline is another flag
 
 
+REMOVED = [(command, flag, use) for command, flags in api.REMOVED_FLAGS.items() for flag, use in flags.items()]
+
+
+@pytest.mark.parametrize("command,flag,use", REMOVED, ids=[f"{c} {f}" for c, f, _ in REMOVED])
+def test_removed_flags_say_what_replaces_them_for_one_release(run_cli, command, flag, use):
+    """The typed overrides (--set), --reference-port (reference.port), bench's --skip-* (--skip) and
+    --eval-concurrency: each refused in one line naming its replacement, before the command parses anything."""
+    code, out, err = run_cli(*command.split(), CONFIGS / "cpu-demo.yaml", f"{flag}=2")
+    assert code == 1 and out == "" and err == f"error: pdctl {command} {flag}: removed: use {use}\n"
+    assert "Traceback" not in err
+
+
+def test_the_removed_flags_table_names_every_replacement():
+    assert api.REMOVED_FLAGS["check"]["--decode-block-size"] == "--set decode.block_size=N"
+    assert api.REMOVED_FLAGS["bench"]["--skip-perf"] == "--skip perf"
+    assert {"--reference-port", "--eval-concurrency", "--skip-check"} <= set(api.REMOVED_FLAGS["sweep"])
+    assert "--engine" in api.REMOVED_FLAGS["render k8s"] and "--reference-port" not in api.REMOVED_FLAGS["plan"]
+    api.refuse_renamed(["check", "--set", "x=1", "--", "--decode-tp"])  # after --: arguments, not flags
+    api.refuse_renamed([])
+
+
+@pytest.mark.parametrize("text,skip", [(None, set()), ("", set()), ("check", {"check"}),
+                                       ("check,eval", {"check", "eval"}), (" perf , check ", {"perf", "check"})])
+def test_skip_takes_a_comma_list_of_phases(text, skip):
+    assert api.parse_skip(text) == frozenset(skip)
+    assert BenchOptions(skip=skip).skip == frozenset(skip) == BenchOptions(skip=text or ()).skip
+
+
+def test_skip_refuses_a_phase_it_does_not_know(run_cli, monkeypatch):
+    with pytest.raises(pdctl.UserError, match=r"^--skip check,gates: unknown phase 'gates' \(choose from check, "
+                                              r"eval, perf\)$"):
+        api.parse_skip("check,gates")
+    with pytest.raises(ValueError, match="unknown phase 'load'"):
+        BenchOptions(skip={"load"})
+    monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
+    for command in (("bench", CONFIGS / "cpu-demo.yaml"), ("sweep", CONFIGS / "cpu-demo.yaml", "--matrix",
+                                                            CONFIGS / "cpu-matrix.yaml")):
+        code, _, err = run_cli(*command, "--skip", "eval,nope")
+        assert code == 1 and "error: --skip eval,nope: unknown phase 'nope'" in err and "Traceback" not in err
+
+
+def test_the_reference_port_is_the_topologys(run_cli):
+    import json
+
+    code, out, _ = run_cli("plan", CONFIGS / "cpu-demo.yaml", "-o", "json")
+    assert code == 0 and json.loads(out)["topology"]["reference"]["port"] == 8300
+    code, out, _ = run_cli("plan", CONFIGS / "cpu-demo.yaml", "--set", "reference.port=8399", "-o", "json")
+    assert code == 0 and json.loads(out)["topology"]["reference"]["port"] == 8399
+    t = pdctl.load(CONFIGS / "cpu-demo.yaml", {"reference.port": 8399})
+    assert pdctl.plan(t, reference_port=t.reference.port).get("reference").ports["http"] == 8399
+    code, _, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", "reference.port=80")
+    assert code == 1 and "command line (--set reference.port=80): reference.port" in err
+
+
 def test_attach_and_down_when_nothing_is_up(tmp_path):
     with pytest.raises(pdctl.UserError, match="nothing is up in"):
         pdctl.attach(state_dir=tmp_path)
@@ -133,14 +189,13 @@ def test_up_interrupted_once_started_stops_what_it_started(monkeypatch, tmp_path
 
 def test_bench_breakdown_turns_the_trace_on_and_refuses_what_it_cannot_follow(monkeypatch, tmp_path):
     from pdctl.api import benchmarks as api
-    from pdctl.bench.options import BenchOptions
 
     t = pdctl.load(CONFIGS / "cpu-demo.yaml")
     traced = api._traced(t, BenchOptions(breakdown=True))
     assert traced.connector.trace and not t.connector.trace and traced.origin is t.origin
     assert '"trace":true' in " ".join(pdctl.plan(traced).get("decode-0").argv)
-    with pytest.raises(pdctl.UserError, match="drop --skip-perf"):
-        api._traced(t, BenchOptions(breakdown=True, skip_perf=True))
+    with pytest.raises(pdctl.UserError, match="drop perf from --skip"):
+        api._traced(t, BenchOptions(breakdown=True, skip={"perf"}))
     stock = pdctl.load(CONFIGS / "cpu-demo.yaml", {"connector.kind": "nixl"})
     with pytest.raises(pdctl.UserError, match="pdctl's connector; topology 'cpu-demo' uses connector.kind nixl"):
         api._traced(stock, BenchOptions(breakdown=True))

@@ -363,7 +363,7 @@ def test_bench_sends_the_key_with_every_load_and_each_pair(monkeypatch, key, tmp
 
     monkeypatch.setattr(run_mod.load, "run_load", run_load)
     monkeypatch.setattr(run_mod, "_workloads", lambda loaded, o, seed, vocab, count, phase: [object()] * count)
-    o = BenchOptions(skip_check=True, skip_eval=True, requests=1)
+    o = BenchOptions(skip={"check", "eval"}, requests=1)
     run_mod.run_bench(t.origin, plan, plan.get("reference"), None, tmp_path / "out", o, {})
     assert len(sent) == 2 + len(t.pairs())
     assert all(h["Authorization"] == f"Bearer {key}" for h in sent)

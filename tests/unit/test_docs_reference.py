@@ -15,7 +15,7 @@ def test_the_references_match_the_schema_and_the_cli(tmp_path):
     # the negative control: a reference that says something else is stale
     shutil.copytree(REPO / "docs" / "reference", tmp_path / "ref")
     cli = tmp_path / "ref" / "cli.md"
-    cli.write_text(cli.read_text().replace("skip the parity gate", "skip nothing"))
+    cli.write_text(cli.read_text().replace("phases not to run", "nothing to skip"))
     r = subprocess.run([*GEN, "--check", "--out", str(tmp_path / "ref")], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 1 and "stale:" in r.stderr and "cli.md" in r.stderr and "topology.md" not in r.stderr
 

@@ -13,7 +13,7 @@ from pdctl.launch.local import LocalBackend
 from pdctl.launch.ray_engine import RayBackend
 from pdctl.launch.slurm_engine import SlurmBackend
 from pdctl.plan import build_plan
-from pdctl.topology import EngineSpec, Placement, load_topology, overrides_from_flags
+from pdctl.topology import EngineSpec, Override, Placement, load_topology
 from tests.conftest import CONFIGS
 
 
@@ -32,9 +32,9 @@ def test_every_backend_implements_the_whole_interface(cls):
     assert "NotImplementedError" not in inspect.getsource(inspect.getmodule(cls))
 
 
-def test_engine_flags_override_the_topology():
+def test_engine_set_overrides_the_topology():
     assert load_topology(CONFIGS / "cpu-demo.yaml", []).topology.engine.kind == "local"
-    o = overrides_from_flags({"engine": "ray", "address": "10.0.0.1:6379"})
+    o = [Override.parse_set("engine.kind=ray"), Override.parse_set("engine.address=10.0.0.1:6379")]
     t = load_topology(CONFIGS / "cpu-demo.yaml", o).topology
     assert (t.engine.kind, t.engine.address) == ("ray", "10.0.0.1:6379")
 
@@ -59,8 +59,8 @@ def test_ray_actor_options_follow_the_placement():
 
 
 def test_a_pools_own_placement_wins_over_its_roles():
-    o = overrides_from_flags({}, ['decode={"name": "d64", "block_size": 64, "devices": [1], '
-                                  '"placement": {"resources": {"gaudi_node": 1}}}'])
+    o = [Override.parse_set('decode={"name": "d64", "block_size": 64, "devices": [1], '
+                            '"placement": {"resources": {"gaudi_node": 1}}}')]
     loaded = load_topology(CONFIGS / "cpu-ray.yaml", o)
     plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
     b = backend_for(plan.topology.engine)

@@ -145,6 +145,6 @@ def test_bench_hands_the_fleet_gate_a_prompt_source_it_can_call(monkeypatch, tmp
     monkeypatch.setattr(bench_run.run_mod, "down", lambda *a, **k: None)
     ref = SimpleNamespace(http_url="http://127.0.0.1:1")
     with pytest.raises(RuntimeError, match="stop here"):
-        bench_run.run_bench(loaded, plan, ref, None, tmp_path / "r", BenchOptions(skip_perf=True, skip_eval=True)
-                            .resolved(), {})
+        bench_run.run_bench(loaded, plan, ref, None, tmp_path / "r", BenchOptions(skip={"perf", "eval"}).resolved(),
+                            {})
     assert drawn and drawn[0] > 0

@@ -27,11 +27,9 @@ from hypothesis import strategies as st
 from pdctl import yamlsrc
 from pdctl.plan import build_plan
 from pdctl.topology import (
-    OVERRIDE_FLAGS,
     Override,
     TopologyError,
     load_topology,
-    overrides_from_flags,
 )
 from tests.conftest import CONFIGS, REPO
 
@@ -216,7 +214,9 @@ flag_text = st.text(max_size=30) | st.sampled_from(
     ["64", "0", "-1", "abc", "[1, 2]", "{a: 1}", "1e9", "ray", "HND", "~", "", " ", "[" * 100, "&a [*a]",
      "!!int x", "!!python/object:os.system", "99999999999999999999", "12" * 3000])
 set_key = st.text(max_size=20) | st.sampled_from(
-    ["decode.block_size", "prefill.0.tp", "decode.d64.block_size", "proxy.port", "model.path", "name",
+    ["decode.block_size", "prefill.block_size", "prefill.tp", "decode.tp", "decode.kv_layout", "prefill.count",
+     "decode.count", "engine.kind", "engine.address", "reference.port",
+     "prefill.0.tp", "decode.d64.block_size", "proxy.port", "model.path", "name",
      "connector.extra_config.x", "prefill.block_size.x", "decode.99.tp", "engine.placement.prefill.node",
      "prefill.devices.0", "decode.²", "decode." + "9" * 50, "..", "prefill.env.X", "decode.kv_cache_memory"])
 
@@ -228,12 +228,11 @@ def test_parse_set(text):
 
 
 @FUZZ
-@given(st.fixed_dictionaries({}, optional={k: flag_text for k in OVERRIDE_FLAGS}),
-       st.lists(st.builds(lambda k, v: f"{k}={v}", set_key, flag_text), max_size=3),
+@given(st.lists(st.builds(lambda k, v: f"{k}={v}", set_key, flag_text), max_size=4),
        st.sampled_from(["cpu-demo.yaml", "cpu-fleet.yaml", "qwen3-0.6b-cuda-d64.yaml", "cpu-hybrid.yaml"]))
-def test_overrides_on_real_configs(flags, sets, name):
-    names = [f"{OVERRIDE_FLAGS[k][0]} {v}" for k, v in flags.items()] + [f"--set {s}" for s in sets]
-    overrides = _check(lambda: overrides_from_flags(flags, sets), *names)
+def test_overrides_on_real_configs(sets, name):
+    names = [f"--set {s}" for s in sets]
+    overrides = _check(lambda: [Override.parse_set(s) for s in sets], *names)
     if isinstance(overrides, TopologyError):
         return
     path = CONFIGS / name
@@ -362,11 +361,11 @@ def test_cli_bad_input(run_cli, tmp_path, command, kind):
 
 
 @pytest.mark.parametrize("args,named", [
-    (["--prefill-tp", "[" * 500], "--prefill-tp"),
+    (["--set", "prefill.tp=" + "[" * 500], "--set prefill.tp"),
     (["--set", "connector.extra_config=" + _bomb().replace("\n", ", ").join("{}")], "--set connector.extra_config"),
     (["--set", "decode.²=1"], "--set decode.²=1"),
     (["--set", "=1"], "--set =1"),
-    (["--decode-block-size", "12" * 3000], "--decode-block-size"),
+    (["--set", "decode.block_size=" + "12" * 3000], "--set decode.block_size"),
     (["--set", "decode.kv_cache_memory=" + "9" * 400 + "GiB"], "--set decode.kv_cache_memory"),
     (["--set", "model.path=~nosuchuser/m"], "cpu-demo.yaml"),
 ])

@@ -88,7 +88,7 @@ def test_no_gsm8k_with_cli_runner(offline, no_launch):
 
 
 def test_bench_without_the_accuracy_gate_needs_no_gsm8k(offline, no_launch, run_cli):
-    code, _, _ = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip-eval")
+    code, _, _ = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "eval")
     assert code == LAUNCHED and no_launch["reference_port"] == 8300 and offline == []  # no probe
 
 
@@ -411,7 +411,7 @@ def test_a_bench_fails_on_any_failed_gate_and_on_an_ungated_accuracy_gate_unless
     assert overall_status({**ok, "perf": {"status": "FAIL"}}, allow_ungated=True) == "FAIL"
     ungated = {**ok, "accuracy": {"status": "UNGATED"}}
     assert overall_status(ungated) == "FAIL" and overall_status(ungated, allow_ungated=True) == "PASS"
-    assert overall_status({"parity": {"status": "PASS"}}) == "PASS"  # --skip-eval: no accuracy gate ran
+    assert overall_status({"parity": {"status": "PASS"}}) == "PASS"  # --skip eval: no accuracy gate ran
 
 
 @pytest.mark.unit_time_limit(30, reason="builds pdctl's wheel")

@@ -24,7 +24,7 @@ from tests.conftest import CONFIGS
 ])
 def test_bad_goodput_flags_are_refused_before_anything_starts(run_cli, args, says, monkeypatch):
     monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
-    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip-check", "--skip-eval", "--goodput", *args)
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", "--goodput", *args)
     assert code == 1 and says in err and "Traceback" not in err, err
 
 

@@ -246,13 +246,13 @@ def test_bench_and_sweep_refuse_a_bad_dataset_before_anything_starts(run_cli, mo
     started = []
     for where in ("pdctl.api", "pdctl.api.deploy", "pdctl.api.gates", "pdctl.api.benchmarks"):  # each holds the name
         monkeypatch.setattr(f"{where}.plan", lambda *a, **kw: started.append(1) or pytest.fail("started"))
-    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip-eval", "--dataset", "sharegpt")
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "eval", "--dataset", "sharegpt")
     assert code == 1 and started == [] and "Traceback" not in err
     assert "error: --dataset sharegpt needs --dataset-path" in err
-    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip-eval", "--dataset", "nope")
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "eval", "--dataset", "nope")
     assert code == 1 and "error: --dataset nope: pdctl builds prompts from one of" in err
     (tmp_path / "m.yaml").write_text("cases:\n  - name: a\n")
-    code, _, err = run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", tmp_path / "m.yaml", "--skip-eval",
+    code, _, err = run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", tmp_path / "m.yaml", "--skip", "eval",
                            "--dataset", "random", "--dataset-path", tmp_path / "m.yaml", "--results", tmp_path / "r")
     assert code == 1 and started == [] and "error: --dataset-path" in err and "is synthetic" in err
 
@@ -280,7 +280,7 @@ def test_bench_builds_the_prompts_before_bring_up_one_list_for_both_sides_fresh_
     monkeypatch.setattr(run_mod.load, "run_load", run_load)
     built = load.workload
     monkeypatch.setattr(run_mod.load, "workload", lambda *a, **kw: events.append("workload") or built(*a, **kw))
-    o = BenchOptions(skip_check=True, skip_eval=True, requests=4, prompt_len=16, max_tokens=4, request_rate=2.0)
+    o = BenchOptions(skip={"check", "eval"}, requests=4, prompt_len=16, max_tokens=4, request_rate=2.0)
     s = run_mod.run_bench(t.origin, plan, plan.get("reference"), None, tmp_path / "out", o, {})
     loads = [e for e in events if isinstance(e, tuple)]
     pairs = len(t.pairs())

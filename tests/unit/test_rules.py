@@ -101,7 +101,7 @@ def test_example_matrices_load():
         "homog-32-32", "p32-d64", "p32-d128", "p64-d32"]
     up = load_matrix(CONFIGS / "upstream-matrix.yaml")
     assert len(up.cases) == 4
-    assert {o.flag for o in up.cases[1].overrides()} >= {"--decode-tp 2", "--decode-block-size 64"}
+    assert {o.flag for o in up.cases[1].overrides()} >= {"--set decode.tp=2", "--set decode.block_size=64"}
 
 
 # KV cache capacity (the corpus has one file per message: bad/51-54)

@@ -33,21 +33,22 @@ def test_bad_topology(run_cli, path):
 
 
 OVERRIDES = [
-    (["--decode-block-size", "48"], ["command line (--decode-block-size 48): decode.block_size", "multiple of 32"]),
-    (["--prefill-tp", "abc"], ["command line (--prefill-tp abc): prefill.tp", "valid integer"]),
-    (["--decode-layout", "XYZ"], ["command line (--decode-layout XYZ): decode.kv_layout"]),
-    (["--prefill-count", "0"], ["command line (--prefill-count 0)", "greater than or equal to 1"]),
-    (["--decode-count", "2", "--set", "decode.devices=[1]"], ["need 2 devices, 1 listed"]),
+    (["--set", "decode.block_size=48"],
+     ["command line (--set decode.block_size=48): decode.block_size", "multiple of 32"]),
+    (["--set", "prefill.tp=abc"], ["command line (--set prefill.tp=abc): prefill.tp", "valid integer"]),
+    (["--set", "decode.kv_layout=XYZ"], ["command line (--set decode.kv_layout=XYZ): decode.kv_layout"]),
+    (["--set", "prefill.count=0"], ["command line (--set prefill.count=0)", "greater than or equal to 1"]),
+    (["--set", "decode.count=2", "--set", "decode.devices=[1]"], ["need 2 devices, 1 listed"]),
     (["--set", "nonsense"], ["expected dotted.path=value"]),
     (["--set", "prefill.nope=1"], ["command line (--set prefill.nope=1): prefill.nope: unknown key 'nope'"]),
     (["--set", "prefill.block_size.x=1"], ["'block_size' is not a section"]),
     (["--set", "prefill.block_size=96"],
      ["decode.block_size: prefill block 96 and decode block 64 have no integer ratio",
       "[the other value came from the command line: --set prefill.block_size=96]"]),
-    (["--set", "connector.kind=nixl", "--prefill-block-size", "128"],
+    (["--set", "connector.kind=nixl", "--set", "prefill.block_size=128"],
      ["stock NixlConnector needs the decode block to be a multiple", "use connector.kind: pdctl"]),
-    (["--prefill-tp", "2", "--set", "prefill.devices=[0,1]"],
-     ["prefill TP 2 > decode TP 1 is only supported with equal block sizes", "command line (--prefill-tp 2)"]),
+    (["--set", "prefill.tp=2", "--set", "prefill.devices=[0,1]"],
+     ["prefill TP 2 > decode TP 1 is only supported with equal block sizes", "command line (--set prefill.tp=2)"]),
     (["--set", "proxy.port=8200", "--set", "decode.http_port=8200"],
      ["port 8200 of the proxy is also used by decode[0]"]),
 ]
@@ -63,7 +64,7 @@ def test_bad_override(run_cli, args, expects):
 
 
 FLEET_OVERRIDES = [
-    (["--decode-block-size", "128"], ["--decode-block-size 128", "the topology has 2 decode pools (d64, d32)",
+    (["--set", "decode.block_size=128"], ["--set decode.block_size=128", "the topology has 2 decode pools (d64, d32)",
                                       "--set decode.d64.block_size=..."]),
     (["--set", "decode.d99.block_size=64"], ["--set decode.d99.block_size=64", "pools (d64, d32)"]),
     (["--set", "decode.d64.block_size=96"],
@@ -93,8 +94,8 @@ def test_missing_file(run_cli, tmp_path):
 
 
 def test_valid_override_is_accepted(run_cli):
-    code, out, _ = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--prefill-block-size", "128",
-                           "--decode-block-size", "32")
+    code, out, _ = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", "prefill.block_size=128",
+                           "--set", "decode.block_size=32")
     assert code == 0
     assert "block 128" in out and "block 32" in out
 
@@ -102,7 +103,7 @@ def test_valid_override_is_accepted(run_cli):
 def test_validate_json_lists_problems(run_cli):
     import json
 
-    code, out, _ = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--decode-block-size", "48", "--json")
+    code, out, _ = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", "decode.block_size=48", "--json")
     assert code == 1
     doc = json.loads(out)
     assert doc["ok"] is False
@@ -123,8 +124,8 @@ def test_prefill_and_decode_on_one_cpu_core_warn_of_the_first_read_stall(run_cli
 def test_one_cpu_pool_may_bind_its_instances_to_one_core_with_a_warning(run_cli):
     # Two prefills on core 0 and two decodes on core 1 keep every pair's roles on different cores (the fault
     # drills' layout); an accelerator listed twice stays an error (corpus case 31).
-    code, out, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--prefill-count", "2", "--decode-count", "2",
-                             "--set", "prefill.devices=[0,0]", "--set", "decode.devices=[1,1]")
+    code, out, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", "prefill.count=2", "--set",
+                             "decode.count=2", "--set", "prefill.devices=[0,0]", "--set", "decode.devices=[1,1]")
     assert code == 0, err
     assert "cpu device 0 of prefill[1] is also used by prefill[0]" in err
     assert "cpu device 1 of decode[1] is also used by decode[0]" in err

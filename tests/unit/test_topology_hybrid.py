@@ -369,7 +369,7 @@ def test_validate_cpu_hybrid_with_the_stock_connector(run_cli, tmp_path):
     assert code == 1 and "Traceback" not in err
     assert f"{path}:{line}: connector.kind: the model is hybrid" in err and "silent KV corruption" in err
     # Equal block sizes are refused too (the window is one key short at any block sizes) ...
-    code, out, err = run_cli("validate", path, "--decode-block-size", "32")
+    code, out, err = run_cli("validate", path, "--set", "decode.block_size=32")
     assert code == 1 and "silent KV corruption" in err and "start-aligned" not in err
     # ... negative controls: HMA off on every pool, the forcing setting.
     code, out, err = run_cli("validate", path, "--set", f"prefill.extra_args=[{OFF}]",
@@ -387,8 +387,8 @@ def test_validate_cpu_hybrid_refusals_from_the_command_line(run_cli):
     code, _, err = run_cli("validate", path, "--set", f"decode.extra_args=[{OFF}]")
     assert code == 1 and f"command line (--set decode.extra_args=[{OFF}]): decode.extra_args.0: " in err
     assert "prefill.extra_args leaves it on" in err
-    code, _, err = run_cli("validate", path, "--prefill-block-size", "48")
-    assert code == 1 and "command line (--prefill-block-size 48): prefill.block_size: a hybrid model" in err
+    code, _, err = run_cli("validate", path, "--set", "prefill.block_size=48")
+    assert code == 1 and "command line (--set prefill.block_size=48): prefill.block_size: a hybrid model" in err
     code, _, err = run_cli("validate", path, "--set", f"model.path={HYBRID_DIR.with_name('tiny')}")
     assert code == 1 and "model.attention: says hybrid, but " in err and "tiny/config.json says full" in err
 
