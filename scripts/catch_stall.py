@@ -3,8 +3,8 @@
 Run beside scripts/bench_first_read.py (or any `pdctl up` with connector.trace on). When a decode's read is issued
 and not done for 2 s, it records for that decode's worker: its main thread's /proc/PID/task/PID/{syscall,stack,stat}
 three times 0.3 s apart, 3 s of `strace -p`, two `py-spy dump --native` (pip install py-spy), every vLLM worker
-thread's kernel stack, every vLLM worker's native stacks of all its threads (`gdb -batch thread apply all bt`: the
-UCX progress and async threads py-spy does not show; whether one holds a UCX lock the post spins on), and the logs
+thread's kernel stack, the native stacks of every thread of every server's engine and worker processes, prefills
+included (`gdb -batch thread apply all bt`: the UCX progress and async threads py-spy does not show), and the logs
 (at the catch and 35 s later). Linux, as root or with ptrace rights.
 
   python scripts/catch_stall.py /tmp/pdctl-bench-first-read /tmp/stalls &
@@ -24,6 +24,10 @@ import time
 PY_SPY = os.path.join(os.path.dirname(sys.executable), "py-spy")
 TRACE = re.compile(r"pdctl trace (\w+) (\S+) (\d+\.\d+)")
 WORKER = re.compile(r"\(Worker pid=(\d+)\) .*pdctl trace read_issued (\S+)")
+ANY_ENGINE = re.compile(r"\((?:Worker|EngineCore) pid=(\d+)\)")
+WORKER_PID = re.compile(r"\(Worker pid=(\d+)\)")
+PREFILL_OF = re.compile(r"probe-(prefill-\S+?-\d+)-decode-")  # the probe's request id names its pair
+ENGINE_PIDS: list[str] = []  # every server's engine and worker processes, from the logs of the bring-up caught
 
 
 def read(path: str) -> str:
@@ -40,26 +44,31 @@ def thread_sample(pid: str) -> str:
             f"wchan: {read(task + '/wchan')}\nstack:\n{read(task + '/stack')}")
 
 
-def evidence(pid: str | None) -> list[str]:
+def gdb_all_threads(pid: str) -> str:
+    r = subprocess.run(["timeout", "60", "gdb", "-p", pid, "-batch", "-ex", "thread apply all bt 25"],
+                       capture_output=True, text=True)
+    return f"--- gdb {pid} (all threads) at {time.time():.3f}\n" + "\n".join(
+        ln for ln in r.stdout.splitlines() if ln.startswith(("Thread ", "#")))[:30000]
+
+
+def evidence(pid: str | None, first: list[str]) -> list[str]:
+    """`first`: the stalled pair's processes (its decode's and its prefill's worker), dumped before anything else:
+    a stall may end within seconds, and gdb takes about 5 s per process."""
     out = []
+    has_gdb = shutil.which("gdb") is not None
+    if has_gdb:
+        out += [gdb_all_threads(w) for w in first if os.path.exists(f"/proc/{w}")]
     if pid:
         for k in range(3):
             out.append(f"--- sample {k} at {time.time():.3f}\n{thread_sample(pid)}")
             time.sleep(0.3)
         r = subprocess.run(["timeout", "3", "strace", "-tt", "-T", "-p", pid], capture_output=True, text=True)
         out.append("--- strace (3 s, main thread)\n" + r.stderr[-8000:])
-        for k in range(2):
-            r = subprocess.run([PY_SPY, "dump", "--native", "--pid", pid], capture_output=True, text=True,
-                               timeout=60)
-            out.append(f"--- py-spy {k}\n{(r.stdout or r.stderr)[:4000]}")
-            time.sleep(1)
-    workers = subprocess.run(["pgrep", "-f", "VLLM::Worker"], capture_output=True, text=True).stdout.split()
-    if shutil.which("gdb"):
-        for w in workers:  # every thread, native frames: UCX's progress/async threads and who holds what
-            r = subprocess.run(["timeout", "60", "gdb", "-p", w, "-batch", "-ex", "thread apply all bt 25"],
-                               capture_output=True, text=True)
-            out.append(f"--- gdb {w} (all threads)\n" + "\n".join(
-                ln for ln in r.stdout.splitlines() if ln.startswith(("Thread ", "#")))[:30000])
+        r = subprocess.run([PY_SPY, "dump", "--native", "--pid", pid], capture_output=True, text=True, timeout=60)
+        out.append(f"--- py-spy\n{(r.stdout or r.stderr)[:4000]}")
+    workers = [w for w in sorted(set(ENGINE_PIDS)) if os.path.exists(f"/proc/{w}")]
+    if has_gdb:  # every other engine and worker: the progress and async threads of the servers not in the pair
+        out += [gdb_all_threads(w) for w in workers if w not in first]
     for w in workers:
         for t in glob.glob(f"/proc/{w}/task/*"):
             stack = " < ".join(x.split()[-1] for x in read(t + "/stack").strip().splitlines()[:4])
@@ -83,6 +92,12 @@ def main() -> int:
                 if "read_issued" not in s or "read_done" in s or now - s["read_issued"] <= 2 or rid in seen:
                     continue
                 seen.add(rid)
+                ENGINE_PIDS[:] = [p for lg in glob.glob(os.path.dirname(log) + "/*.log")
+                                  for p in ANY_ENGINE.findall(read(lg))]
+                pair_prefill = PREFILL_OF.search(rid)
+                prefill_log = os.path.join(os.path.dirname(log), f"{pair_prefill.group(1)}.log") if pair_prefill else ""
+                prefill_workers = WORKER_PID.findall(read(prefill_log)) if prefill_log else []
+                first = [p for p in (worker.get(rid), prefill_workers[-1] if prefill_workers else None) if p]
                 d = os.path.join(out, f"{len(seen):02d}-{os.path.basename(log)}-{rid[-40:]}")
                 os.makedirs(d, exist_ok=True)
                 logs = glob.glob(os.path.dirname(log) + "/*.log")
@@ -90,7 +105,7 @@ def main() -> int:
                     shutil.copy(lg, os.path.join(d, "at-catch-" + os.path.basename(lg)))
                 head = f"log {log}\nrid {rid}\nstages {s}\nnow {now}\nworker {worker.get(rid)}\n"
                 with open(os.path.join(d, "evidence.txt"), "w") as f:
-                    f.write("\n".join([head, *evidence(worker.get(rid))]))
+                    f.write("\n".join([head, *evidence(worker.get(rid), first)]))
                 print("caught", d, flush=True)
                 time.sleep(35)
                 for lg in logs:
