@@ -324,8 +324,8 @@ def accuracy(out: Console, err: Console, summary: dict, expected_file: str | Pat
     for v in summary["verdicts"]:
         if v["status"] == "FAIL" and v.get("message"):
             out.print(f"FAIL {v['message']}", highlight=False, markup=False, soft_wrap=True)
-    if "baseline" in summary:
-        for d in summary["baseline"].get("diverged", [])[:10]:
+    if "reference" in summary:
+        for d in summary["reference"].get("diverged", [])[:10]:
             out.print(f"  doc {d['doc_id']}: texts differ from character {d['first_diff_char']} of {d['length']}",
                       highlight=False)
     if summary["status"] == "UNGATED":
@@ -377,8 +377,8 @@ def bench(out: Console, err: Console, s: dict, expected_file: str | Path | None,
         measured = {v["metric"]: v["measured"] for v in a["verdicts"]}  # absolute and relative rows: one value
         detail = f"{a.get('gate', 'absolute')} gate: " + ", ".join(f"{m} {fmt(x, '.3f')}" for m, x in
                                                                   measured.items())
-        if "baseline" in a:
-            b = a["baseline"]
+        if "reference" in a:
+            b = a["reference"]
             detail += f"; agreement {b.get('agreed', round(b['agreement'] * b['samples']))}/{b['samples']}"
         summary.add_row("accuracy", a["status"], detail)
     if "perf" in s:

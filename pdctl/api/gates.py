@@ -229,7 +229,7 @@ def _reported(report, o: CheckOptions):
 class EvalOptions:
     limit: int | None = None  # the first N test rows
     num_fewshot: int = 5
-    concurrency: int = 1  # per-sample agreement with a baseline is exact only at 1
+    concurrency: int = 1  # per-sample agreement with the reference is exact only at 1
     data_dir: Path | None = None  # GSM8K jsonl here; else $GSM8K_DIR, a cached copy, the hub
     expected: Path | None = None  # the expected-accuracy table (None: pdctl's own, gates.accuracy.DEFAULT_TABLE)
     allow_ungated: bool = False  # a model the table does not know passes (UNGATED) instead of failing
@@ -299,19 +299,19 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, proxy:
             raise UserError(f"evaluate({old}=...): renamed to {new}=")
     if renamed:
         raise TypeError(f"evaluate() got unexpected keyword arguments {sorted(renamed)}")
-    url, baseline = proxy, reference
+    url = proxy
     o = options or EvalOptions()
     table = expected_table(o.expected)
     _check_url("--proxy", url)
-    if baseline != "auto":
-        _check_url("--reference", baseline)
+    if reference != "auto":
+        _check_url("--reference", reference)
     if isinstance(target, (str, Path)):
         target = load(target, gated=True)
     if target is not None and not isinstance(target, (Topology, Deployment)):
         raise UserError(f"evaluate: cannot evaluate a {type(target).__name__}; give a Topology, a Deployment or a URL")
     if target is None and not url:
         raise UserError("give a TOPOLOGY, or --proxy URL of a running P/D proxy")
-    if not isinstance(target, Topology) and baseline == "auto":
+    if not isinstance(target, Topology) and reference == "auto":
         raise UserError("--reference auto needs a TOPOLOGY; with --proxy give the reference's URL")
     data_dir = gsm8k_source(o.data_dir, say)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -329,33 +329,33 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, proxy:
         d = target if isinstance(target, Deployment) else None
         key = _api_key(d.topology if d else None)
         proxy_url = url or d.proxy_url
-        baseline = baseline or (d.reference_url if d else None)
+        reference = reference or (d.reference_url if d else None)
         name = model or (d.topology.model.name if d else _served_model(proxy_url, key))
-        if accuracy.needs_baseline(table, name) and not baseline:
+        if accuracy.needs_reference(table, name) and not reference:
             raise UserError(f"model '{name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)} "
                             "(per-sample agreement and accuracy delta against an aggregated reference): give "
                             "--reference URL of an aggregated server of the same model, or a TOPOLOGY (pdctl then "
                             "starts one)")
         say(_running_warning(d, "eval"))
         local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
-        return run(proxy_url, baseline, name, o.tokenizer or (_served_path(d) if local else None),
+        return run(proxy_url, reference, name, o.tokenizer or (_served_path(d) if local else None),
                    o.results or Path("results") / f"eval-{stamp}", key)
 
     t = _gated(target, say)
     _local_engine(t)
     key = _api_key(t)  # before anything starts
-    if accuracy.needs_baseline(table, t.model.name) and not baseline:
-        baseline = "auto"  # the gate cannot be judged without it, and the topology says how to start one
+    if accuracy.needs_reference(table, t.model.name) and not reference:
+        reference = "auto"  # the gate cannot be judged without it, and the topology says how to start one
         say(f"model '{t.model.name}' has a relative gsm8k gate in {accuracy.table_name(o.expected)}: starting "
             "an aggregated reference beside the topology to compare with (as --reference auto)")
-    p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port if baseline == "auto" else None)
+    p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port if reference == "auto" else None)
     tok = o.tokenizer or _model_path(t)
     out_dir = o.results or Path("results") / f"eval-{t.name}-{stamp}"
-    label = f"bringing up {p.name}{' and an aggregated reference' if baseline == 'auto' else ''}"
+    label = f"bringing up {p.name}{' and an aggregated reference' if reference == 'auto' else ''}"
     with _brought_up(p, t, o.timeout_s, progress, label) as d:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "topology.json").write_text(json.dumps(p.to_dict()["topology"], indent=2))
-        return run(d.proxy_url, d.reference_url if baseline == "auto" else baseline, t.model.name, tok, out_dir, key)
+        return run(d.proxy_url, d.reference_url if reference == "auto" else reference, t.model.name, tok, out_dir, key)
 
 
 def _served_path(d: Deployment) -> str:

@@ -89,7 +89,7 @@ def row(r: dict) -> dict:
     return {"case": r["case"], "P block": r.get("prefill_block"), "D block": r.get("decode_block"),
             "P TP": r.get("prefill_tp"), "D TP": r.get("decode_tp"),
             "parity": r.get("parity", {}).get("status", "-"), "gsm8k strict": strict,
-            "agreement": acc.get("baseline", {}).get("agreement"),
+            "agreement": acc.get("reference", {}).get("agreement"),
             "TTFT ms": pd.get("ttft_ms_p50"), "TPOT ms": pd.get("tpot_ms_p50"),
             "TTFT x agg": perf.get("ttft_ms_p50"), "TPOT x agg": perf.get("tpot_ms_p50"),
             "status": r.get("status", "-"), "error": r.get("error")}

@@ -47,8 +47,8 @@ class GateSpec:
     """One model's gate for one task in expected.yaml.
 
     absolute: metric -> {expected, rtol}: |measured - expected| <= rtol, a real model's known accuracy.
-    relative: {min_agreement, max_delta, metrics}: against an aggregated reference run on the same rows (the
-    baseline), per-sample agreement >= min_agreement and |P/D - reference| <= max_delta per metric. The gate of
+    relative: {min_agreement, max_delta, metrics}: against an aggregated reference run on the same rows,
+    per-sample agreement >= min_agreement and |P/D - reference| <= max_delta per metric. The gate of
     a model whose accuracy says nothing (the random tiny model solves no problem: 0.0 ± 0.05 cannot fail).
     """
 
@@ -74,7 +74,7 @@ def gate_spec(expected: dict, model: str, task: str = "gsm8k") -> GateSpec | Non
         "metrics": list(relative.get("metrics") or [])})
 
 
-def needs_baseline(expected: dict, model: str, task: str = "gsm8k") -> bool:
+def needs_reference(expected: dict, model: str, task: str = "gsm8k") -> bool:
     """A relative gate is judged against an aggregated reference: without one it would not be applied."""
     spec = gate_spec(expected, model, task)
     return bool(spec and spec.relative is not None)
@@ -123,7 +123,7 @@ def load_expected(path: Path) -> dict:
 def judge(model: str, task: str, measured: dict[str, float], stderr: dict[str, float], expected: dict
           ) -> list[Verdict]:
     """One verdict per absolute metric of expected.yaml; a model without a gate there yields UNGATED rows, never
-    a PASS (a model with only a relative gate yields none: run_gate judges it against the baseline)."""
+    a PASS (a model with only a relative gate yields none: run_gate judges it against the reference)."""
     spec = gate_spec(expected, model, task)
     if spec is None:
         return [Verdict(m, v, stderr.get(m), None, None, "UNGATED",
@@ -282,22 +282,22 @@ def agreement(a: list[dict], b: list[dict]) -> tuple[float, int, list[dict]]:
     return sum(docs.values()) / len(docs), len(docs), sorted(diverged.values(), key=lambda d: d["doc_id"])
 
 
-def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path, expected: dict, *,
+def run_gate(proxy_url: str, reference_url: str | None, model: str, out_dir: Path, expected: dict, *,
              tokenizer: str | None, limit: int | None, num_fewshot: int, concurrency: int, data_dir: Path | None,
              min_agreement: float | None = None, tolerance: float | None = None, api_key: str | None = None) -> dict:
-    """lm-eval through P/D (and the baseline), judged: the summary that `pdctl eval` and `pdctl bench` report.
+    """lm-eval through P/D (and the reference), judged: the summary that `pdctl eval` and `pdctl bench` report.
 
     The gates are expected.yaml's for the model: absolute (accuracy within rtol of a known value) and/or relative
-    (per-sample agreement and accuracy delta against the baseline, an aggregated reference). A baseline adds the
+    (per-sample agreement and accuracy delta against the reference, an aggregated server). A reference adds the
     relative gate for any model; min_agreement / tolerance (the command line) override expected.yaml's values,
-    else 1.0 / 0.0. A relative gate without a baseline is an error (raised before lm-eval runs). The proxy's
+    else 1.0 / 0.0. A relative gate without a reference is an error (raised before lm-eval runs). The proxy's
     fallback counter must not grow over the P/D run: a request served by a decode alone is not P/D. `api_key`
     goes with every call (auth.api_key_env).
     """
     spec = gate_spec(expected, model, "gsm8k")
-    if spec and spec.relative is not None and not baseline_url:
-        raise ValueError(f"model '{model}' has a relative gsm8k gate in expected.yaml: it needs a baseline (an "
-                         "aggregated reference to compare with)")
+    if spec and spec.relative is not None and not reference_url:
+        raise ValueError(f"model '{model}' has a relative gsm8k gate in expected.yaml: it needs a reference (an "
+                         "aggregated server of the same model to compare with)")
     from pdctl import auth
     from pdctl.gates.parity import proxy_fallbacks
 
@@ -315,7 +315,7 @@ def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path
     summary: dict = {"model": model, "task": task, "limit": limit, "num_fewshot": num_fewshot,
                      "gate": spec.kind if spec else "none", "gates": gates, "verdicts": [], "status": ""}
     statuses = [gate_status(verdicts)] if verdicts else []
-    if baseline_url:
+    if reference_url:
         rel = dict(spec.relative) if spec and spec.relative is not None else {
             "min_agreement": DEFAULT_MIN_AGREEMENT, "max_delta": DEFAULT_MAX_DELTA, "metrics": []}
         source = "expected.yaml" if spec and spec.relative is not None else "defaults"
@@ -323,24 +323,24 @@ def run_gate(proxy_url: str, baseline_url: str | None, model: str, out_dir: Path
             rel["min_agreement"], source = float(min_agreement), "command line"
         if tolerance is not None:
             rel["max_delta"], source = float(tolerance), "command line"
-        ref = run_lm_eval(baseline_url, model, out_dir / "baseline", tokenizer=tokenizer, limit=limit,
+        ref = run_lm_eval(reference_url, model, out_dir / "reference", tokenizer=tokenizer, limit=limit,
                           num_fewshot=num_fewshot, concurrency=concurrency, data_dir=data_dir, api_key=api_key)
         ref_values, _ = ref.metrics(task)
         rate, n, diverged = agreement(pd.samples, ref.samples)
         agreed = round(rate * n)
         status, message, rel_verdicts = judge_relative(values, errs, ref_values, agreed, n, rel["min_agreement"],
                                                        rel["max_delta"], rel["metrics"])
-        if spec is None:  # a baseline with a model expected.yaml does not know: the per-metric rows are these
+        if spec is None:  # a reference with a model expected.yaml does not know: the per-metric rows are these
             verdicts = []
         verdicts += rel_verdicts
         gates.append(message)
-        summary["baseline"] = {"values": ref_values,
-                               "delta": {v.metric: v.measured - v.expected for v in rel_verdicts
-                                         if v.measured is not None and v.expected is not None},
-                               "agreement": rate, "agreed": agreed, "samples": n, "concurrency": concurrency,
-                               "min_agreement": rel["min_agreement"], "max_delta": rel["max_delta"],
-                               "thresholds_from": source, "diverged": diverged, "status": status,
-                               "message": message}
+        summary["reference"] = {"values": ref_values,
+                                "delta": {v.metric: v.measured - v.expected for v in rel_verdicts
+                                          if v.measured is not None and v.expected is not None},
+                                "agreement": rate, "agreed": agreed, "samples": n, "concurrency": concurrency,
+                                "min_agreement": rel["min_agreement"], "max_delta": rel["max_delta"],
+                                "thresholds_from": source, "diverged": diverged, "status": status,
+                                "message": message}
         statuses.append(status)
         if not (spec and spec.relative is not None):
             summary["gate"] = "+".join(k for k in ("absolute" if spec and spec.absolute else "", "relative") if k)

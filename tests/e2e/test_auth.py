@@ -98,7 +98,7 @@ def test_eval_passes_with_the_key(authed):
               SHARED / "data" / "gsm8k", "--limit", "2", "--results", authed.dir / "eval", "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout)
-    assert summary["status"] == "PASS" and summary["baseline"]["agreement"] == 1.0, summary
+    assert summary["status"] == "PASS" and summary["reference"]["agreement"] == 1.0, summary
 
 
 def _grep(key: str, path: Path) -> list[str]:

@@ -16,7 +16,7 @@ def test_bench_p32_d128_end_to_end(tmp_path):
     s = json.loads(r.stdout)
     assert (s["prefill_block"], s["decode_block"], s["status"]) == (32, 128, "PASS")
     assert s["parity"]["status"] == "PASS" and s["parity"]["kv_travelled"] and s["parity"]["pass_rate"] == 1.0
-    assert s["accuracy"]["status"] == "PASS" and s["accuracy"]["baseline"]["agreement"] == 1.0
+    assert s["accuracy"]["status"] == "PASS" and s["accuracy"]["reference"]["agreement"] == 1.0
     perf = s["perf"]
     assert perf["pd"]["requests"] == perf["aggregated"]["requests"] == 12
     assert perf["pd"]["errors"] == perf["aggregated"]["errors"] == 0

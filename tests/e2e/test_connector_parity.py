@@ -124,6 +124,6 @@ def test_eval_negative_control_stock_connector_p32_d64_fails_on_agreement(stock,
               SHARED / "data" / "gsm8k", "--limit", "1", "--results", tmp_path / "res", "--json", timeout=900)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout)
-    b = summary["baseline"]
+    b = summary["reference"]
     assert summary["status"] == "FAIL" and b["status"] == "FAIL" and b["agreement"] < 1.0, b
     assert summary["gate"] == "relative"

@@ -58,7 +58,7 @@ def test_eval_agrees_with_the_reference_through_the_router(routed):
               SHARED / "data" / "gsm8k", "--limit", "2", "--results", routed.dir / "eval", "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout)
-    assert summary["status"] == "PASS" and summary["baseline"]["agreement"] == 1.0, summary
+    assert summary["status"] == "PASS" and summary["reference"]["agreement"] == 1.0, summary
 
 
 def test_the_routers_prometheus_endpoint_counts_the_requests(routed):

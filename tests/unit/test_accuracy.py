@@ -43,7 +43,7 @@ def test_shipped_expectations_include_vllms_gate():
     table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     qwen = accuracy.gate_spec(table, "Qwen/Qwen3-0.6B", "gsm8k")
     assert qwen.absolute == {"exact_match,strict-match": {"expected": 0.41, "rtol": 0.05}}
-    assert qwen.kind == "absolute" and not accuracy.needs_baseline(table, "Qwen/Qwen3-0.6B")
+    assert qwen.kind == "absolute" and not accuracy.needs_reference(table, "Qwen/Qwen3-0.6B")
 
 
 def test_the_tiny_random_model_has_only_a_relative_gate():
@@ -54,7 +54,7 @@ def test_the_tiny_random_model_has_only_a_relative_gate():
     assert tiny.absolute == {} and tiny.kind == "relative"
     assert tiny.relative == {"min_agreement": 1.0, "max_delta": 0.0,
                              "metrics": ["exact_match,strict-match", "exact_match,flexible-extract"]}
-    assert accuracy.needs_baseline(table, "tiny")
+    assert accuracy.needs_reference(table, "tiny")
     assert accuracy.judge("tiny", "gsm8k", {"exact_match,strict-match": 0.0}, {}, table) == []
 
 
@@ -115,12 +115,15 @@ def test_relative_gate_fails_when_no_sample_was_compared():
     assert status == "FAIL" and "no sample was compared" in message
 
 
-def _fake_lm_eval(monkeypatch, pd: dict, ref: dict, pd_texts=None, fallbacks=(None, None)):
-    """run_gate with lm-eval replaced: P/D and reference runs answer the given metrics and sample texts."""
+def _fake_lm_eval(monkeypatch, pd: dict, ref: dict, pd_texts=None, fallbacks=(None, None), dirs=None):
+    """run_gate with lm-eval replaced: P/D and reference runs answer the given metrics and sample texts (`dirs`
+    collects the output directory each run was given)."""
     calls = []
 
     def run(base_url, model, out_dir, **kw):
         calls.append(base_url)
+        if dirs is not None:
+            dirs.append(out_dir)
         values, texts = (pd, pd_texts) if "proxy" in base_url else (ref, None)
         texts = texts or ["x"] * 4
         results = {"results": {"gsm8k": {**values, **{k.replace(",", "_stderr,"): 0.01 for k in values}}},
@@ -136,14 +139,16 @@ def _fake_lm_eval(monkeypatch, pd: dict, ref: dict, pd_texts=None, fallbacks=(No
 
 def test_run_gate_says_a_relative_gate_was_applied(monkeypatch, tmp_path):
     table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
-    _fake_lm_eval(monkeypatch, {STRICT: 0.0, FLEX: 0.0}, {STRICT: 0.0, FLEX: 0.0})
+    dirs: list = []
+    _fake_lm_eval(monkeypatch, {STRICT: 0.0, FLEX: 0.0}, {STRICT: 0.0, FLEX: 0.0}, dirs=dirs)
     s = accuracy.run_gate("http://proxy", "http://ref", "tiny", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
+    assert dirs == [tmp_path / "pd", tmp_path / "reference"]  # lm-eval's output of each side
     assert s["status"] == "PASS" and s["gate"] == "relative"
     assert s["gates"] == [f"relative gate: agreement 4/4 with the aggregated reference (min 100%), delta {STRICT} "
                           f"+0.0000, {FLEX} +0.0000 (max ± 0.0) -> PASS"]
     assert {v["metric"] for v in s["verdicts"]} == {STRICT, FLEX}  # one row per metric, judged against the reference
-    assert s["baseline"]["thresholds_from"] == "expected.yaml" and s["baseline"]["agreed"] == 4
+    assert s["reference"]["thresholds_from"] == "expected.yaml" and s["reference"]["agreed"] == 4
 
 
 def test_run_gate_fails_the_relative_gate_on_one_diverged_sample(monkeypatch, tmp_path):
@@ -151,16 +156,16 @@ def test_run_gate_fails_the_relative_gate_on_one_diverged_sample(monkeypatch, tm
     _fake_lm_eval(monkeypatch, {STRICT: 0.0, FLEX: 0.0}, {STRICT: 0.0, FLEX: 0.0}, pd_texts=["x", "x", "y", "x"])
     s = accuracy.run_gate("http://proxy", "http://ref", "tiny", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
-    assert s["status"] == "FAIL" and s["baseline"]["status"] == "FAIL"
+    assert s["status"] == "FAIL" and s["reference"]["status"] == "FAIL"
     assert s["gates"][0].endswith("-> FAIL: agreement 3/4 below 100%")
-    assert s["baseline"]["diverged"] == [{"doc_id": 2, "first_diff_char": 0, "length": 1}]
+    assert s["reference"]["diverged"] == [{"doc_id": 2, "first_diff_char": 0, "length": 1}]
 
 
-def test_run_gate_refuses_a_relative_gate_without_a_baseline(monkeypatch, tmp_path):
+def test_run_gate_refuses_a_relative_gate_without_a_reference(monkeypatch, tmp_path):
     table = accuracy.load_expected(accuracy.DEFAULT_TABLE)
     calls = _fake_lm_eval(monkeypatch, {STRICT: 0.0}, {})
     with pytest.raises(ValueError, match="model 'tiny' has a relative gsm8k gate in expected.yaml: it needs a "
-                                         "baseline"):
+                                         "reference"):
         accuracy.run_gate("http://proxy", None, "tiny", tmp_path, table, tokenizer=None, limit=4, num_fewshot=5,
                           concurrency=1, data_dir=None)
     assert calls == []  # refused before lm-eval ran
@@ -171,7 +176,7 @@ def test_run_gate_says_an_absolute_gate_was_applied(monkeypatch, tmp_path):
     _fake_lm_eval(monkeypatch, {STRICT: 0.43, FLEX: 0.45}, {})
     s = accuracy.run_gate("http://proxy", None, "Qwen/Qwen3-0.6B", tmp_path, table, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None)
-    assert s["status"] == "PASS" and s["gate"] == "absolute" and "baseline" not in s
+    assert s["status"] == "PASS" and s["gate"] == "absolute" and "reference" not in s
     assert s["gates"] == [f"absolute: {STRICT} 0.4300 vs 0.41 ± 0.05 -> PASS"]
 
 
@@ -197,12 +202,12 @@ def test_run_gate_fails_when_the_proxy_fell_back_to_a_decode_alone(monkeypatch, 
     assert twin["status"] == "PASS" and "fallbacks" not in twin
 
 
-def test_a_baseline_for_a_model_expected_yaml_does_not_know_is_judged_but_never_a_pass(monkeypatch, tmp_path):
+def test_a_reference_for_a_model_expected_yaml_does_not_know_is_judged_but_never_a_pass(monkeypatch, tmp_path):
     _fake_lm_eval(monkeypatch, {STRICT: 0.2}, {STRICT: 0.2})
     s = accuracy.run_gate("http://proxy", "http://ref", "someone/else", tmp_path, {}, tokenizer=None, limit=4,
                           num_fewshot=5, concurrency=1, data_dir=None, min_agreement=0.5)
-    assert s["status"] == "UNGATED" and s["baseline"]["status"] == "PASS" and s["gate"] == "relative"
-    assert s["baseline"]["thresholds_from"] == "command line" and s["baseline"]["min_agreement"] == 0.5
+    assert s["status"] == "UNGATED" and s["reference"]["status"] == "PASS" and s["gate"] == "relative"
+    assert s["reference"]["thresholds_from"] == "command line" and s["reference"]["min_agreement"] == 0.5
 
 
 def test_agreement_per_document_over_filters():

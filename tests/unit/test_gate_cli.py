@@ -209,7 +209,7 @@ def test_hub_probe_is_bounded_and_reads_the_answer(monkeypatch):
 # Which gate a model gets
 
 
-def test_eval_on_a_running_system_refuses_a_relative_gate_without_a_baseline(offline, no_launch, run_cli):
+def test_eval_on_a_running_system_refuses_a_relative_gate_without_a_reference(offline, no_launch, run_cli):
     code, _, err = run_cli("eval", "--proxy", "http://127.0.0.1:9", "--model", "tiny", "--data-dir", GSM8K)
     assert code == 1 and no_launch == {}
     assert ("error: model 'tiny' has a relative gsm8k gate in pdctl's expected-accuracy table (per-sample "
@@ -245,7 +245,7 @@ def test_the_accuracy_summary_names_the_gate(capsys):
                          "exact_match,strict-match +0.0000 (max ± 0.0) -> FAIL: agreement 19/20 below 100%"],
                "verdicts": [{"metric": "exact_match,strict-match", "measured": 0.0, "stderr": 0.0, "expected": 0.0,
                              "rtol": 0.0, "status": "PASS", "message": "", "gate": "relative"}],
-               "baseline": {"diverged": [{"doc_id": 7, "first_diff_char": 3, "length": 40}]}}
+               "reference": {"diverged": [{"doc_id": 7, "first_diff_char": 3, "length": 40}]}}
     render.accuracy(cli.out, cli.err, summary, "configs/expected.yaml")
     out = capsys.readouterr().out
     assert "relative gate: agreement 19/20 with the aggregated reference" in out

@@ -11,7 +11,7 @@ def _summary(case):
     return {"prefill_block": case.value("prefill.block_size"), "decode_block": case.value("decode.block_size"),
             "prefill_tp": 1, "decode_tp": 1, "status": "PASS", "parity": {"status": "PASS"},
             "accuracy": {"verdicts": [{"metric": "exact_match,strict-match", "measured": 0.0}],
-                         "baseline": {"agreement": 1.0}},
+                         "reference": {"agreement": 1.0}},
             "perf": {"pd": {"ttft_ms_p50": 50.0, "tpot_ms_p50": 9.0}, "ratio": {"ttft_ms_p50": 1.2,
                                                                                   "tpot_ms_p50": 1.0}}}
 
