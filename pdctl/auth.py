@@ -6,7 +6,7 @@ key never goes into argv: argv is in the plan (`pdctl plan`, state.json) and in 
 user of the host. So vLLM gets it through VLLM_API_KEY (vLLM 0.32 adds its auth middleware for `--api-key` or that
 variable alike) and the proxy through `--api-key-env NAME` plus NAME in its environment.
 
-Imports nothing of pdctl's: the plan, the launch backends, the gates and the proxy all use it.
+Imports nothing of pdctl's: the plan, the launch engines, the gates and the proxy all use it.
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def up(
         with render.live_progress(err) as on_progress:
             d = api.up(t, detach=detach, timeout_s=timeout, state_dir=state_dir, on_progress=on_progress)
         with d:  # in the foreground, whatever ends this block early (Ctrl-C before supervision) stops everything
-            where = "" if d.backend.name == "local" else f"  engine {d.backend.name}"
+            where = "" if d.engine.name == "local" else f"  engine {d.engine.name}"
             out.print(f"[green]ready[/green]: {d.name}  proxy {d.proxy_url}  state {d.state_dir}{where}",
                       highlight=False)
             for note in d.notes:

@@ -15,8 +15,8 @@ from pdctl.topology import (
     DEFAULT_POOL,
     ROLES,
     ROUTER_POLICY,
-    InstanceGroup,
     Placement,
+    Pool,
     ProxySettings,
     Role,
     Topology,
@@ -84,7 +84,7 @@ class ProcessSpec:
 @dataclass(frozen=True)
 class Plan:
     """The processes to start, and the typed topology they were planned from (its engine, pools, supervision:
-    what the backends and the supervisor read). Changed only through its methods, each returning a new plan."""
+    what the engines and the supervisor read). Changed only through its methods, each returning a new plan."""
 
     name: str
     state_dir: str
@@ -177,7 +177,7 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
+def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
     c = t.connector
     # The lease explicit on every side (a decode decides from it whether a read may still start: pdctl.kv.lease).
     extra: dict = {"backends": list(c.backends), "kv_lease_duration": KV_LEASE_S}
@@ -188,10 +188,10 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
         extra["pdctl"] = {
             "progress_thread": c.progress_thread,
             "progress_delay_us": c.progress_delay_us,
-            "kv_layout": g.kv_layout,
-            "platform": g.platform,
+            "kv_layout": pool.kv_layout,
+            "platform": pool.platform,
         }
-        staging = t.staging_blocks(g) if role == "decode" else 0
+        staging = t.staging_blocks(pool) if role == "decode" else 0
         if staging:
             extra["pdctl"]["staging_blocks"] = staging
         if role == "decode":
@@ -205,68 +205,68 @@ def kv_transfer_config(t: Topology, role: Role, g: InstanceGroup) -> dict:
         # vLLM's default is "fail"; pdctl's connector reports every KV it cannot deliver (staging full, a
         # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.
         cfg["kv_load_failure_policy"] = c.kv_load_failure_policy
-    cfg["kv_buffer_device"] = t.kv_buffer_device(g)
+    cfg["kv_buffer_device"] = t.kv_buffer_device(pool)
     for k, v in c.extra_config.items():  # a user's "pdctl" settings add to pdctl's own, never replace them
         extra[k] = {**extra[k], **v} if k == "pdctl" and isinstance(v, dict) and k in extra else v
     cfg["kv_connector_extra_config"] = extra
     return cfg
 
 
-def _server_argv(t: Topology, role: Role, g: InstanceGroup, index: int, model_path: str, python: str,
+def _server_argv(t: Topology, role: Role, pool: Pool, index: int, model_path: str, python: str,
                  connector: bool = True) -> list[str]:
     argv = [
         python, "-m", VLLM_SERVER_MODULE,
         "--model", model_path,
         "--served-model-name", t.model.name,
-        "--host", g.host,
-        "--port", str(g.http_port_of(index)),
-        "--block-size", str(g.block_size),
-        "--tensor-parallel-size", str(g.tp),
+        "--host", pool.host,
+        "--port", str(pool.http_port_of(index)),
+        "--block-size", str(pool.block_size),
+        "--tensor-parallel-size", str(pool.tp),
         "--dtype", t.model.dtype,
         "--seed", str(t.model.seed),
     ]
     if t.model.max_model_len:
         argv += ["--max-model-len", str(t.model.max_model_len)]
-    if t.kv_cache_dtype(g) != "auto":
-        argv += ["--kv-cache-dtype", t.kv_cache_dtype(g)]
-    if g.enforce_eager:
+    if t.kv_cache_dtype(pool) != "auto":
+        argv += ["--kv-cache-dtype", t.kv_cache_dtype(pool)]
+    if pool.enforce_eager:
         argv.append("--enforce-eager")
-    if g.kv_cache_memory is not None:
-        argv += ["--kv-cache-memory-bytes", str(g.kv_cache_memory)]
-    if g.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(g.gpu_memory_utilization)]
+    if pool.kv_cache_memory is not None:
+        argv += ["--kv-cache-memory-bytes", str(pool.kv_cache_memory)]
+    if pool.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(pool.gpu_memory_utilization)]
     if connector:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role, g), separators=(",", ":"))]
-    return argv + list(g.extra_args)
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role, pool), separators=(",", ":"))]
+    return argv + list(pool.extra_args)
 
 
-def queue_spin_s(t: Topology, g: InstanceGroup) -> float | None:
-    """How long the executor-queue readers of a server of pool g spin after a message (pdctl's vLLM plugin:
+def queue_spin_s(t: Topology, pool: Pool) -> float | None:
+    """How long the executor-queue readers of a server of the pool spin after a message (pdctl's vLLM plugin:
     connector.worker_spin_s, default 0 on CPU); None: vLLM's own queues (the plugin stays inert)."""
     spin = t.connector.worker_spin_s
-    return spin if spin is not None else (0.0 if g.platform == "cpu" else None)
+    return spin if spin is not None else (0.0 if pool.platform == "cpu" else None)
 
 
-def _server_env(t: Topology, g: InstanceGroup, index: int, queue_spin: float | None = None) -> dict[str, str]:
+def _server_env(t: Topology, pool: Pool, index: int, queue_spin: float | None = None) -> dict[str, str]:
     env = {
         "PYTHONUNBUFFERED": "1",
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(g.host),
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(g.side_channel_port_of(index)),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(pool.host),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(pool.side_channel_port_of(index)),
         **transport_env(t),
     }
-    devices = g.devices_of(index)
-    if g.platform == "cpu":
+    devices = pool.devices_of(index)
+    if pool.platform == "cpu":
         # One OpenMP thread group per TP rank, each on its own cores ('0|1' for TP 2); without a list vLLM
         # binds automatically and two instances on one host fight over the same cores.
         if devices:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(d) for d in devices)
     elif devices is not None:
-        env[DEVICE_ENV[g.platform]] = ",".join(str(d) for d in devices)
-    if g.net_devices:
-        env["UCX_NET_DEVICES"] = g.net_devices
+        env[DEVICE_ENV[pool.platform]] = ",".join(str(d) for d in devices)
+    if pool.net_devices:
+        env["UCX_NET_DEVICES"] = pool.net_devices
     if queue_spin is not None:
         env[QUEUE_SPIN_ENV] = f"{queue_spin:g}"
-    env.update(g.env)
+    env.update(pool.env)
     return env
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time to ready and engine memory per backend: the CPU demo pair (prefill block 32 -> decode block 64) brought up
+"""Time to ready and engine memory on each engine: the CPU demo pair (prefill block 32 -> decode block 64) brought up
 with `pdctl up -d` on the local engine, on a two-node Ray cluster and on a two-node Slurm cluster (both on
 loopback addresses on this machine, as in the e2e tests). Prints a table and writes JSON.
 

@@ -32,7 +32,7 @@ from bench_startup import with_uni  # noqa: E402
 
 from pdctl.bench.load import run_load, workload  # noqa: E402
 from pdctl.launch import run as run_mod  # noqa: E402
-from pdctl.launch.local import LocalBackend  # noqa: E402
+from pdctl.launch.local import LocalEngine  # noqa: E402
 from pdctl.plan import build_plan  # noqa: E402
 from pdctl.topology import load_topology, resolved_model  # noqa: E402
 
@@ -65,13 +65,13 @@ def main() -> int:
     decodes = [s.http_url for s in mp.by_role("decode")]
     seen: set = set()
     runs: dict[str, list[dict]] = {k: [] for k in variants}
-    backend = LocalBackend()
+    engine = LocalEngine()
     for rep in range(a.repeat):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
             plan = variants[name]
             t0 = time.perf_counter()
-            state = run_mod.up(plan, backend, attached=True, timeout_s=400)
+            state = run_mod.up(plan, engine, attached=True, timeout_s=400)
             ready = time.perf_counter() - t0
             try:
                 row = {"ready_s": ready}
@@ -84,7 +84,7 @@ def main() -> int:
                     if r.kv_xfer_s is not None and r.requests:
                         row[f"c{conc}_kv_read_ms"] = 1000 * r.kv_xfer_s / r.requests
             finally:
-                run_mod.down(state, backend)
+                run_mod.down(state, engine)
             runs[name].append(row)
             print(f"repeat {rep + 1}/{a.repeat} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()),
                   flush=True)

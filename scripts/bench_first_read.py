@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pdctl.launch import run as run_mod
 from pdctl.launch.errors import LaunchFailed
-from pdctl.launch.local import LocalBackend
+from pdctl.launch.local import LocalEngine
 from pdctl.plan import Plan, build_plan
 from pdctl.protocol import TRACE_LINE
 from pdctl.topology import Override, load_topology
@@ -86,8 +86,8 @@ def first_reads(plan: Plan) -> dict:
 
 
 def bring_up(plan: Plan, timeout_s: float) -> dict:
-    backend = LocalBackend()
-    problems = backend.preflight(plan)
+    engine = LocalEngine()
+    problems = engine.preflight(plan)
     if problems:
         raise SystemExit("; ".join(problems))
     for s in plan.processes:  # each bring-up's logs alone
@@ -95,13 +95,13 @@ def bring_up(plan: Plan, timeout_s: float) -> dict:
     t0 = time.perf_counter()
     state, error = None, None
     try:
-        state = run_mod.up(plan, backend, attached=True, timeout_s=timeout_s)
+        state = run_mod.up(plan, engine, attached=True, timeout_s=timeout_s)
     except LaunchFailed as e:
         error = str(e)
     took = time.perf_counter() - t0
     probes = dict(state.probes) if state is not None else {}
     if state is not None:
-        run_mod.down(state, backend)
+        run_mod.down(state, engine)
     out = {"up_s": took, "error": error, "probes": probes, **first_reads(plan)}
     if not out["pairs"]:  # vLLM's stock connector logs no trace lines: the probe's decode leg
         out["pairs"] = {k.replace(" -> ", "->"): {"first_read_s": v, "read_s": None} for k, v in probes.items()}

@@ -131,7 +131,7 @@ def cpu_seconds(pgid: int) -> float:
 def idle_cpu(seconds: float = 10.0) -> list[dict]:
     """Idle CPU (cores) of each real server under three NIXL progress settings."""
     from pdctl.launch import run as run_mod
-    from pdctl.launch.local import LocalBackend
+    from pdctl.launch.local import LocalEngine
     from pdctl.plan import build_plan
     from pdctl.topology import Override, load_topology
 
@@ -145,8 +145,8 @@ def idle_cpu(seconds: float = 10.0) -> list[dict]:
         loaded = load_topology("configs/cpu-homog.yaml", ovs)
         plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/tmp/pdctl-bench-idle"),
                           python=sys.executable)
-        backend = LocalBackend()
-        state = run_mod.up(plan, backend, attached=True, timeout_s=400)
+        engine = LocalEngine()
+        state = run_mod.up(plan, engine, attached=True, timeout_s=400)
         try:
             time.sleep(5)
             groups = {n: r.pgid for n, r in state.processes.items() if n != "proxy"}
@@ -155,7 +155,7 @@ def idle_cpu(seconds: float = 10.0) -> list[dict]:
             for n, g in groups.items():
                 rows.append({"setting": name, "instance": n, "idle_cores": (cpu_seconds(g) - before[n]) / seconds})
         finally:
-            run_mod.down(state, backend)
+            run_mod.down(state, engine)
     return rows
 
 

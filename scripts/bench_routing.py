@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from pdctl.gates import parity  # noqa: E402
 from pdctl.launch import probe  # noqa: E402
 from pdctl.launch import run as run_mod  # noqa: E402
-from pdctl.launch.local import LocalBackend  # noqa: E402
+from pdctl.launch.local import LocalEngine  # noqa: E402
 from pdctl.plan import build_plan, proxy_argv, reference_spec  # noqa: E402
 from pdctl.topology import Override, load_topology  # noqa: E402
 
@@ -90,12 +90,12 @@ def main() -> None:
     prefills = [s.http_url for s in plan.by_role("prefill")]
     vocab = loaded.model_info.vocab_size or 1000
     rng = random.Random(a.seed)
-    backend = LocalBackend()
-    problems = run_mod.preflight(loaded, plan, backend)
+    engine = LocalEngine()
+    problems = run_mod.preflight(loaded, plan, engine)
     if problems:
         raise SystemExit("pre-flight failed: " + "; ".join(problems))
     print(f"bringing up {plan.name} + reference + 2 proxies ...", flush=True)
-    state_ = run_mod.up(plan, backend, attached=True, timeout_s=600)
+    state_ = run_mod.up(plan, engine, attached=True, timeout_s=600)
     rows: list[dict] = []
     try:
         for rnd in range(a.rounds):
@@ -127,7 +127,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        run_mod.down(state_, backend)
+        run_mod.down(state_, engine)
 
     def med(policy: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["policy"] == policy)

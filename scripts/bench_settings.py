@@ -31,7 +31,7 @@ from pdctl.bench import goodput, load  # noqa: E402
 from pdctl.bench.goodput_run import run_deployments  # noqa: E402
 from pdctl.bench.options import BenchOptions  # noqa: E402
 from pdctl.launch import run as run_mod  # noqa: E402
-from pdctl.launch.local import LocalBackend  # noqa: E402
+from pdctl.launch.local import LocalEngine  # noqa: E402
 from pdctl.topology import resolved_model  # noqa: E402
 
 GAIN = 1.05  # goodput at least this many times the defaults'
@@ -42,20 +42,20 @@ def concurrency_one(plans: dict, loaded, o: BenchOptions, n: int, repeat: int) -
     """TTFT and TPOT p50 at one request at a time, per deployment and repetition (the order rotating)."""
     t = loaded.topology
     tok = load.load_tokenizer(resolved_model(t, t.decode[0], loaded.base_dir))
-    backend, out = LocalBackend(), {name: [] for name in plans}
+    engine, out = LocalEngine(), {name: [] for name in plans}
     names = list(plans)
     for rep in range(repeat):
         w = load.workload(n, o.prompt_len, loaded.model_info.vocab_size or 1000, 7000 + rep, max_tokens=o.max_tokens,
                           tokenizer=tok)
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             plan = plans[name]
-            state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+            state = run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
             try:
                 r = load.run_load(name, plan.by_role("proxy")[0].http_url, t.model.name, w, o.max_tokens, 1,
                                   seed=rep)
                 out[name].append({"ttft_ms_p50": r.ttft_ms_p50, "tpot_ms_p50": r.tpot_ms_p50})
             finally:
-                run_mod.down(state, backend)
+                run_mod.down(state, engine)
             print(f"concurrency 1, {rep + 1}/{repeat} {name}: TTFT p50 {r.ttft_ms_p50:.1f} ms, TPOT p50 "
                   f"{r.tpot_ms_p50:.2f} ms", flush=True)
     return out
@@ -82,7 +82,7 @@ def main() -> int:
         t = api.load(a.topology, [s.strip() for s in setting.split(";")], gated=True)
         plans[setting] = api.plan(t, state_dir=work / f"s{len(plans)}")
     t0 = time.monotonic()
-    g = run_deployments(api.origin(base_t), plans, LocalBackend(), Path("results") / "bench_settings", o,
+    g = run_deployments(api.origin(base_t), plans, LocalEngine(), Path("results") / "bench_settings", o,
                         lambda text: print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True))
     c1 = concurrency_one(plans, api.origin(base_t), o, a.c1_requests, a.repeat)
     rows = []

@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 from pdctl.launch import run as run_mod
-from pdctl.launch.local import LocalBackend
+from pdctl.launch.local import LocalEngine
 from pdctl.plan import Plan, ProcessSpec, build_plan
 from pdctl.topology import load_topology
 
@@ -77,16 +77,16 @@ def with_uni(spec: ProcessSpec) -> ProcessSpec:
 
 
 def time_to_ready(plan: Plan) -> tuple[float, dict[str, dict[str, float]]]:
-    backend = LocalBackend()
-    problems = backend.preflight(plan)
+    engine = LocalEngine()
+    problems = engine.preflight(plan)
     if problems:
         raise SystemExit("; ".join(problems))
     for s in plan.processes:  # each run's logs alone
         Path(s.log_path).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    state = run_mod.up(plan, backend, attached=True, timeout_s=400)
+    state = run_mod.up(plan, engine, attached=True, timeout_s=400)
     took = time.perf_counter() - t0
-    run_mod.down(state, backend)
+    run_mod.down(state, engine)
     found = {s.name: phases(Path(s.log_path).read_text(errors="replace")) for s in plan.processes
              if s.role in ("prefill", "decode")}
     return took, found

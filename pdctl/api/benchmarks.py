@@ -73,7 +73,7 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
     if o.goodput:
         _goodput_options(t, o, say)
     p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port)
-    backend = _preflight(p, t)
+    engine = _preflight(p, t)
     t0 = time.monotonic()
 
     def phase(text: str) -> None:
@@ -83,9 +83,9 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
     with _interruptible():
         try:
             if not o.goodput:
-                s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, o, table, phase)
+                s = run_bench(origin(t), p, p.get("reference"), engine, out_dir, o, table, phase)
             else:
-                s = _bench_goodput(t, p, backend, out_dir, o, table, phase)
+                s = _bench_goodput(t, p, engine, out_dir, o, table, phase)
         except WorkloadError as e:  # the load's prompts, refused before anything started
             raise UserError(str(e)) from None
     return BenchResult(s["status"], s, out_dir)
@@ -131,7 +131,7 @@ def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
             f"the attainment by {100 / o.requests:.1f} %: too few to decide on")
 
 
-def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions, table: dict, phase: Say) -> dict:
+def _bench_goodput(t: Topology, p: Plan, engine, out_dir: Path, o: BenchOptions, table: dict, phase: Say) -> dict:
     """The gates on the topology beside its reference (unless skipped), then goodput: the topology alone against
     its baseline on the same devices."""
     from pdctl.bench.goodput_run import run_goodput
@@ -143,10 +143,10 @@ def _bench_goodput(t: Topology, p: Plan, backend, out_dir: Path, o: BenchOptions
         s: dict = {"name": t.name, "pools": summary_line(t)}
     else:
         gates = replace(o, skip=o.skip | {"perf"})
-        s = run_bench(origin(t), p, p.get("reference"), backend, out_dir, gates, table, phase)
+        s = run_bench(origin(t), p, p.get("reference"), engine, out_dir, gates, table, phase)
     base = plan(t, state_dir=p.state_dir, baseline=True)
     pd = p.with_processes([x for x in p.processes if x.role != "reference"])
-    s["goodput"] = run_goodput(origin(t), pd, base, backend, out_dir, o, phase,
+    s["goodput"] = run_goodput(origin(t), pd, base, engine, out_dir, o, phase,
                                auth.headers(auth.api_key(t)) or None)
     s["status"] = overall_status(s, o.allow_ungated)
     (out_dir / "summary.json").write_text(json.dumps(s, indent=2))
@@ -291,14 +291,14 @@ def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say:
         say(f"case {name}: REFUSED: {why}")
     if len(plans) < 2:
         raise UserError(f"sweep --goodput: no layout of the matrix can run ({', '.join(refused)} refused)")
-    backend = _preflight(plans["baseline"], t)
+    engine = _preflight(plans["baseline"], t)
     t0 = time.monotonic()
 
     def phase(text: str) -> None:
         say(f"[{time.monotonic() - t0:5.0f} s] {text}")
 
     with _interruptible():
-        out = run_deployments(origin(t), plans, backend, out_dir, o, phase, auth.headers(auth.api_key(t)) or None)
+        out = run_deployments(origin(t), plans, engine, out_dir, o, phase, auth.headers(auth.api_key(t)) or None)
     slo = goodput.Slo(out["slo"]["ttft_ms"], out["slo"]["tpot_ms"], out["slo"]["origin"])
     runs = {n: out[n]["runs"] for n in plans}
     out["recommendation"] = goodput.recommend(runs, slo)

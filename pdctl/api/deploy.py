@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,9 +56,15 @@ class Deployment:
     From `up(detach=True)` or `attach(name)`: backed by the state dir (and a supervisor), outlives the caller;
     `down()` stops it."""
 
-    def __init__(self, state, backend, *, attached: bool, notes: list[str] | None = None):
-        self.state, self.backend, self.attached = state, backend, attached
+    def __init__(self, state, engine, *, attached: bool, notes: list[str] | None = None):
+        self.state, self.engine, self.attached = state, engine, attached
         self.notes = notes or []  # what `up` has to say (supervisor pid, engine caveats)
+
+    @property
+    def backend(self):
+        """Renamed to `engine` (the engine that runs the plan); removed in 0.3."""
+        warnings.warn("Deployment.backend is renamed to Deployment.engine", DeprecationWarning, stacklevel=2)
+        return self.engine
 
     @property
     def plan(self) -> Plan:
@@ -100,8 +107,8 @@ class Deployment:
         from pdctl.launch import run as run_mod
         from pdctl.launch import supervisor
 
-        return StatusReport(self.name, str(self.state_dir), self.state.backend, supervisor.alive(self.state_dir),
-                            run_mod.status(self.state, self.backend), self.prometheus_url, dict(self.state.probes))
+        return StatusReport(self.name, str(self.state_dir), self.state.engine_kind, supervisor.alive(self.state_dir),
+                            run_mod.status(self.state, self.engine), self.prometheus_url, dict(self.state.probes))
 
     def select(self, which: str | None = None) -> list[ProcessSpec]:
         """Processes named by instance, ROLE, ROLE/POOL, ROLE/INDEX or ROLE/POOL/INDEX (all without `which`)."""
@@ -114,7 +121,7 @@ class Deployment:
 
     def logs(self, which: str | None = None, lines: int = 40) -> dict[str, list[str]]:
         """The last `lines` lines of each selected process's log."""
-        return {s.name: self.backend.log_tail(self.state, s.name, lines) for s in self.select(which)}
+        return {s.name: self.engine.log_tail(self.state, s.name, lines) for s in self.select(which)}
 
     def follow(self, which: str | None = None, poll_s: float = 0.3) -> Iterator[tuple[str, str]]:
         """(process, line) for every new log line, until the caller stops iterating (logs on this host only)."""
@@ -146,7 +153,7 @@ class Deployment:
         old = {s: signal.signal(s, lambda signum, _f: (got.append(signum), stop.set()))
                for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            settled = supervisor.supervise_attached(self.state, self.backend, stop, say=say)
+            settled = supervisor.supervise_attached(self.state, self.engine, stop, say=say)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -162,7 +169,7 @@ class Deployment:
         if self.attached:
             from pdctl.launch import run as run_mod
 
-            run_mod.down(self.state, self.backend)
+            run_mod.down(self.state, self.engine)
 
 
 @contextlib.contextmanager
@@ -185,15 +192,15 @@ def _interruptible():
 
 
 def _preflight(p: Plan, t: Topology):
-    """The plan's backend, once everything that can be known before launch was checked."""
+    """The plan's engine, once everything that can be known before launch was checked."""
+    from pdctl.launch import engine_for
     from pdctl.launch import run as run_mod
-    from pdctl.launch.backends import backend_for
 
-    backend = backend_for(p.topology.engine)
-    problems = run_mod.preflight(origin(t), p, backend)
+    engine = engine_for(p.topology.engine)
+    problems = run_mod.preflight(origin(t), p, engine)
     if problems:
         raise UserError("pre-flight failed, nothing was started:\n  " + "\n  ".join(problems))
-    return backend
+    return engine
 
 
 def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.0,
@@ -218,14 +225,14 @@ def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.
         p = plan(t, state_dir=state_dir, reference_port=reference_port)
     from pdctl.launch import supervisor
 
-    backend = _preflight(p, t)
+    engine = _preflight(p, t)
     notes: list[str] = []
     state = None
     try:
         with _interruptible():
             # Interrupted while starting, run.up stops what it started; once it returned, the except below does.
-            state = run_mod.up(p, backend, attached=not detach, timeout_s=timeout_s, on_progress=on_progress)
-            if detach and backend.restartable:
+            state = run_mod.up(p, engine, attached=not detach, timeout_s=timeout_s, on_progress=on_progress)
+            if detach and engine.restartable:
                 try:
                     pid = supervisor.start_detached(state)
                 except RuntimeError as e:
@@ -233,15 +240,15 @@ def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.
                 else:
                     notes.append(f"supervisor pid {pid} (log {Path(p.state_dir) / 'logs' / 'supervisor.log'})")
             elif detach:
-                notes.append(f"note: the {backend.name} engine starts a plan as a whole; pdctl does not restart "
+                notes.append(f"note: the {engine.name} engine starts a plan as a whole; pdctl does not restart "
                              "its single instances (status shows them down; pdctl down && pdctl up)")
-            d = Deployment(state, backend, attached=not detach, notes=notes)
+            d = Deployment(state, engine, attached=not detach, notes=notes)
             if d.prometheus_url:
                 notes.append(f"monitoring: Prometheus {d.prometheus_url} (Grafana dashboard: {DASHBOARD})")
     except BaseException:
         if state is not None:  # up, then stopped before the caller got its handle: nothing is left behind
             supervisor.stop(Path(p.state_dir))
-            run_mod.down(state, backend)
+            run_mod.down(state, engine)
         raise
     return d
 
@@ -257,23 +264,22 @@ def state_dir_of(name: str | None = None, state_dir: str | Path | None = None) -
 
 def attach(name: str | None = None, *, state_dir: str | Path | None = None) -> Deployment:
     """A handle to a topology that is up (by name, state dir, or the only one there is)."""
+    from pdctl.launch import engine_of
     from pdctl.launch import state as state_mod
-    from pdctl.launch.backends import backend_of
 
     d = state_dir_of(name, state_dir)
     st = state_mod.load(d)
     if st is None:
         raise UserError(f"nothing is up in {d}")
-    return Deployment(st, backend_of(st), attached=False)
+    return Deployment(st, engine_of(st), attached=False)
 
 
 def down(name: str | None = None, *, state_dir: str | Path | None = None, grace_s: float = 15.0) -> DownReport:
     """Stop a launched topology: its supervisor first (nothing may restart behind down's back), then every
     process. Idempotent: nothing to stop is reported, not raised."""
+    from pdctl.launch import engine_of, supervisor
     from pdctl.launch import run as run_mod
     from pdctl.launch import state as state_mod
-    from pdctl.launch import supervisor
-    from pdctl.launch.backends import backend_of
 
     try:
         d = state_dir_of(name, state_dir)
@@ -285,7 +291,7 @@ def down(name: str | None = None, *, state_dir: str | Path | None = None, grace_
         if st is None:
             return DownReport(name or d.name, mode, nothing=None if mode == "foreground" else f"no state in {d}",
                               by_foreground_up=mode == "foreground")
-        r = run_mod.down(st, backend_of(st), grace_s)
+        r = run_mod.down(st, engine_of(st), grace_s)
     return DownReport(st.plan.name, mode, r.stopped, r.killed, r.already_gone)
 
 
@@ -295,14 +301,14 @@ def _brought_up(p: Plan, t: Topology, timeout_s: float, progress: Callable[[str]
     while the gate runs)."""
     from pdctl.launch import run as run_mod
 
-    backend = _preflight(p, t)
+    engine = _preflight(p, t)
     progress(label)
     with _interruptible():
-        state = run_mod.up(p, backend, attached=True, timeout_s=timeout_s)
+        state = run_mod.up(p, engine, attached=True, timeout_s=timeout_s)
         try:
-            yield Deployment(state, backend, attached=True)
+            yield Deployment(state, engine, attached=True)
         finally:
-            run_mod.down(state, backend)
+            run_mod.down(state, engine)
 
 
 def _local_engine(t: Topology) -> None:

@@ -337,7 +337,7 @@ def evaluate(target: Topology | Deployment | str | Path | None = None, *, proxy:
                             "--reference URL of an aggregated server of the same model, or a TOPOLOGY (pdctl then "
                             "starts one)")
         say(_running_warning(d, "eval"))
-        local = d is not None and d.backend.name == "local"  # a cluster node's model path means nothing here
+        local = d is not None and d.engine.name == "local"  # a cluster node's model path means nothing here
         return run(proxy_url, reference, name, o.tokenizer or (_served_path(d) if local else None),
                    o.results or Path("results") / f"eval-{stamp}", key)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pdctl.bench import goodput, load
 from pdctl.bench.options import BenchOptions
 from pdctl.launch import run as run_mod
-from pdctl.launch.backend import Backend
+from pdctl.launch.engine import Engine
 from pdctl.launch.errors import LaunchFailed
 from pdctl.plan import Plan
 from pdctl.topology import Loaded, resolved_model
@@ -23,11 +23,11 @@ from pdctl.topology import Loaded, resolved_model
 UNLOADED_REQUESTS = 20  # --slo auto: one baseline instance at concurrency 1
 
 
-def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend, out_dir: Path, o: BenchOptions,
+def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, out_dir: Path, o: BenchOptions,
                 phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
     """o: resolved (requests per rate, prompt and output lengths). pd_plan without its reference: nothing but
     the deployment under test runs on the devices."""
-    out = run_deployments(loaded, {"baseline": base_plan, "pd": pd_plan}, backend, out_dir, o, phase, headers)
+    out = run_deployments(loaded, {"baseline": base_plan, "pd": pd_plan}, engine, out_dir, o, phase, headers)
     b, p = out["baseline"]["sustained_req_s"], out["pd"]["sustained_req_s"]
     out["ratio_pd_over_baseline"] = p / b if b else None
     out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
@@ -38,7 +38,7 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, backend: Backend
     return out
 
 
-def run_deployments(loaded: Loaded, deployments: dict[str, Plan], backend: Backend, out_dir: Path,
+def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine, out_dir: Path,
                     o: BenchOptions, phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
     """Each deployment brought up alone in turn and sent the same prompts with the same seeded arrivals per
     (repetition, rate); the first must be "baseline" (`--slo auto` is measured on its first instance before any
@@ -71,7 +71,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], backend: Backe
             plan = deployments[name]
             phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
             try:
-                state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+                state = run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
             except LaunchFailed as e:
                 if slo is None:  # the baseline, whose first instance fixes the SLO: nothing to compare with
                     raise
@@ -110,7 +110,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], backend: Backe
                     rate = (o.rates[k] if k < len(o.rates) else None) if o.rates else \
                         goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
             finally:
-                run_mod.down(state, backend)
+                run_mod.down(state, engine)
             legs[name].append({"points": {f"{r:g}": a for r, a in points.items()}, "stats": stats,
                                "sustained": goodput.sustained(points), "requests": per_request})
     assert slo is not None

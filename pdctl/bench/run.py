@@ -14,7 +14,7 @@ from pdctl.gates import accuracy, fleet, parity
 from pdctl.gates import prompts as gate_prompts
 from pdctl.launch import probe
 from pdctl.launch import run as run_mod
-from pdctl.launch.backend import Backend
+from pdctl.launch.engine import Engine
 from pdctl.plan import Plan, ProcessSpec
 from pdctl.protocol import ROUTE_HEADER
 from pdctl.topology import Loaded, resolved_model
@@ -30,7 +30,7 @@ def overall_status(summary: dict, allow_ungated: bool = False) -> str:
     return "PASS"
 
 
-def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, out_dir: Path, o: BenchOptions,
+def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, engine: Engine, out_dir: Path, o: BenchOptions,
               expected: dict, phase: Callable[[str], None] = lambda _: None) -> dict:
     """expected: the accuracy table read from o.expected (read before anything starts)."""
     t = loaded.topology
@@ -53,7 +53,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
         works = _workloads(loaded, o, seed, vocab, 1 + (len(t.pairs()) if fleet_mode else 0), phase)
     phase(f"up: {plan.name} and an aggregated reference")
     t0 = time.perf_counter()
-    state = run_mod.up(plan, backend, attached=True, timeout_s=o.timeout_s)
+    state = run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
     summary["time_to_ready_s"] = time.perf_counter() - t0
     proxy = plan.get("proxy").http_url
     decodes = [s.http_url for s in plan.by_role("decode")]
@@ -132,7 +132,7 @@ def run_bench(loaded: Loaded, plan: Plan, ref: ProcessSpec, backend: Backend, ou
                 summary["perf"]["pairs"] = per_pair
     finally:
         phase("down")
-        run_mod.down(state, backend)
+        run_mod.down(state, engine)
     summary["status"] = overall_status(summary, o.allow_ungated)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

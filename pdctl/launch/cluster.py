@@ -1,11 +1,11 @@
-"""What the cluster backends share: servers run on cluster nodes, the proxy (unless placed) runs here."""
+"""What the cluster engines share: servers run on cluster nodes, the proxy (unless placed) runs here."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
 
-from pdctl.launch.backend import Backend, Liveness, StopReport
-from pdctl.launch.local import LocalBackend
+from pdctl.launch.engine import Engine, Liveness, StopReport
+from pdctl.launch.local import LocalEngine
 from pdctl.launch.state import LaunchState
 from pdctl.topology import EngineSpec
 
@@ -22,12 +22,12 @@ def is_this_host(ip: str) -> bool:
         return False
 
 
-class ClusterBackend(Backend):
+class ClusterEngine(Engine):
     prefix = "cluster:"  # a record's `where` for processes the cluster runs
 
-    def __init__(self, engine: EngineSpec) -> None:
-        self.engine = engine
-        self.local = LocalBackend()
+    def __init__(self, engine_spec: EngineSpec) -> None:
+        self.engine_spec = engine_spec  # the topology's engine section
+        self.local = LocalEngine()
 
     def on_cluster(self, state: LaunchState, name: str) -> bool:
         rec = state.processes.get(name)

@@ -1,5 +1,5 @@
-"""How a launch fails, for every backend and for `up`: a leaf module (it imports only the log helpers), so the
-backends, the runner and the CLI can all raise and catch these without importing each other."""
+"""How a launch fails, for every engine and for `up`: a leaf module (it imports only the log helpers), so the
+engines, the runner and the CLI can all raise and catch these without importing each other."""
 
 from __future__ import annotations
 

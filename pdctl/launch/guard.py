@@ -65,7 +65,7 @@ def add_niceness(n: int) -> str | None:
     """Add n to this process's niceness (what it starts inherits it); None, or why the host refused."""
     try:
         os.nice(n)
-    except OSError as e:  # lowering it needs CAP_SYS_NICE or RLIMIT_NICE; the local backend's preflight says so first
+    except OSError as e:  # lowering it needs CAP_SYS_NICE or RLIMIT_NICE; the local engine's preflight says so first
         return (f"cannot add {n} to the niceness ({e.strerror}); a negative nice needs CAP_SYS_NICE or a high "
                 "enough RLIMIT_NICE")
     return None

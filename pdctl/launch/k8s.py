@@ -19,7 +19,7 @@ from pathlib import PurePosixPath
 
 from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
 from pdctl.proxy.config import spec_of, upstream, with_spec
-from pdctl.topology import DEFAULT_POOL, ROLES, InstanceGroup, Topology, is_local_path
+from pdctl.topology import DEFAULT_POOL, ROLES, Pool, Topology, is_local_path
 from pdctl.topology.transport import UCX_ACROSS_HOSTS, UCX_ONE_HOST
 
 # The extended resource each platform's device plugin offers.
@@ -62,17 +62,17 @@ def _labels(t: Topology, component: str, pool: str | None = None) -> dict[str, s
     return labels
 
 
-def _model_arg(t: Topology, g: InstanceGroup) -> tuple[str, bool]:
-    raw = t.model_path(g)
+def _model_arg(t: Topology, pool: Pool) -> tuple[str, bool]:
+    raw = t.model_path(pool)
     if is_local_path(raw):
         return f"{MODELS_MOUNT}/{PurePosixPath(raw).name}", True
     return raw, False
 
 
-def _server_container(t: Topology, g: InstanceGroup, spec: ProcessSpec, image: str) -> tuple[dict, bool]:
+def _server_container(t: Topology, pool: Pool, spec: ProcessSpec, image: str) -> tuple[dict, bool]:
     argv = ["python3", *spec.argv[1:]]
     argv[argv.index("--host") + 1] = "0.0.0.0"
-    model, local = _model_arg(t, g)
+    model, local = _model_arg(t, pool)
     argv[argv.index("--model") + 1] = model
     # Pods are hosts of their own: UCX's settings across hosts, never the plan's one-host shared-memory lanes
     # (a pool's own env still wins).
@@ -81,11 +81,11 @@ def _server_container(t: Topology, g: InstanceGroup, spec: ProcessSpec, image: s
            if k not in HOST_ONLY_ENV and k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
     env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     env += secret_env(t, spec)
-    if g.platform in DEVICE_RESOURCE:
-        n = str(g.tp)
-        resources = {"requests": {DEVICE_RESOURCE[g.platform]: n}, "limits": {DEVICE_RESOURCE[g.platform]: n}}
+    if pool.platform in DEVICE_RESOURCE:
+        n = str(pool.tp)
+        resources = {"requests": {DEVICE_RESOURCE[pool.platform]: n}, "limits": {DEVICE_RESOURCE[pool.platform]: n}}
     else:
-        cores = str(len(g.devices_of(0) or []) or g.tp)
+        cores = str(len(pool.devices_of(0) or []) or pool.tp)
         resources = {"requests": {"cpu": cores, "memory": "4Gi"}, "limits": {"memory": "16Gi"}}
     c = {
         "name": "vllm", "image": image, "command": argv, "env": env, "resources": resources,

@@ -1,4 +1,4 @@
-"""Local backend: each process in its own process group on this host, logs to the state dir."""
+"""Local engine: each process in its own process group on this host, logs to the state dir."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pdctl import auth
 from pdctl.launch import probe
-from pdctl.launch.backend import Liveness, RestartableBackend, StopReport
+from pdctl.launch.engine import Liveness, RestartableEngine, StopReport
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec
 
@@ -111,7 +111,7 @@ def nice_problems(plan: Plan) -> list[str]:
     return out
 
 
-class LocalBackend(RestartableBackend):
+class LocalEngine(RestartableEngine):
     name = "local"
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Ray backend: each instance is a detached named actor (namespace = topology name) that runs its vLLM server.
+"""Ray engine: each instance is a detached named actor (namespace = topology name) that runs its vLLM server.
 
 The actor starts the server in its own process group with a parent-death signal, so a killed actor or a lost
 node takes its server with it; `down` asks each actor to stop its group and then kills the actor (never
@@ -19,8 +19,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from pdctl import auth
-from pdctl.launch.backend import Liveness, StopReport
-from pdctl.launch.cluster import ClusterBackend, is_this_host
+from pdctl.launch.cluster import ClusterEngine, is_this_host
+from pdctl.launch.engine import Liveness, StopReport
 from pdctl.launch.errors import LaunchFailed, PlacementFailed
 from pdctl.launch.local import group_alive, guarded, start_ticks
 from pdctl.launch.logs import tail
@@ -48,7 +48,7 @@ class InstanceActor:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         # Ray's own variables would tell a vLLM server it runs inside this Ray job,
         # and Ray's OMP_NUM_THREADS=1 would cap the server's CPU threads (its cores come from the plan).
-        # Whether a server requires a key is the plan's to say (env), not the node's (as LocalBackend's).
+        # Whether a server requires a key is the plan's to say (env), not the node's (as LocalEngine's).
         base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")
                 and k not in ("OMP_NUM_THREADS", auth.VLLM_KEY_ENV)}
         with open(log_path, "ab") as log:
@@ -86,12 +86,12 @@ class InstanceActor:
         return "stopped"
 
 
-class RayBackend(ClusterBackend):
+class RayEngine(ClusterEngine):
     name = "ray"
     prefix = "ray:"
 
-    def __init__(self, engine: EngineSpec) -> None:
-        super().__init__(engine)
+    def __init__(self, engine_spec: EngineSpec) -> None:
+        super().__init__(engine_spec)
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
     # -- connection
@@ -99,7 +99,7 @@ class RayBackend(ClusterBackend):
     def _connect(self, namespace: str) -> None:
         if ray.is_initialized():
             return
-        address = self.engine.address or os.environ.get("RAY_ADDRESS")
+        address = self.engine_spec.address or os.environ.get("RAY_ADDRESS")
         ray.init(address=address, namespace=namespace, logging_level="ERROR", log_to_driver=False,
                  configure_logging=True)
 
@@ -110,7 +110,7 @@ class RayBackend(ClusterBackend):
     def _on_ray(self, spec: ProcessSpec) -> bool:
         if spec.role != "proxy":
             return True
-        pl = self.engine.placement.get("proxy")
+        pl = self.engine_spec.placement.get("proxy")
         return pl is not None and bool(pl.resources or pl.labels or pl.node not in (None, "local"))
 
     def _options(self, plan: Plan, spec: ProcessSpec) -> dict:
@@ -125,13 +125,13 @@ class RayBackend(ClusterBackend):
             opts["resources"] = {**opts.get("resources", {}), f"node:{pl.node}": 0.001}
         return opts
 
-    # -- Backend
+    # -- Engine
 
     def preflight(self, plan: Plan) -> list[str]:
         try:
             self._connect(self._namespace(plan))
         except Exception as e:  # ray raises ConnectionError, RuntimeError, ValueError here
-            return [f"cannot reach the Ray cluster at {self.engine.address or '$RAY_ADDRESS'}: "
+            return [f"cannot reach the Ray cluster at {self.engine_spec.address or '$RAY_ADDRESS'}: "
                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"]
         problems = []
         for spec in plan.processes:
@@ -147,14 +147,14 @@ class RayBackend(ClusterBackend):
     def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
         ns = self._namespace(plan)
         self._connect(ns)
-        state.engine = {"namespace": ns, "address": self.engine.address or os.environ.get("RAY_ADDRESS")}
+        state.engine = {"namespace": ns, "address": self.engine_spec.address or os.environ.get("RAY_ADDRESS")}
         placed = [s for s in plan.processes if self._on_ray(s)]
         for spec in placed:
             opts = self._options(plan, spec)
             self._actors[spec.name] = InstanceActor.options(namespace=ns, **opts).remote(spec.name)
             # Recorded at once: a failed placement below must still find and kill the actors.
             state.processes[spec.name] = ProcessRecord(spec.name, 0, 0, 0, time.time(), where="ray:pending")
-        timeout = self.engine.placement_timeout_s
+        timeout = self.engine_spec.placement_timeout_s
         refs = {n: a.node_ip.remote() for n, a in self._actors.items()}
         hosts: dict[str, str] = {}
         deadline = time.monotonic() + timeout
@@ -238,7 +238,7 @@ class RayBackend(ClusterBackend):
             except RayError:
                 pass
         # A lost node's processes are out of reach, unless that node is this host (nodes on loopback
-        # addresses): then its process groups are stopped here, by pid and start time like the local backend's.
+        # addresses): then its process groups are stopped here, by pid and start time like the local engine's.
         here = {n for n in unreachable if is_this_host(on_ray[n].where.removeprefix("ray:")) and on_ray[n].pid}
         report.already_gone += [n for n in unreachable if n not in here]
         if here:

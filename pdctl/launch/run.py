@@ -15,7 +15,7 @@ from pathlib import Path
 from pdctl import auth, monitoring
 from pdctl.launch import probe, supervisor
 from pdctl.launch import state as state_mod
-from pdctl.launch.backend import Backend, StopReport
+from pdctl.launch.engine import Engine, StopReport
 from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  # noqa: F401 (re-exported)
 from pdctl.launch.state import LaunchState
 from pdctl.launch.warmup import warm_up
@@ -31,10 +31,10 @@ class Progress:
     elapsed_s: float
 
 
-def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
+def preflight(loaded: Loaded, plan: Plan, engine: Engine) -> list[str]:
     problems: list[str] = []
     existing = state_mod.load(Path(plan.state_dir))
-    if existing and any(backend.liveness(existing, n).alive for n in existing.processes):
+    if existing and any(engine.liveness(existing, n).alive for n in existing.processes):
         return [f"'{plan.name}' is already up (state {plan.state_dir}); `pdctl down {plan.name}` first"]
     sup = supervisor.alive(Path(plan.state_dir))
     if sup:  # it would restart its instances into the new launch's ports and overwrite its state
@@ -60,7 +60,7 @@ def preflight(loaded: Loaded, plan: Plan, backend: Backend) -> list[str]:
     if t.proxy.kind == "vllm-router" and importlib.util.find_spec("vllm_router") is None:
         problems.append("proxy.kind: vllm-router: Python package 'vllm_router' is not importable; install "
                         "pdctl[router] (pip install vllm-router)")
-    return problems + backend.preflight(plan)
+    return problems + engine.preflight(plan)
 
 
 def _ready(spec: ProcessSpec, headers: dict[str, str]) -> tuple[bool, bool]:
@@ -71,24 +71,24 @@ def _ready(spec: ProcessSpec, headers: dict[str, str]) -> tuple[bool, bool]:
     return ok, status != 0
 
 
-def up(plan: Plan, backend: Backend, *, attached: bool, timeout_s: float,
+def up(plan: Plan, engine: Engine, *, attached: bool, timeout_s: float,
        on_progress: Callable[[list[Progress]], None] = lambda _: None) -> LaunchState:
     """Start every process in parallel and wait until all are ready; on any failure stop them all and raise."""
-    state = LaunchState(plan, backend=backend.name, detached=not attached)
+    state = LaunchState(plan, engine_kind=engine.name, detached=not attached)
     state_mod.clear_logs(Path(plan.state_dir))
     write_monitoring(plan)
     try:
-        state.plan = plan = backend.launch(plan, state, attached=attached)
+        state.plan = plan = engine.launch(plan, state, attached=attached)
         state_mod.save(state)
-        wait_ready(plan, backend, state, timeout_s, on_progress)
+        wait_ready(plan, engine, state, timeout_s, on_progress)
         state.probes = {p.label: p.seconds for p in warm_up(plan)}
         state_mod.save(state)
     except BaseException as e:
         if isinstance(e, LaunchFailed) and not e.log_tail:
-            # The log lives on a cluster node: ask the backend for it.
+            # The log lives on a cluster node: ask the engine for it.
             name = e.name
-            e.log_tail = _safe(lambda: backend.log_tail(state, name, LOG_TAIL_LINES), [])
-        backend.stop(state)
+            e.log_tail = _safe(lambda: engine.log_tail(state, name, LOG_TAIL_LINES), [])
+        engine.stop(state)
         state_mod.remove(Path(plan.state_dir))
         raise
     return state
@@ -115,7 +115,7 @@ def _safe(fn, default):
         return default
 
 
-def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: float,
+def wait_ready(plan: Plan, engine: Engine, state: LaunchState, timeout_s: float,
                on_progress: Callable[[list[Progress]], None]) -> None:
     t0 = time.monotonic()
     ready: dict[str, float] = {}
@@ -125,7 +125,7 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
         for spec in plan.processes:
             if spec.name in ready:
                 continue
-            live = backend.liveness(state, spec.name)
+            live = engine.liveness(state, spec.name)
             if not live.alive:
                 code = f" with code {live.exit_code}" if live.exit_code is not None else ""
                 raise LaunchFailed(spec.name, f"exited{code} before it was ready", spec.log_path)
@@ -145,8 +145,8 @@ def wait_ready(plan: Plan, backend: Backend, state: LaunchState, timeout_s: floa
         time.sleep(0.25)
 
 
-def down(state: LaunchState, backend: Backend, grace_s: float = 15.0) -> StopReport:
-    report = backend.stop(state, grace_s)
+def down(state: LaunchState, engine: Engine, grace_s: float = 15.0) -> StopReport:
+    report = engine.stop(state, grace_s)
     state_mod.remove(Path(state.plan.state_dir))
     return report
 
@@ -187,12 +187,12 @@ class InstanceStatus:
     kv_reads_peer_gone: float | None = None  # given up because their prefill was gone
 
 
-def status(state: LaunchState, backend: Backend) -> list[InstanceStatus]:
+def status(state: LaunchState, engine: Engine) -> list[InstanceStatus]:
     out = []
     key = auth.open_route_headers(state.plan.topology)
     for spec in state.plan.processes:
         rec = state.processes.get(spec.name)
-        running = backend.liveness(state, spec.name).alive
+        running = engine.liveness(state, spec.name).alive
         healthy = running and probe.healthy(spec.readiness_url, timeout=1.0, headers=key)
         # vLLM's series, from the servers (the proxy and Prometheus have none of them).
         server = spec.role in ("prefill", "decode", "reference", "baseline")

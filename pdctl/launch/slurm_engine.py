@@ -1,4 +1,4 @@
-"""Slurm backend: one batch job, one job step per vLLM instance, each on the nodes the topology's placement names.
+"""Slurm engine: one batch job, one job step per vLLM instance, each on the nodes the topology's placement names.
 
 Each step learns its node's address at run time (`pdctl.launch.slurm_step`), so the script can be rendered before
 Slurm has placed anything (`pdctl plan --set engine.kind=slurm` shows it). `pdctl up` submits it, reads which node
@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from pdctl.launch.backend import Liveness, StopReport
-from pdctl.launch.cluster import ClusterBackend, is_this_host
+from pdctl.launch.cluster import ClusterEngine, is_this_host
+from pdctl.launch.engine import Liveness, StopReport
 from pdctl.launch.errors import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan
@@ -127,12 +127,12 @@ def cluster_nodes() -> list[str]:
     return [line.strip() for line in r.stdout.splitlines() if line.strip()]
 
 
-class SlurmBackend(ClusterBackend):
+class SlurmEngine(ClusterEngine):
     name = "slurm"
     prefix = "slurm:"
 
-    def __init__(self, engine: EngineSpec) -> None:
-        super().__init__(engine)  # the proxy runs where pdctl runs
+    def __init__(self, engine_spec: EngineSpec) -> None:
+        super().__init__(engine_spec)  # the proxy runs where pdctl runs
         self._steps: tuple[float, dict[str, str]] | None = None
 
     def preflight(self, plan: Plan) -> list[str]:
@@ -149,7 +149,7 @@ class SlurmBackend(ClusterBackend):
         return problems + self.local.preflight(proxy)
 
     def launch(self, plan: Plan, state: LaunchState, *, attached: bool) -> Plan:
-        script = render_batch(plan, self.engine)
+        script = render_batch(plan, self.engine_spec)
         os.makedirs(os.path.join(plan.state_dir, "logs"), exist_ok=True)
         path = os.path.join(plan.state_dir, "job.sbatch")
         with open(path, "w") as f:
@@ -162,7 +162,7 @@ class SlurmBackend(ClusterBackend):
         servers = [s for s in plan.processes if s.role != "proxy"]
         for s in servers:  # recorded at once: a failed placement must still scancel the job
             state.processes[s.name] = ProcessRecord(s.name, 0, 0, 0, time.time(), where=f"slurm:{job_id}")
-        timeout = self.engine.placement_timeout_s
+        timeout = self.engine_spec.placement_timeout_s
         deadline = time.monotonic() + timeout
         found: dict[str, str] = {}
         while True:

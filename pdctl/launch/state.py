@@ -34,15 +34,15 @@ class ProcessRecord:
 @dataclass
 class LaunchState:
     plan: Plan
-    backend: str = "local"
+    engine_kind: str = "local"  # the engine that started it (Engine.name)
     detached: bool = True
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
-    engine: dict = field(default_factory=dict)  # the backend's handle: Ray namespace, Slurm job id, ...
+    engine: dict = field(default_factory=dict)  # the engine's handle: Ray namespace, Slurm job id, ...
     probes: dict[str, float] = field(default_factory=dict)  # "prefill -> decode": its warm-up probe's read (s)
 
     def to_json(self) -> str:
-        d = {"plan": self.plan.to_dict(), "backend": self.backend, "detached": self.detached,
+        d = {"plan": self.plan.to_dict(), "engine_kind": self.engine_kind, "detached": self.detached,
              "created_at": self.created_at, "engine": self.engine, "probes": self.probes,
              "processes": {k: asdict(v) for k, v in self.processes.items()}}
         return json.dumps(d, indent=2)
@@ -50,7 +50,9 @@ class LaunchState:
     @classmethod
     def from_json(cls, text: str) -> LaunchState:
         d = json.loads(text)
-        return cls(plan=Plan.from_dict(d["plan"]), backend=d.get("backend", "local"), detached=d["detached"],
+        # "backend": the key of a state file an earlier pdctl wrote (a topology left running across an upgrade).
+        kind = d.get("engine_kind", d.get("backend", "local"))
+        return cls(plan=Plan.from_dict(d["plan"]), engine_kind=kind, detached=d["detached"],
                    created_at=d["created_at"], engine=d.get("engine", {}), probes=d.get("probes", {}),
                    processes={k: ProcessRecord(**v) for k, v in d["processes"].items()})
 

@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdctl import auth
+from pdctl.launch import engine_of, warmup
 from pdctl.launch import probe as probe_mod
 from pdctl.launch import state as state_mod
-from pdctl.launch import warmup
-from pdctl.launch.backend import Backend, RestartableBackend
-from pdctl.launch.backends import backend_of
+from pdctl.launch.engine import Engine, RestartableEngine
 from pdctl.launch.errors import LaunchFailed
 from pdctl.launch.local import start_ticks
 from pdctl.launch.logs import exit_of, root_cause, this_run
@@ -93,14 +92,14 @@ class _Watch:
 
 
 class Supervisor:
-    def __init__(self, state: LaunchState, backend: Backend, *, attached: bool,
+    def __init__(self, state: LaunchState, engine: Engine, *, attached: bool,
                  clock: Callable[[], float] = time.monotonic,
                  healthy: Callable[[str], bool] = lambda url: probe_mod.healthy(url, timeout=2.0),
                  say: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
                  save: Callable[[LaunchState], None] = state_mod.save,
                  prove: Callable[[ProcessSpec], str | None] | None = None,
                  hold: Callable[[str, bool], str | None] | None = None):
-        self.state, self.backend, self.attached = state, backend, attached
+        self.state, self.engine, self.attached = state, engine, attached
         self.clock, self.healthy, self.say, self.save = clock, healthy, say, save
         self.prove = prove or self._probe_pairs
         self.hold = hold or self._tell_proxy
@@ -136,7 +135,7 @@ class Supervisor:
             if now >= w.restart_at:
                 self._restart(spec, w, now)
             return
-        live = self.backend.liveness(self.state, spec.name)
+        live = self.engine.liveness(self.state, spec.name)
         if not live.alive:
             self._ended(spec, w, now, live.exit_code, None)
             return
@@ -144,7 +143,7 @@ class Supervisor:
             return
         w.next_probe = now + self.policy.health_interval_s
         ok = self.healthy(spec.readiness_url)
-        if not ok and exit_of(this_run(self.backend.log_tail(self.state, spec.name, 200))) is not None:
+        if not ok and exit_of(this_run(self.engine.log_tail(self.state, spec.name, 200))) is not None:
             # The server is gone; its guard is still stopping what it left (up to the guard's grace, longer on a
             # loaded host). That is an exit, not a run of failed health checks.
             self._ended(spec, w, now, None, None)
@@ -238,15 +237,15 @@ class Supervisor:
         self.save(self.state)
 
     def _stop(self, spec: ProcessSpec) -> None:
-        # A backend that starts a plan as a whole stops it as a whole too: its instance is left as it is.
-        if isinstance(self.backend, RestartableBackend):
-            self.backend.stop_one(self.state, spec.name)
+        # An engine that starts a plan as a whole stops it as a whole too: its instance is left as it is.
+        if isinstance(self.engine, RestartableEngine):
+            self.engine.stop_one(self.state, spec.name)
 
     def _ended(self, spec: ProcessSpec, w: _Watch, now: float, code: int | None, reason: str | None) -> None:
         """The instance is gone: record how and why, then restart it later, or leave it down."""
-        if isinstance(self.backend, RestartableBackend):
+        if isinstance(self.engine, RestartableEngine):
             self._stop(spec)  # whatever the server left behind (an orphaned EngineCore holds its ports)
-        lines = this_run(self.backend.log_tail(self.state, spec.name, 2000))
+        lines = this_run(self.engine.log_tail(self.state, spec.name, 2000))
         how = exit_of(lines) or (f"exited with code {code}" if code is not None else "gone")
         rec = self.state.processes.get(spec.name)
         if rec is not None:
@@ -255,8 +254,8 @@ class Supervisor:
         clean = reason is None and (code == 0 or how == "exited with code 0")
         policy = restart_policy(self.state.plan.topology, spec)
         cause = f": {rec.last_error}" if rec and rec.last_error else ""
-        if not isinstance(self.backend, RestartableBackend):
-            self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; the {self.backend.name} engine does "
+        if not isinstance(self.engine, RestartableEngine):
+            self.say(f"{spec.name} {rec.last_exit if rec else how}{cause}; the {self.engine.name} engine does "
                      "not restart single instances (pdctl down && pdctl up)")
             return self._set(spec, w, "failed")
         if policy == "never" or (policy == "on-failure" and clean):
@@ -275,10 +274,10 @@ class Supervisor:
         self._set(spec, w, "backoff")
 
     def _restart(self, spec: ProcessSpec, w: _Watch, now: float) -> None:
-        assert isinstance(self.backend, RestartableBackend)  # _ended leaves the others' instances down
+        assert isinstance(self.engine, RestartableEngine)  # _ended leaves the others' instances down
         old = self.state.processes.get(spec.name)
         try:
-            self.backend.start(self.state.plan, spec, self.state, attached=self.attached)
+            self.engine.start(self.state.plan, spec, self.state, attached=self.attached)
         except OSError as e:
             w.restarts.append(now)  # a start that fails counts: it must not loop at the first backoff forever
             self.say(f"{spec.name}: restart failed: {e}")
@@ -320,12 +319,12 @@ def start_detached(state: LaunchState) -> int:
     raise RuntimeError(f"the supervisor did not start within 20 s; log: {log_path}")
 
 
-def supervise_attached(state: LaunchState, backend: Backend, stop: threading.Event,
+def supervise_attached(state: LaunchState, engine: Engine, stop: threading.Event,
                        say: Callable[[str], None]) -> bool:
     """The foreground `pdctl up`: supervise until `stop` is set, then take everything down. True when it ended
     because nothing was left to supervise (every instance gave up or exited cleanly)."""
     d = Path(state.plan.state_dir)
-    sup = Supervisor(state, backend, attached=True, say=say)
+    sup = Supervisor(state, engine, attached=True, say=say)
     record_self(d, "foreground")
     try:
         while not stop.wait(0.5):
@@ -335,7 +334,7 @@ def supervise_attached(state: LaunchState, backend: Backend, stop: threading.Eve
                 return True
         return False
     finally:
-        backend.stop(state)
+        engine.stop(state)
         state_mod.remove(d)
         (d / state_mod.SUPERVISOR_FILE).unlink(missing_ok=True)
 
@@ -396,7 +395,7 @@ def main(argv: list[str]) -> int:
 
     say(f"supervising {state.plan.name} ({len(state.plan.processes)} processes, pid {os.getpid()})")
     try:
-        Supervisor(state, backend_of(state), attached=False, say=say).run(stop_event, until_settled=True)
+        Supervisor(state, engine_of(state), attached=False, say=say).run(stop_event, until_settled=True)
     except StateGone:
         say("the topology was taken down")
     finally:

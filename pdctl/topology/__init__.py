@@ -14,6 +14,8 @@ One module per concern; this package hands their names on:
   load.py        the YAML read, overridden, validated and checked
 """
 
+import warnings
+
 from pdctl.topology.describe import attention_summary, summary
 from pdctl.topology.facts import (
     HMA_OFF_FLAG,
@@ -53,13 +55,13 @@ from pdctl.topology.schema import (
     ConnectorSpec,
     EngineKind,
     EngineSpec,
-    InstanceGroup,
     KvLayout,
     ModelSpec,
     MonitoringSpec,
     Placement,
     Platform,
     Policy,
+    Pool,
     Pools,
     Port,
     ProxyKind,
@@ -81,7 +83,15 @@ __all__ = [
     "compatibility_problems", "kv_bytes_per_token", "CROSS_ROLE_CORE", "is_loopback", "ROUTER_UNSUPPORTED",
     "CPU_BLOCK_MULTIPLE", "DEFAULT_BLOCK_SIZE", "DEFAULT_POOL", "MAX_POOLS", "POOL_NAME_PATTERN", "RAY_PLACEMENT",
     "ROLE_PORTS", "ROLES", "ROUTER_POLICY", "SLURM_PLACEMENT", "AuthSpec", "BufferDevice", "ByteSize",
-    "ConnectorSpec", "EngineKind", "EngineSpec", "InstanceGroup", "KvLayout", "ModelSpec", "MonitoringSpec",
-    "Placement", "Platform", "Policy", "Pools", "Port", "ProxyKind", "ProxySettings", "ProxySpec", "ReferenceSpec",
-    "Role",    "SupervisionSpec", "Topology", "instance_name", "parse_bytes",
+    "ConnectorSpec", "EngineKind", "EngineSpec", "KvLayout", "ModelSpec", "MonitoringSpec", "Placement",
+    "Platform", "Policy", "Pool", "Pools", "Port", "ProxyKind", "ProxySettings", "ProxySpec", "ReferenceSpec",
+    "Role", "SupervisionSpec", "Topology", "instance_name", "parse_bytes",
 ]
+
+
+def __getattr__(name: str):
+    if name == "InstanceGroup":  # renamed; removed in 0.3
+        warnings.warn("pdctl.topology.InstanceGroup is renamed to pdctl.topology.Pool", DeprecationWarning,
+                      stacklevel=2)
+        return Pool
+    raise AttributeError(f"module 'pdctl.topology' has no attribute {name!r}")

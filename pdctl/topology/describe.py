@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pdctl.topology.facts import ModelInfo, hma_enabled, model_attention
-from pdctl.topology.schema import ROLES, InstanceGroup, Topology
+from pdctl.topology.schema import ROLES, Pool, Topology
 
 
 def summary(t: Topology, info: ModelInfo | None = None) -> str:
     """One line: what runs where, for `pdctl validate` (`info`: the model's facts, by default those the topology
     was loaded with); a model with sliding-window layers says so, with its window and whether HMA is on."""
-    def pool(g: InstanceGroup) -> str:
-        return f"{g.count}x {g.platform} block {g.block_size} TP {g.tp} {g.kv_layout}" + (f" nice {g.nice:+d}"
-                                                                                           if g.nice else "")
+    def one(pool: Pool) -> str:
+        nice = f" nice {pool.nice:+d}" if pool.nice else ""
+        return f"{pool.count}x {pool.platform} block {pool.block_size} TP {pool.tp} {pool.kv_layout}{nice}"
 
     if info is None:
         info = t.origin.model_info if t.origin is not None else ModelInfo()
@@ -19,9 +19,9 @@ def summary(t: Topology, info: ModelInfo | None = None) -> str:
     attention = attention_summary(t, info)
     attention = f"; {attention}" if attention else ""
     if len(t.prefill) == 1 and len(t.decode) == 1:
-        return (f"{t.name}: prefill {pool(t.prefill[0])} -> decode {pool(t.decode[0])}, connector "
+        return (f"{t.name}: prefill {one(t.prefill[0])} -> decode {one(t.decode[0])}, connector "
                 f"{t.connector.kind}{proxy}{attention}")
-    sides = [f"{role} pools " + ", ".join(f"{g.name} ({pool(g)})" for g in t.pools(role)) for role in ROLES]
+    sides = [f"{role} pools " + ", ".join(f"{pool.name} ({one(pool)})" for pool in t.pools(role)) for role in ROLES]
     pairs = ", ".join(f"{p.name}->{d.name}" for p, d in t.pairs())
     return f"{t.name}: {sides[0]} -> {sides[1]}; pairs {pairs}; connector {t.connector.kind}{proxy}{attention}"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdctl import yamlsrc
-from pdctl.topology.schema import InstanceGroup, ModelSpec, Topology
+from pdctl.topology.schema import ModelSpec, Pool, Topology
 
 # KV heads of hub models that example topologies use, so TP rules work without downloading config.json.
 KNOWN_MODEL_KV_HEADS: dict[str, int] = {"Qwen/Qwen3-0.6B": 8, "Qwen/Qwen3-8B": 8, "meta-llama/Llama-3.1-8B-Instruct": 8,
@@ -174,7 +174,7 @@ def is_local_path(value: str) -> bool:
     return value.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", value)
 
 
-def resolved_model(t: Topology, pool: InstanceGroup, base_dir: Path) -> str:
+def resolved_model(t: Topology, pool: Pool, base_dir: Path) -> str:
     """A pool's model as its servers get it: a local path made absolute, a hub id as it is."""
     raw = t.model_path(pool)
     return str(resolve_path(raw, base_dir)) if is_local_path(raw) else raw
@@ -186,11 +186,11 @@ def model_attention(t: Topology, info: ModelInfo) -> str | None:
     return info.attention or t.model.attention
 
 
-def _hma_flag(g: InstanceGroup) -> tuple[int, bool] | None:
+def _hma_flag(pool: Pool) -> tuple[int, bool] | None:
     """The last of vLLM's HMA switches in a pool's extra_args (vLLM also reads --x_y as --x-y): its index, and
     whether it leaves HMA on."""
     found = None
-    for i, a in enumerate(g.extra_args):
+    for i, a in enumerate(pool.extra_args):
         name = a.split("=", 1)[0]
         name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
         if name in (HMA_OFF_FLAG, HMA_ON_FLAG):
@@ -198,9 +198,9 @@ def _hma_flag(g: InstanceGroup) -> tuple[int, bool] | None:
     return found
 
 
-def hma_enabled(g: InstanceGroup) -> bool:
+def hma_enabled(pool: Pool) -> bool:
     """Whether a pool's servers run vLLM's hybrid KV cache manager (HMA): on unless its extra_args pass
     --disable-hybrid-kv-cache-manager. (vLLM would also turn it off for a connector without HMA support; vLLM's
     NixlConnector and pdctl's both have it.)"""
-    flag = _hma_flag(g)
+    flag = _hma_flag(pool)
     return flag is None or flag[1]

@@ -10,7 +10,7 @@ from typing import Any
 
 from pdctl import yamlsrc
 from pdctl.topology.problems import Loc, Problem, Source, TopologyError
-from pdctl.topology.schema import ROLES, InstanceGroup
+from pdctl.topology.schema import ROLES, Pool
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _pool_override(data: dict, o: Override) -> Override:
     field_ = ".".join(map(str, o.path[1:]))
     raise TopologyError(Source(o.flag), [Problem(
         o.path, f"the topology has {len(pools)} {role} pools ({', '.join(map(str, names))}); say which",
-        f"--set {role}.{names[0]}.{field_}=..." if names and o.path[1] in InstanceGroup.model_fields else
+        f"--set {role}.{names[0]}.{field_}=..." if names and o.path[1] in Pool.model_fields else
         f"{role} pools: {', '.join(map(str, names))}" if names else f"add a {role} pool first")])
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from pdctl import yamlsrc
-from pdctl.topology.schema import DEFAULT_POOL, InstanceGroup, Role, Topology
+from pdctl.topology.schema import DEFAULT_POOL, Pool, Role, Topology
 
 Loc = tuple[str | int, ...]
 
@@ -74,16 +74,16 @@ class TopologyError(Exception):
         return "\n".join([head, *("  " + self.source.describe(p) for p in self.problems)])
 
 
-def pool_loc(t: Topology, role: Role, pool: InstanceGroup) -> Loc:
+def pool_loc(t: Topology, role: Role, pool: Pool) -> Loc:
     """Where a pool's fields live: (role, index). A role written as one mapping is rewritten to (role,) when the
     problems are located (user_loc)."""
     return (role, next(i for i, g in enumerate(t.pools(role)) if g is pool))
 
 
-def pool_field(t: Topology, role: Role, g: InstanceGroup, name: str) -> str:
+def pool_field(t: Topology, role: Role, pool: Pool, name: str) -> str:
     """A pool's field as the user reads it: decode.extra_args, or decode pool d64's extra_args in a fleet."""
-    single = len(t.pools(role)) == 1 and g.name == DEFAULT_POOL
-    return f"{role}.{name}" if single else f"{role} pool {g.name}'s {name}"
+    single = len(t.pools(role)) == 1 and pool.name == DEFAULT_POOL
+    return f"{role}.{name}" if single else f"{role} pool {pool.name}'s {name}"
 
 
 def user_loc(problem: Problem, single: set[str]) -> Problem:

@@ -7,7 +7,7 @@ import math
 
 from pdctl.topology.facts import ModelInfo, hma_enabled, model_attention
 from pdctl.topology.problems import Problem
-from pdctl.topology.schema import CPU_BLOCK_MULTIPLE, InstanceGroup, Topology
+from pdctl.topology.schema import CPU_BLOCK_MULTIPLE, Pool, Topology
 
 
 def _hybrid_cpu_blocks(block: int) -> tuple[int, int, int]:
@@ -23,7 +23,7 @@ def _hybrid_cpu_blocks(block: int) -> tuple[int, int, int]:
     return sw, block, math.lcm(sw, block)
 
 
-def _unsafe_stock_hybrid(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: str | None) -> bool:
+def _unsafe_stock_hybrid(t: Topology, p: Pool, d: Pool, attention: str | None) -> bool:
     """vLLM's NixlConnector, a hybrid model with HMA on both sides: each side keeps the tail of its sliding-window
     block list, cut for the window of the token after the prompt, while the decode recomputes the prompt's last
     token, whose window starts one key earlier (a null block for some prompt lengths, at any block sizes:

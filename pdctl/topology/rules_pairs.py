@@ -10,23 +10,23 @@ from typing import Literal
 from pdctl.topology.facts import HMA_OFF_FLAG, _hma_flag, hma_enabled
 from pdctl.topology.problems import Loc, Problem, pool_field, pool_loc
 from pdctl.topology.rules_hybrid import _unsafe_stock_hybrid
-from pdctl.topology.schema import ROLES, InstanceGroup, Topology
+from pdctl.topology.schema import ROLES, Pool, Topology
 
 
-def _pair_label(t: Topology, p: InstanceGroup, d: InstanceGroup) -> str:
+def _pair_label(t: Topology, p: Pool, d: Pool) -> str:
     """'prefill pool p128 -> decode pool d32: ' in a fleet; nothing when each role is one pool."""
     if len(t.prefill) == 1 and len(t.decode) == 1:
         return ""
     return f"prefill pool {p.name} -> decode pool {d.name}: "
 
 
-def _pair_problems(t: Topology, p: InstanceGroup, d: InstanceGroup, attention: str | None = None) -> list[Problem]:
+def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) -> list[Problem]:
     """Every rule that holds between one prefill pool and one decode pool (`attention`: model_attention)."""
     out: list[Problem] = []
     pl, dl = pool_loc(t, "prefill", p), pool_loc(t, "decode", d)
     label = _pair_label(t, p, d)
     pb, db = p.block_size, d.block_size
-    assert pb is not None and db is not None  # filled by the group's validator
+    assert pb is not None and db is not None  # filled by the pool's validator
     fleet_hint = (f"; or exclude the pair: proxy.exclude_pairs: [[{p.name}, {d.name}]]" if label else "")
 
     def add(path: Loc, message: str, hint: str | None = None, related: tuple[Loc, ...] = (),

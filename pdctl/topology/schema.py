@@ -108,7 +108,7 @@ class Placement(_Strict):
     gres: str | None = Field(None, description="Slurm generic resources per instance, e.g. gpu:1")
 
 
-class InstanceGroup(_Strict):
+class Pool(_Strict):
     """One pool: instances of one role that share hardware and settings. Instance i gets http_port+i,
     side_channel_port+i, devices[i*tp:(i+1)*tp]. Ports left out are assigned after every explicit one
     (Topology._assign_ports), so pools never collide."""
@@ -163,7 +163,7 @@ class InstanceGroup(_Strict):
                                 "pdctl's own (e.g. UCX_TLS: validate refuses what NIXL cannot transfer with)")
 
     @model_validator(mode="after")
-    def _platform_defaults(self) -> InstanceGroup:
+    def _platform_defaults(self) -> Pool:
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE[self.platform]
         if self.enforce_eager is None:
@@ -380,7 +380,7 @@ def _as_pools(v: Any) -> Any:
 
 
 MAX_POOLS = 64  # per role; the rules look at every prefill x decode pair
-Pools = Annotated[list[InstanceGroup], BeforeValidator(_as_pools), Field(min_length=1, max_length=MAX_POOLS)]
+Pools = Annotated[list[Pool], BeforeValidator(_as_pools), Field(min_length=1, max_length=MAX_POOLS)]
 
 
 class Topology(_Strict):
@@ -431,28 +431,28 @@ class Topology(_Strict):
                     cursor[attr] = base + g.count
         return self
 
-    def pools(self, role: Role) -> list[InstanceGroup]:
+    def pools(self, role: Role) -> list[Pool]:
         return self.prefill if role == "prefill" else self.decode
 
-    def pool(self, role: Role, name: str) -> InstanceGroup:
+    def pool(self, role: Role, name: str) -> Pool:
         return next(g for g in self.pools(role) if g.name == name)
 
-    def pairs(self) -> list[tuple[InstanceGroup, InstanceGroup]]:
+    def pairs(self) -> list[tuple[Pool, Pool]]:
         """Every prefill pool x decode pool pair the proxy may route (exclude_pairs left out)."""
         excluded = {tuple(x) for x in self.proxy.exclude_pairs}
         return [(p, d) for p in self.prefill for d in self.decode if (p.name, d.name) not in excluded]
 
-    def model_path(self, pool: InstanceGroup) -> str:
+    def model_path(self, pool: Pool) -> str:
         return pool.model or self.model.path
 
-    def kv_cache_dtype(self, pool: InstanceGroup) -> str:
+    def kv_cache_dtype(self, pool: Pool) -> str:
         return pool.kv_cache_dtype or self.model.kv_cache_dtype
 
-    def kv_buffer_device(self, pool: InstanceGroup) -> str:
+    def kv_buffer_device(self, pool: Pool) -> str:
         return pool.kv_buffer_device or self.connector.kv_buffer_device or (
             "cpu" if pool.platform == "cpu" else pool.platform)
 
-    def staging_blocks(self, decode: InstanceGroup) -> int:
+    def staging_blocks(self, decode: Pool) -> int:
         """Decode blocks a decode pool withholds for prefill block > decode block: whole prefill blocks are
         read, and chunks past a request's own decode blocks land here (2*(ratio-1) per request at most, room
         for 16 at once), sized for the largest ratio among the prefill pools that reach it."""

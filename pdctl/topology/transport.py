@@ -8,7 +8,7 @@ read between two processes of one host waited for the prefill's next step (docs/
 
 from __future__ import annotations
 
-from pdctl.topology.schema import ROLES, InstanceGroup, Topology
+from pdctl.topology.schema import ROLES, Pool, Topology
 
 # One host, KV in host memory: shared-memory lanes with peer-failure handling, no TCP lane for UCX (NIXL's side
 # channel stays ZMQ over TCP); reads go over cma (process_vm_readv by the reader).
@@ -32,10 +32,10 @@ def transport_env(t: Topology) -> dict[str, str]:
     return dict(UCX_ONE_HOST) if one_host and host_memory else dict(UCX_ACROSS_HOSTS)
 
 
-def pool_ucx(t: Topology, g: InstanceGroup) -> dict[str, str]:
+def pool_ucx(t: Topology, pool: Pool) -> dict[str, str]:
     """The UCX settings a pool's servers get: pdctl's for the placement, then the pool's own `env`."""
-    env = {**transport_env(t), **({"UCX_NET_DEVICES": g.net_devices} if g.net_devices else {})}
-    return {**env, **{k: v for k, v in g.env.items() if k.startswith("UCX_")}}
+    env = {**transport_env(t), **({"UCX_NET_DEVICES": pool.net_devices} if pool.net_devices else {})}
+    return {**env, **{k: v for k, v in pool.env.items() if k.startswith("UCX_")}}
 
 
 def tls_list(value: str) -> set[str] | None:

@@ -291,7 +291,7 @@ class Reference:
         self.log = open(self.spec.log_path, "ab")
         from pdctl import auth
 
-        # As the launch backends do: the key (auth.api_key_env, when set) is read at spawn, never in argv.
+        # As the launch engines do: the key (auth.api_key_env, when set) is read at spawn, never in argv.
         env = {k: v for k, v in os.environ.items() if k != auth.VLLM_KEY_ENV}
         self.proc = subprocess.Popen(self.spec.argv, env={**env, **self.spec.env, **auth.spawn_env(self.spec)},
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -16,7 +16,7 @@ from tests.e2e.conftest import live, pdctl, wait_for
 
 CONFIG = CONFIGS / "cpu-slurm.yaml"
 # `make test-all` only (README, "Tests"): a Slurm cluster and two servers of its own; CI's server budget went to
-# `pdctl bench --goodput` (tests/e2e/test_bench.py). The Ray engine keeps a cluster backend in `make test`.
+# `pdctl bench --goodput` (tests/e2e/test_bench.py). The Ray engine is the cluster engine `make test` keeps.
 pytestmark = pytest.mark.full
 
 

@@ -96,6 +96,21 @@ def test_renamed_names_say_their_new_name_for_one_release(run_cli):
     assert run_cli("plan", CONFIGS / "cpu-demo.yaml", "--baseline")[0] == 0  # plan's --baseline is another flag
 
 
+def test_renamed_python_names_warn_and_answer_with_the_new_one():
+    """pdctl.topology.InstanceGroup -> Pool and Deployment.backend -> engine: one word per concept (the YAML's pools
+    and `engine:`), the old name kept for one release with a DeprecationWarning."""
+    import pdctl.topology
+    from pdctl.api.deploy import Deployment
+
+    with pytest.warns(DeprecationWarning, match="renamed to pdctl.topology.Pool"):
+        assert pdctl.topology.InstanceGroup is pdctl.topology.Pool
+    engine = object()
+    with pytest.warns(DeprecationWarning, match="renamed to Deployment.engine"):
+        assert Deployment(None, engine, attached=False).backend is engine
+    with pytest.raises(AttributeError):
+        pdctl.topology.NoSuchName  # noqa: B018
+
+
 REMOVED = [(command, flag, use) for command, flags in api.REMOVED_FLAGS.items() for flag, use in flags.items()]
 
 
@@ -175,7 +190,7 @@ def test_up_interrupted_once_started_stops_what_it_started(monkeypatch, tmp_path
     started, downed = object(), []
     monkeypatch.setattr(deploy, "_preflight", lambda p, t: type("B", (), {"restartable": True, "name": "local"})())
     monkeypatch.setattr(run_mod, "up", lambda *a, **kw: started)
-    monkeypatch.setattr(run_mod, "down", lambda state, backend, *a: downed.append(state))
+    monkeypatch.setattr(run_mod, "down", lambda state, engine, *a: downed.append(state))
     monkeypatch.setattr("pdctl.launch.supervisor.stop", lambda d: None)
 
     def interrupted(*a, **kw):

@@ -1,4 +1,4 @@
-"""API keys (auth.api_key_env): the topology names a variable, the plan carries only that name, the backends read
+"""API keys (auth.api_key_env): the topology names a variable, the plan carries only that name, the engines read
 the key at spawn, pdctl's own calls send it, and no key value reaches the plan, the state, the k8s render or a
 command line. The proxy's own check is tested with the proxy (test_proxy.py)."""
 
@@ -180,9 +180,10 @@ def test_a_missing_empty_or_unusable_key_names_the_field_and_never_the_value(mon
 
 
 def test_up_refuses_before_anything_starts_when_the_key_is_missing(monkeypatch, tmp_path):
-    from pdctl.launch import backends, run
+    import pdctl.launch
+    from pdctl.launch import run
 
-    class Backend:
+    class FakeEngine:
         name = "local"
 
         def preflight(self, plan):
@@ -191,7 +192,7 @@ def test_up_refuses_before_anything_starts_when_the_key_is_missing(monkeypatch, 
     def launched(*a, **kw):
         raise AssertionError("started something")
 
-    monkeypatch.setattr(backends, "backend_for", lambda engine: Backend())
+    monkeypatch.setattr(pdctl.launch, "engine_for", lambda spec: FakeEngine())
     monkeypatch.setattr(run, "up", launched)
     monkeypatch.delenv(NAME, raising=False)
     t = pdctl.load(CONFIGS / "cpu-demo.yaml", {**AUTH, "proxy.port": 18090})
@@ -203,13 +204,13 @@ def test_up_refuses_before_anything_starts_when_the_key_is_missing(monkeypatch, 
         pdctl.check(pdctl.load(CONFIGS / "cpu-demo.yaml", {"auth.api_key_env": "PDCTL_UNIT_NO_SUCH_KEY"}))
 
 
-def test_the_local_backend_gives_the_key_at_spawn_and_keeps_an_exported_one_from_plain_servers(key, tmp_path,
+def test_the_local_engine_gives_the_key_at_spawn_and_keeps_an_exported_one_from_plain_servers(key, tmp_path,
                                                                                                 monkeypatch):
     """The child sees VLLM_API_KEY; the state record and the log do not. A VLLM_API_KEY in pdctl's own shell
     must not reach a server of a topology without auth (pdctl would never send it)."""
     from dataclasses import replace
 
-    from pdctl.launch.local import LocalBackend
+    from pdctl.launch.local import LocalEngine
 
     monkeypatch.setenv("VLLM_API_KEY", "from-the-shell")
     seen = {}
@@ -219,7 +220,7 @@ def test_the_local_backend_gives_the_key_at_spawn_and_keeps_an_exported_one_from
         code = f"import os; open({str(out)!r}, 'w').write(os.environ.get('VLLM_API_KEY', '-'))"
         spec = replace(p.get("decode-0"), argv=[sys.executable, "-c", code])
         st = LaunchState(p)
-        b = LocalBackend()
+        b = LocalEngine()
         b.start(p, spec, st, attached=True)
         assert wait_for(lambda out=out: out.exists() and out.read_text(), 20)
         b.stop(st, grace_s=5)

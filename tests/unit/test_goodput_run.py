@@ -41,12 +41,12 @@ class FakeServers:
         self.capacity, self.legs, self.loads = capacity, [], []
         self.current = None
 
-    def up(self, plan, backend, attached, timeout_s):
+    def up(self, plan, engine, attached, timeout_s):
         self.current = "pd" if plan.by_role("decode") else "baseline"
         self.legs.append(self.current)
         return plan
 
-    def down(self, state, backend):
+    def down(self, state, engine):
         self.current = None
 
     def run_load(self, target, url, model, w, max_tokens, concurrency, decode_urls=(), request_rate=None, seed=0,
@@ -188,7 +188,7 @@ def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], fail: tuple = (), 
     fake = FakeServers({})
     legs: list[str] = []
 
-    def up(plan, backend, attached, timeout_s):
+    def up(plan, engine, attached, timeout_s):
         fake.current = Path(plan.state_dir).name  # state/<deployment>
         legs.append(fake.current)
         if fake.current in fail:

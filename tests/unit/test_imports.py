@@ -102,14 +102,14 @@ def test_no_import_circle_among_pdctl_modules():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
-def test_launch_base_modules_import_no_concrete_backend():
+def test_launch_base_modules_import_no_concrete_engine():
     g = import_graph()
     concrete = {"pdctl.launch.local", "pdctl.launch.ray_engine", "pdctl.launch.slurm_engine", "pdctl.launch.run"}
-    assert not g["pdctl.launch.backend"] & concrete
+    assert not g["pdctl.launch.engine"] & concrete
     assert not {m for m in g["pdctl.launch.logs"] if m.startswith("pdctl.launch")}
     assert g["pdctl.launch.errors"] <= {"pdctl.launch.logs"}
-    for backend in ("pdctl.launch.local", "pdctl.launch.ray_engine", "pdctl.launch.slurm_engine"):
-        assert "pdctl.launch.run" not in g[backend], backend
+    for engine in ("pdctl.launch.local", "pdctl.launch.ray_engine", "pdctl.launch.slurm_engine"):
+        assert "pdctl.launch.run" not in g[engine], engine
 
 
 if __name__ == "__main__":

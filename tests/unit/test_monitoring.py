@@ -23,7 +23,7 @@ from rich.console import Console
 from pdctl import monitoring, render
 from pdctl.api import DASHBOARD, StatusReport
 from pdctl.launch import run as run_mod
-from pdctl.launch.local import LocalBackend
+from pdctl.launch.local import LocalEngine
 from pdctl.plan import Plan, build_plan, monitoring_dir
 from pdctl.topology import MONITORING_ON, Override, load_topology
 from tests import prom
@@ -86,11 +86,11 @@ def test_up_monitoring_flag_turns_monitoring_on(run_cli):
 def test_preflight_names_a_missing_prometheus(tmp_path, monkeypatch):
     p = _plan(tmp_path)
     loaded = p.topology.origin
-    backend = SimpleNamespace(preflight=lambda plan: [], liveness=lambda *a: None)
+    engine = SimpleNamespace(preflight=lambda plan: [], liveness=lambda *a: None)
     monkeypatch.setattr(run_mod.shutil, "which", lambda name: None)
-    assert any("'prometheus' is not on PATH" in x for x in run_mod.preflight(loaded, p, backend))
+    assert any("'prometheus' is not on PATH" in x for x in run_mod.preflight(loaded, p, engine))
     monkeypatch.setattr(run_mod.shutil, "which", lambda name: f"/usr/bin/{name}")  # control
-    assert not any("prometheus" in x for x in run_mod.preflight(loaded, p, backend))
+    assert not any("prometheus" in x for x in run_mod.preflight(loaded, p, engine))
 
 
 def test_write_monitoring_writes_config_and_rules_only_with_monitoring(tmp_path):
@@ -467,22 +467,22 @@ def test_a_real_prometheus_scrapes_every_target_and_evaluates_every_rule_and_pan
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing (bash scripts/install_tools.sh)")
-def test_the_local_backend_starts_prometheus_waits_for_it_and_down_stops_it(tmp_path):
+def test_the_local_engine_starts_prometheus_waits_for_it_and_down_stops_it(tmp_path):
     """The launch path `pdctl up` takes (files, guard, readiness, status, down) with the plan's Prometheus alone:
     no vLLM server is needed to start and stop it."""
     (port,) = _free_ports(1)
     full = _plan(tmp_path / "s", f"monitoring.port={port}")
     p = full.with_processes(full.by_role("monitor"))
-    backend = LocalBackend()
-    assert backend.preflight(p) == []
-    state = run_mod.up(p, backend, attached=True, timeout_s=60)
+    engine = LocalEngine()
+    assert engine.preflight(p) == []
+    state = run_mod.up(p, engine, attached=True, timeout_s=60)
     try:
         assert (monitoring_dir(p.state_dir) / "prometheus.yml").is_file()
-        (row,) = run_mod.status(state, backend)
+        (row,) = run_mod.status(state, engine)
         assert (row.name, row.role, row.healthy, row.http_port) == ("prometheus", "monitor", True, port)
         assert prom.api(f"http://127.0.0.1:{port}", "status/config")["yaml"]  # it read pdctl's config
     finally:
-        report = run_mod.down(state, backend)
+        report = run_mod.down(state, engine)
     assert report.stopped == ["prometheus"] and not report.killed  # SIGTERM was enough
     assert processes_with_arg(str(monitoring_dir(p.state_dir))) == []
     assert (monitoring_dir(p.state_dir) / "data").is_dir()

@@ -1,4 +1,4 @@
-"""The supervisor's policy, tick by tick with a fake clock and backend; then real processes: a killed one is
+"""The supervisor's policy, tick by tick with a fake clock and engine; then real processes: a killed one is
 restarted, `down` stops the detached supervisor first, and the guard logs how a server ended."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from pdctl.launch import state as state_mod
 from pdctl.launch import supervisor
-from pdctl.launch.backend import Backend, Liveness, RestartableBackend, StopReport
+from pdctl.launch.engine import Engine, Liveness, RestartableEngine, StopReport
 from pdctl.launch.logs import EXIT_MARK, exit_of, root_cause
 from pdctl.launch.state import LaunchState, ProcessRecord
 from pdctl.plan import Plan, ProcessSpec
@@ -24,7 +24,7 @@ from pdctl.topology import Topology
 from tests.conftest import wait_for
 
 
-class FakeWholePlanBackend(Backend):
+class FakeWholePlanEngine(Engine):
     """Starts a plan as a whole, like Ray and Slurm: no single-instance start or stop."""
 
     name = "fake"
@@ -58,7 +58,7 @@ class FakeWholePlanBackend(Backend):
         return self.logs.get(name, [])
 
 
-class FakeBackend(FakeWholePlanBackend, RestartableBackend):
+class FakeEngine(FakeWholePlanEngine, RestartableEngine):
     def start(self, plan, spec, state, *, attached):
         self._start(spec, state)
 
@@ -78,11 +78,11 @@ def topology(restart: str = "on-failure", **supervision) -> Topology:
                                     "restart": restart}], "decode": [{"name": "default"}], "supervision": supervision})
 
 
-def make(restart: str = "on-failure", backend: type[FakeWholePlanBackend] = FakeBackend, **supervision):
+def make(restart: str = "on-failure", engine: type[FakeWholePlanEngine] = FakeEngine, **supervision):
     topo = topology(restart, **{"max_restarts": 3, **supervision})
     plan = Plan("t", "/tmp/t", [spec("prefill-0")], topo)
     st = LaunchState(plan)
-    be = backend()
+    be = engine()
     be.launch(plan, st, attached=False)
     be.started.clear()
     clock = [0.0]
@@ -165,8 +165,8 @@ def test_one_good_probe_resets_the_health_count():
     assert st.processes["prefill-0"].phase == "running" and not be.stopped
 
 
-def test_not_restartable_backend_reports_and_leaves_down():
-    sup, be, st, _, _, said = make(backend=FakeWholePlanBackend)
+def test_not_restartable_engine_reports_and_leaves_down():
+    sup, be, st, _, _, said = make(engine=FakeWholePlanEngine)
     assert not be.restartable
     be.alive["prefill-0"] = False
     sup.tick()
@@ -195,9 +195,9 @@ def test_root_cause_prefers_pdctl_lines_then_the_first_exception():
 
 
 def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(tmp_path: Path, run_cli):
-    """A real LocalBackend plan of one `sleep` behind a tiny HTTP health server: SIGKILL it, the detached
+    """A real LocalEngine plan of one `sleep` behind a tiny HTTP health server: SIGKILL it, the detached
     supervisor restarts it (status shows the restart and how it ended); `down` stops the supervisor, then it."""
-    from pdctl.launch.local import LocalBackend, group_alive
+    from pdctl.launch.local import LocalEngine, group_alive
 
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -209,9 +209,9 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
                      str(tmp_path / "logs" / "prefill-0.log"), f"http://127.0.0.1:{port}/health", pool="default")
     topo = topology("on-failure", backoff_s=0.5, health_interval_s=0.5)
     plan = Plan("sup-test", str(tmp_path), [sp], topo)
-    backend = LocalBackend()
+    engine = LocalEngine()
     st = LaunchState(plan)
-    backend.launch(plan, st, attached=False)
+    engine.launch(plan, st, attached=False)
     state_mod.save(st)
     pid = supervisor.start_detached(st)
     try:
@@ -235,7 +235,7 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        backend.stop(state_mod.load(tmp_path) or st, 2)
+        engine.stop(state_mod.load(tmp_path) or st, 2)
 
 
 def supervisor_gone(pid: int) -> bool:
