@@ -47,8 +47,12 @@ def thread_sample(pid: str) -> str:
 def gdb_all_threads(pids: list[str]) -> list[str]:
     """Native stacks of every thread of these processes, taken at once (gdb, raised above the spinning threads:
     on a loaded core an attach took 51 s). The main thread first and deep; the others shallow."""
-    procs = {p: subprocess.Popen(["nice", "-n", "-10", "timeout", "90", "gdb", "-p", p, "-batch", "-ex",
-                                  "thread apply 1 bt 40", "-ex", "thread apply all bt 12"],
+    # Symbols of the libraries that matter only (libc, UCX, NIXL, ZMQ, Python): loading torch's took 5-50 s.
+    libs = [a for lib in ("libc.", "libucp", "libuct", "libucs", "plugin_UCX", "libnixl", "libzmq", "libpython")
+            for a in ("-ex", f"sharedlibrary {lib}")]
+    procs = {p: subprocess.Popen(["nice", "-n", "-10", "timeout", "90", "gdb", "-p", p, "-batch", "-iex",
+                                  "set auto-solib-add off", *libs, "-ex", "thread apply 1 bt 40", "-ex",
+                                  "thread apply all bt 16"],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for p in pids}
     out = []
     for p, proc in procs.items():
@@ -85,6 +89,8 @@ def evidence(pid: str | None, first: list[str]) -> list[str]:
     out.append(spinning_threads(live))
     if has_gdb:
         out += gdb_all_threads(live)
+        out.append(spinning_threads(live))
+        out += gdb_all_threads(live)  # again: what stays put is what the stall waits on
     if pid:
         for k in range(3):
             out.append(f"--- sample {k} at {time.time():.3f}\n{thread_sample(pid)}")
