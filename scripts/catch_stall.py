@@ -62,6 +62,21 @@ def gdb_all_threads(pids: list[str]) -> list[str]:
     return out
 
 
+def kernel_view(pids: list[str]) -> str:
+    """Every thread as the kernel sees it: state, the system call it is in (number and arguments), where it
+    sleeps, the cores it may run on, its whole kernel stack."""
+    rows = []
+    for p in pids:
+        for t in sorted(glob.glob(f"/proc/{p}/task/*"), key=lambda x: int(os.path.basename(x))):
+            cpus = next((ln.split(":", 1)[1].strip() for ln in read(t + "/status").splitlines()
+                         if ln.startswith("Cpus_allowed_list")), "?")
+            stack = " < ".join(x.split()[-1] for x in read(t + "/stack").strip().splitlines())
+            rows.append(f"{p}/{os.path.basename(t)} {read(t + '/comm').strip()} "
+                        f"{read(t + '/stat').rsplit(')', 1)[-1].split()[:1]} cpus={cpus} "
+                        f"syscall={read(t + '/syscall').strip()} wchan={read(t + '/wchan').strip()} {stack}")
+    return "--- kernel view of every thread (pid/tid comm state cpus syscall wchan stack)\n" + "\n".join(rows)
+
+
 def spinning_threads(pids: list[str], over_s: float = 0.5) -> str:
     """Which threads burn CPU (user+system ticks over `over_s`): no ptrace, so nothing is stopped."""
     def ticks() -> dict[str, tuple[str, int]]:
@@ -86,6 +101,7 @@ def evidence(pid: str | None, first: list[str]) -> list[str]:
     out = []
     has_gdb = shutil.which("gdb") is not None
     live = [w for w in first if os.path.exists(f"/proc/{w}")]
+    out.append(kernel_view(live))  # first: no ptrace, nothing stopped, the state the stall is in
     out.append(spinning_threads(live))
     if has_gdb:
         out += gdb_all_threads(live)
