@@ -15,8 +15,9 @@ handshake) and when the worker saw it done (`read_done`), and when the scheduler
   up              `pdctl up`'s time to ready, warm-up included
 
 Variants (interleaved: each repeat runs every variant once, in turn):
-  placement  split: the topology's own (prefills on core 0, decodes on core 1); shared: each prefill pool on the
-             core of one decode pool (the placement that stalled first reads for 12-120 s)
+  placement  split: the topology's own (prefills on core 0, decodes on core 1); shared: prefill pool i and decode
+             pool i on core i (p32 with d64 on core 0, p128 with d32 on core 1: the placement that stalled first
+             reads for 12-120 s); stacked: every pool on one core (four engines on one core)
   ucx        pdctl: the plan's transport settings; defaults: every UCX_* variable taken out of the servers'
              environment (UCX's own choice)
 With `--connector nixl` (vLLM's stock connector; no trace lines) the first read is the probe's decode leg.
@@ -50,13 +51,24 @@ HANDSHAKE = "Transfer plan: "  # vLLM logs it once per remote engine registered 
 
 
 def shared_cores(path: str) -> list[Override]:
-    """Each prefill pool on the core of one decode pool, in order (p32 with d64, p128 with d32 in cpu-fleet)."""
-    loaded = load_topology(path)
-    t = loaded.topology
+    """Prefill pool i and decode pool i on core i (p32 with d64 on core 0, p128 with d32 on core 1 in cpu-fleet):
+    the placement that stalled first reads with UCX's defaults, one prefill and one decode per core."""
+    t = load_topology(path).topology
+    cores = sorted({c for role in ("prefill", "decode") for pool in t.pools(role) for c in (pool.devices or [0])})
     out = []
-    for p, d in zip(t.pools("prefill"), t.pools("decode"), strict=False):
-        out.append(Override.parse_set(f"prefill.{p.name}.devices={list(d.devices or [0])}"))
+    for i, (p, d) in enumerate(zip(t.pools("prefill"), t.pools("decode"), strict=False)):
+        core = cores[i % len(cores)]
+        out += [Override.parse_set(f"prefill.{p.name}.devices=[{core}]"),
+                Override.parse_set(f"decode.{d.name}.devices=[{core}]")]
     return out
+
+
+def stacked_cores(path: str) -> list[Override]:
+    """Every pool on one core (the last of the topology's): four engines on one core, an oversubscription."""
+    t = load_topology(path).topology
+    core = max(c for role in ("prefill", "decode") for pool in t.pools(role) for c in (pool.devices or [0]))
+    return [Override.parse_set(f"{role}.{pool.name}.devices=[{core}]") for role in ("prefill", "decode")
+            for pool in t.pools(role)]
 
 
 def without_ucx(plan: Plan) -> Plan:
@@ -126,7 +138,7 @@ def main() -> int:
         sets = [Override.parse_set(f"connector.kind={a.connector}")]
         sets += [Override.parse_set("connector.trace=true")] if a.connector == "pdctl" else []
         sets += [Override.parse_set(x) for x in a.set]
-        sets += shared_cores(a.topology) if placement == "shared" else []
+        sets += {"shared": shared_cores, "stacked": stacked_cores}.get(placement, lambda _: [])(a.topology)
         loaded = load_topology(a.topology, sets)
         plan = build_plan(loaded.topology, base_dir=loaded.base_dir,
                           state_dir=Path(f"/tmp/pdctl-bench-first-read/{placement}"), python=sys.executable)
