@@ -6,20 +6,18 @@ from __future__ import annotations
 from pdctl.topology.problems import Loc, Problem, pool_loc
 from pdctl.topology.schema import DEFAULT_POOL, ROLES, Topology
 
-# Measured (docs/notes/ucx-transports.md): with pdctl's UCX settings a prefill and a decode per core read at once
-# (0 of 40 first reads over 1 s); with four engines on one core a fresh pair's first read stalled in about one
-# bring-up in eight (NIXL's progress thread of the idle prefill spins while the decode's wire-up message, half
-# written into its receive queue, waits for the same core).
-STACKED_CORE = ("three or more instances, prefills and decodes, bound to one CPU core: a fresh pair's first KV "
-                "read was measured to stall 4-53 s in about one bring-up in eight (`pdctl up` then fails naming "
-                "the pair); give each core at most one prefill and one decode")
+# Measured (docs/notes/ucx-transports.md): with a prefill and a decode on one core, the idle end's NIXL progress
+# thread spins while the other end's UCX wire-up message, half written into its receive queue, waits for the core.
+CROSS_ROLE_CORE = ("a prefill and a decode bound to the same CPU core: a fresh pair's first KV read was measured to "
+                   "stall 4-53 s (1 bring-up in 12 with one of each per core, 8 in 60 with four on one core; "
+                   "`pdctl up` then fails naming the pair); bind prefills and decodes to different cores")
 
 
 def _collisions(t: Topology) -> list[Problem]:
     """Every (host, port) and (host, platform, device) is claimed by one process at most."""
     ports: dict[tuple[str, int], str] = {}
     devices: dict[tuple[str, str, int], str] = {}
-    device_roles: dict[tuple[str, str, int], list[str]] = {}  # the roles of a CPU core's instances so far
+    device_role: dict[tuple[str, str, int], str] = {}  # the role of a device's first owner
     out: list[Problem] = []
 
     def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error",
@@ -43,11 +41,9 @@ def _collisions(t: Topology) -> list[Problem]:
                 for dev in g.devices_of(i) or []:
                     # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
                     key = (g.host, g.platform, dev)
-                    roles = device_roles.setdefault(key, [])
-                    roles.append(role)
-                    stacked = g.platform == "cpu" and len(roles) >= 3 and len(set(roles)) == 2
+                    cross = g.platform == "cpu" and device_role.setdefault(key, role) != role
                     claim(devices, key, owner, (*loc, "devices"), f"{g.platform} device",
-                          "warning" if g.platform == "cpu" else "error", STACKED_CORE if stacked else None)
+                          "warning" if g.platform == "cpu" else "error", CROSS_ROLE_CORE if cross else None)
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
     if t.monitoring.enabled:
         claim(ports, (t.monitoring.host, t.monitoring.port), "Prometheus (monitoring)", ("monitoring", "port"),
