@@ -9,7 +9,7 @@ from pdctl.topology.schema import DEFAULT_POOL, ROLES, Topology
 # Measured (docs/notes/ucx-transports.md): with a prefill and a decode on one core, the idle end's NIXL progress
 # thread spins while the other end's UCX wire-up message, half written into its receive queue, waits for the core.
 CROSS_ROLE_CORE = ("a prefill and a decode bound to the same CPU core: a fresh pair's first KV read was measured to "
-                   "stall 4-53 s (1 bring-up in 12 with one of each per core, 8 in 60 with four on one core; "
+                   "stall 4-53 s (3 bring-ups in 20 with one of each per core, 8 in 60 with four on one core; "
                    "`pdctl up` then fails naming the pair); bind prefills and decodes to different cores")
 
 
