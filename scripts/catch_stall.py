@@ -118,11 +118,7 @@ def evidence(pid: str | None, first: list[str]) -> list[str]:
     workers = [w for w in sorted(set(ENGINE_PIDS)) if os.path.exists(f"/proc/{w}")]
     if has_gdb:  # every other engine and worker: the progress and async threads of the servers not in the pair
         out += gdb_all_threads([w for w in workers if w not in first])
-    for w in workers:
-        for t in glob.glob(f"/proc/{w}/task/*"):
-            stack = " < ".join(x.split()[-1] for x in read(t + "/stack").strip().splitlines()[:4])
-            out.append(f"{w} {os.path.basename(t)} {read(t + '/comm').strip()} {read(t + '/stat').split()[2:3]} "
-                       f"{stack}")
+    out.append(kernel_view(workers))
     return out
 
 

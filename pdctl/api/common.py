@@ -37,7 +37,8 @@ REMOVED_FLAGS = {"validate": _OVERRIDES, "plan": _OVERRIDES, "render k8s": _OVER
 
 def refuse_renamed(argv: list[str]) -> None:
     """UserError naming the replacement when this command line uses a flag that was renamed or removed."""
-    command = " ".join(argv[:2]) if " ".join(argv[:2]) in REMOVED_FLAGS else argv[0] if argv else ""
+    two_words = " ".join(argv[:2])  # `render k8s`
+    command = two_words if two_words in REMOVED_FLAGS else argv[0] if argv else ""
     renamed, removed = RENAMED_FLAGS.get(command, {}), REMOVED_FLAGS.get(command, {})
     for arg in argv[len(command.split()):]:
         if arg == "--":
