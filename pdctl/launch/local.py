@@ -132,10 +132,14 @@ class LocalEngine(RestartableEngine):
             log.flush()
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             # The key (auth.api_key_env) is read here, at spawn, into the child's environment only.
+            # A process group of its own keeps a terminal's Ctrl-C for pdctl to handle in order; the session stays
+            # pdctl's so every server shares one autogroup: across autogroups the scheduler split a shared core by
+            # group, and a spinning NIXL progress thread starved the other server's UCX write it waited for
+            # (docs/notes/ucx-transports.md).
             proc = subprocess.Popen(
                 guarded(spec.argv, orphan=not attached, nice=spec.nice),
                 env={**_inherited(), **spec.env, **auth.spawn_env(spec)},
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0,
                 preexec_fn=_die_with_parent if attached else None,
             )
         self._children[spec.name] = proc
