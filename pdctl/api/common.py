@@ -24,7 +24,7 @@ DASHBOARD = "configs/grafana/pdctl-fleet.json"  # over its Prometheus (docs/oper
 RENAMED_FLAGS = {"check": {"--gsm8k-dir": "--data-dir"}, "eval": {"--url": "--proxy", "--baseline": "--reference"}}
 
 # Flags removed in 0.2 (no command keeps more than about 20 options), refused with what replaces each for one
-# release: the typed topology overrides (--set is the one way), the reference's port (a topology field now),
+# release: the typed topology overrides (--set is the one way), the reference's port (reference.port),
 # bench's three skips (one --skip list) and its accuracy gate's concurrency (1: per-sample agreement stays exact).
 _OVERRIDES = {flag: f"--set {s}" for flag, s in REMOVED_OVERRIDE_FLAGS.items()}
 _REFERENCE = {"--reference-port": "--set reference.port=N"}

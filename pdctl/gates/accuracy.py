@@ -65,8 +65,9 @@ def gate_spec(expected: dict, model: str, task: str = "gsm8k") -> GateSpec | Non
     table = (expected.get(model) or {}).get(task)
     if not table:
         return None
+    # Metrics set directly under the task (no `absolute:` key) are absolute ones too.
     absolute = {**(table.get("absolute") or {}),
-                **{k: v for k, v in table.items() if k not in ("absolute", "relative")}}  # legacy: metrics at top
+                **{k: v for k, v in table.items() if k not in ("absolute", "relative")}}
     relative = table.get("relative")
     return GateSpec(absolute, None if relative is None else {
         "min_agreement": float(relative.get("min_agreement", DEFAULT_MIN_AGREEMENT)),

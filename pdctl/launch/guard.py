@@ -1,7 +1,7 @@
 """`python -m pdctl.launch.guard [--watch PID --detach] -- ARGV...`: run ARGV so none of it outlives its owner.
 
 A parent-death signal reaches only the direct child: a vLLM API server that gets it exits, but its EngineCore
-and workers (its own children) were seen to live on, orphaned, holding the NIXL side-channel port. The guard
+and workers (its own children) live on, orphaned, holding the NIXL side-channel port. The guard
 leads a process group holding the server and all it starts; when its owner dies or it is told to stop, it stops
 the whole group: SIGTERM, then SIGKILL.
 

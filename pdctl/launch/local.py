@@ -26,7 +26,7 @@ def _die_with_parent() -> None:
 
 def guarded(argv: list[str], watch: int | None = None, orphan: bool = False, nice: int = 0) -> list[str]:
     """ARGV run under pdctl's guard: when its owner dies, or the server itself, the whole process group goes (a
-    parent-death signal alone stops only the direct child, and vLLM's EngineCore outlived its API server that
+    parent-death signal alone stops only the direct child, and vLLM's EngineCore outlives its API server that
     way). The owner is the parent, the process `watch` names (then the guard detaches and prints its pid), or
     nobody (`orphan`: detached topologies). The guard logs how the server ended, and adds `nice` to the
     niceness of everything it starts."""
@@ -133,8 +133,8 @@ class LocalEngine(RestartableEngine):
             # Foreground: if pdctl itself is killed (even -9), everything it started stops instead of living on.
             # The key (auth.api_key_env) is read here, at spawn, into the child's environment only.
             # A process group of its own keeps a terminal's Ctrl-C for pdctl to handle in order; the session stays
-            # pdctl's so every server shares one autogroup: across autogroups the scheduler split a shared core by
-            # group, and a spinning NIXL progress thread starved the other server's UCX write it waited for
+            # pdctl's so every server shares one autogroup: across autogroups the scheduler splits a shared core by
+            # group, and a spinning NIXL progress thread starves the other server's UCX write it waits for
             # (docs/notes/ucx-transports.md).
             proc = subprocess.Popen(
                 guarded(spec.argv, orphan=not attached, nice=spec.nice),

@@ -16,9 +16,9 @@ sends the datagram from `request_finished`, in its engine core, the moment vLLM 
 KV is computed), and marks its answer `pdctl_handed_over: true`. The decode's read then overlaps the prefill's own
 output path (its API server, its JSON answer, the proxy: ~4 ms at one request at a time on the CPU host, where the
 overlap measured neutral because both share its 2 cores; docs/notes/latency-attribution.md). The proxy hands the
-parameters over only when the prefill did not (an older prefill, a send that failed). A decode that already
-claimed a token ignores a second hand-over for it. vLLM's pull protocol lets a decode read before the prefill's
-worker has the request's send deadline (`nixl/pull_worker.py`, "P can now more easily lag behind D").
+parameters over only when the prefill did not (a prefill whose connector does not, a send that failed). A decode
+that already claimed a token ignores a second hand-over for it. vLLM's pull protocol lets a decode read before the
+prefill's worker has the request's send deadline (`nixl/pull_worker.py`, "P can now more easily lag behind D").
 
 The channel is a Unix datagram socket in the abstract namespace, named after the decode's NIXL side-channel
 address: host-local (the topology refuses early_decode for decodes on other hosts), no file to clean up, gone

@@ -10,7 +10,7 @@ One module per concern; this package hands their names on:
   describe.py    a topology in one line
   rules_*.py     the compatibility rules by subject (hybrid, pairs, pool, capacity, engine, proxy, exposure,
                  collisions), run in order by rules.py
-  overrides.py   command-line changes (--set, the typed flags)
+  overrides.py   command-line changes (--set, --monitoring) and the removed override flags' replacements
   load.py        the YAML read, overridden, validated and checked
 """
 

@@ -395,7 +395,7 @@ class Topology(_Strict):
     supervision: SupervisionSpec = Field(default_factory=SupervisionSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
-    # None (not an empty AuthSpec) when the YAML has no auth: a plan's JSON then stays as it was (Plan.to_dict).
+    # None (not an empty AuthSpec) when the YAML has no auth: a plan's JSON then leaves it out (Plan.to_dict).
     auth: AuthSpec | None = Field(None, description="API keys (auth.api_key_env)")
     # Where it was loaded from (file, base dir, model facts, warnings): set by validate_data, never serialized.
     _origin: Any = PrivateAttr(default=None)

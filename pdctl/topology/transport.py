@@ -3,7 +3,7 @@
 NIXL opens UCX endpoints with peer-failure handling. UCX's shared-memory transports serve such endpoints only with
 `UCX_MM_ERROR_HANDLING=y` (without it `UCX_TLS=sm,self` is refused at start: "no peer failure handler"), so by
 default NIXL's notifications and UCX's wire-up travel over TCP, whose progress needs the *target's* worker: a first
-read between two processes of one host waited for the prefill's next step (docs/notes/ucx-transports.md).
+read between two processes of one host then waits for the prefill's next step (docs/notes/ucx-transports.md).
 """
 
 from __future__ import annotations
