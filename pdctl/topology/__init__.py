@@ -34,7 +34,6 @@ from pdctl.topology.overrides import MONITORING_ON, REMOVED_OVERRIDE_FLAGS, Over
 from pdctl.topology.problems import Loc, Problem, Source, TopologyError, pool_field, pool_loc, user_loc
 from pdctl.topology.rules import compatibility_problems
 from pdctl.topology.rules_capacity import kv_bytes_per_token
-from pdctl.topology.rules_collisions import CROSS_ROLE_CORE
 from pdctl.topology.rules_exposure import is_loopback
 from pdctl.topology.rules_hybrid import _hybrid_cpu_blocks as _hybrid_cpu_blocks  # for the unit tests
 from pdctl.topology.rules_proxy import ROUTER_UNSUPPORTED
@@ -80,7 +79,7 @@ __all__ = [
     "hma_enabled", "is_local_path", "model_attention", "read_model_info", "resolve_path", "resolved_model",
     "Loaded", "load_topology", "validate_data", "MONITORING_ON", "REMOVED_OVERRIDE_FLAGS", "Override",
     "apply_overrides", "Loc", "Problem", "Source", "TopologyError", "pool_field", "pool_loc", "user_loc",
-    "compatibility_problems", "kv_bytes_per_token", "CROSS_ROLE_CORE", "is_loopback", "ROUTER_UNSUPPORTED",
+    "compatibility_problems", "kv_bytes_per_token", "is_loopback", "ROUTER_UNSUPPORTED",
     "CPU_BLOCK_MULTIPLE", "DEFAULT_BLOCK_SIZE", "DEFAULT_POOL", "MAX_POOLS", "POOL_NAME_PATTERN", "RAY_PLACEMENT",
     "ROLE_PORTS", "ROLES", "ROUTER_POLICY", "SLURM_PLACEMENT", "AuthSpec", "BufferDevice", "ByteSize",
     "ConnectorSpec", "EngineKind", "EngineSpec", "KvLayout", "ModelSpec", "MonitoringSpec", "Placement",

@@ -6,18 +6,11 @@ from __future__ import annotations
 from pdctl.topology.problems import Loc, Problem, pool_loc
 from pdctl.topology.schema import DEFAULT_POOL, ROLES, Topology
 
-# Measured (docs/notes/ucx-transports.md): with a prefill and a decode on one core, the idle end's NIXL progress
-# thread spins while the other end's UCX wire-up message, half written into its receive queue, waits for the core.
-CROSS_ROLE_CORE = ("a prefill and a decode bound to the same CPU core: a fresh pair's first KV read was measured to "
-                   "stall 4-53 s (3 bring-ups in 20 with one of each per core, 8 in 60 with four on one core; "
-                   "`pdctl up` then fails naming the pair); bind prefills and decodes to different cores")
-
 
 def _collisions(t: Topology) -> list[Problem]:
     """Every (host, port) and (host, platform, device) is claimed by one process at most."""
     ports: dict[tuple[str, int], str] = {}
     devices: dict[tuple[str, str, int], str] = {}
-    device_role: dict[tuple[str, str, int], str] = {}  # the role of a device's first owner
     out: list[Problem] = []
 
     def claim(table: dict, key: tuple, owner: str, path: Loc, what: str, severity: str = "error",
@@ -40,10 +33,8 @@ def _collisions(t: Topology) -> list[Problem]:
                       "NIXL side-channel port")
                 for dev in g.devices_of(i) or []:
                     # Shared CPU cores only slow instances down; a shared accelerator runs out of memory.
-                    key = (g.host, g.platform, dev)
-                    cross = g.platform == "cpu" and device_role.setdefault(key, role) != role
-                    claim(devices, key, owner, (*loc, "devices"), f"{g.platform} device",
-                          "warning" if g.platform == "cpu" else "error", CROSS_ROLE_CORE if cross else None)
+                    claim(devices, (g.host, g.platform, dev), owner, (*loc, "devices"), f"{g.platform} device",
+                          "warning" if g.platform == "cpu" else "error")
     claim(ports, (t.proxy.host, t.proxy.port), "the proxy", ("proxy", "port"), "port")
     if t.monitoring.enabled:
         claim(ports, (t.monitoring.host, t.monitoring.port), "Prometheus (monitoring)", ("monitoring", "port"),

@@ -283,7 +283,7 @@ class ConnectorSpec(_Strict):
         "was posted is given up through vLLM's failure path (kv_load_failure_policy: recompute or fail), its "
         "blocks returned only once NIXL let go of them; a read is not started when it could outlast the prefill's "
         "KV lease (kv_lease_duration, which the plan sets to 30 s unless extra_config sets it). Reads on one host "
-        "take milliseconds; a stalled one waited 30 s, until the lease ran out")
+        "take milliseconds; without this bound a stalled read waits until the lease runs out")
     trace: bool = Field(
         False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
         "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "

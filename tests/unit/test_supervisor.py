@@ -216,12 +216,16 @@ def test_detached_supervisor_restarts_a_killed_process_and_down_stops_it_first(t
     pid = supervisor.start_detached(st)
     try:
         first = st.processes["prefill-0"]
+        # A process group of its own in the starter's session: one scheduler autogroup for the deployment
+        # (a session per server let a spinning NIXL thread starve another server on a shared core).
+        assert os.getpgid(first.pid) == first.pid and os.getsid(first.pid) == os.getsid(0)
         assert wait_for(lambda: _http_ok(port), 15)
         os.kill(_child_of(first.pid), signal.SIGKILL)  # the server, under its guard
         assert wait_for(lambda: (r := state_mod.load(tmp_path).processes["prefill-0"]).restarts == 1
                      and r.phase == "running", 30), (tmp_path / "logs" / "supervisor.log").read_text()
         rec = state_mod.load(tmp_path).processes["prefill-0"]
         assert rec.pid != first.pid and rec.last_exit == "killed by signal 9 (SIGKILL)"
+        assert os.getpgid(rec.pid) == rec.pid and os.getsid(rec.pid) == os.getsid(pid)  # the supervisor's session
         code, out, _ = run_cli("status", "--state-dir", str(tmp_path), "--json")
         row = json.loads(out)["instances"][0]
         assert code == 0 and row["restarts"] == 1 and row["healthy"] and json.loads(out)["supervisor"]["pid"] == pid
