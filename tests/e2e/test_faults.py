@@ -44,8 +44,8 @@ STALL_S = 30  # far past connector.kv_read_timeout_s (5 s): only the dead-prefil
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
-    # Prefills on core 0, decodes on core 1: a prefill and a decode on one core stall their first KV read
-    # (docs/notes/cpu-same-core-first-read-stall.md), which is what made the first request after a restart slow.
+    # Prefills on core 0, decodes on core 1: each role keeps a core, so the drills' timings measure faults, not
+    # a prefill and a decode competing for one core.
     args = ["--set", "prefill.count=2", "--set", "decode.count=2", "--set", "prefill.devices=[0,0]",
             "--set", "decode.devices=[1,1]", "--set", "supervision.backoff_s=1", "--set",
             "supervision.health_interval_s=2", "--set", "supervision.health_window_s=10", *PORTS,
