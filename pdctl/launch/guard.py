@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
             print(pid, flush=True)
             os._exit(0)
         os.dup2(2, 1)  # stdout was the pipe for the pid; the command's output goes where stderr goes
-        os.setpgid(0, 0)  # not setsid: servers on a node share their session's autogroup (see LocalEngine.start)
+        os.setsid()
     elif os.getpgrp() != os.getpid():
         os.setpgrp()
     if watch is None and not orphan:
