@@ -6,11 +6,14 @@ it leaves the topology schema).
 Deployments: the baseline (aggregated on the same devices: `--slo auto` is measured on it first), the topology as
 it is ("defaults"), and the topology with each `--setting` applied alone; every one brought up alone in turn, the
 order rotating every repetition, the same prompts and seeded Poisson arrivals at each of `--rates`
-(pdctl.bench.goodput_run.run_deployments). Then, per repetition and deployment, --c1-requests prompts one at a time
-for TTFT and TPOT at concurrency 1.
+(pdctl.bench.goodput_run.run_deployments; a deployment's rates stop at its first miss). As soon as each is up,
+before its load, --c1-requests prompts one at a time give TTFT and TPOT at concurrency 1. `--baseline-setting`
+candidates are aggregated deployments judged against the baseline: the baseline gets the same engine-settings
+search as P/D.
 
 Usage: python scripts/bench_settings.py [configs/cpu-demo.yaml] --setting proxy.early_decode=true
-           --setting proxy.first_token=auto --rates 2,3,4,5,6 [--repeat 3] [--requests 200] [--c1-requests 20]
+           --setting proxy.first_token=auto --baseline-setting "prefill.extra_args=[--max-num-batched-tokens,'512']"
+           --rates 3,4,5,6 [--repeat 3] [--requests 200] [--c1-requests 20]
            [--out results/bench_settings.json]
 Each --setting is a `--set` override (dotted.path=value); several in one, separated by ';', are one candidate.
 """
@@ -30,7 +33,6 @@ from pdctl import api  # noqa: E402
 from pdctl.bench import goodput, load  # noqa: E402
 from pdctl.bench.goodput_run import run_deployments  # noqa: E402
 from pdctl.bench.options import BenchOptions  # noqa: E402
-from pdctl.launch import run as run_mod  # noqa: E402
 from pdctl.launch.local import LocalEngine  # noqa: E402
 from pdctl.topology import resolved_model  # noqa: E402
 
@@ -38,33 +40,32 @@ GAIN = 1.05  # goodput at least this many times the defaults'
 LATENCY_SLACK = 1.05  # TTFT and TPOT at concurrency 1 at most this many times the defaults'
 
 
-def concurrency_one(plans: dict, loaded, o: BenchOptions, n: int, repeat: int) -> dict[str, list[dict]]:
-    """TTFT and TPOT p50 at one request at a time, per deployment and repetition (the order rotating)."""
+def concurrency_one(loaded, o: BenchOptions, n: int, out: dict[str, list[dict]]):
+    """on_up for run_deployments: TTFT and TPOT p50 at one request at a time on each deployment as soon as it is
+    up, before its load (the same prompts for every deployment within a repetition)."""
     t = loaded.topology
     tok = load.load_tokenizer(resolved_model(t, t.decode[0], loaded.base_dir))
-    engine, out = LocalEngine(), {name: [] for name in plans}
-    names = list(plans)
-    for rep in range(repeat):
-        w = load.workload(n, o.prompt_len, loaded.model_info.vocab_size or 1000, 7000 + rep, max_tokens=o.max_tokens,
-                          tokenizer=tok)
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            plan = plans[name]
-            state = run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
-            try:
-                r = load.run_load(name, plan.by_role("proxy")[0].http_url, t.model.name, w, o.max_tokens, 1,
-                                  seed=rep)
-                out[name].append({"ttft_ms_p50": r.ttft_ms_p50, "tpot_ms_p50": r.tpot_ms_p50})
-            finally:
-                run_mod.down(state, engine)
-            print(f"concurrency 1, {rep + 1}/{repeat} {name}: TTFT p50 {r.ttft_ms_p50:.1f} ms, TPOT p50 "
-                  f"{r.tpot_ms_p50:.2f} ms", flush=True)
-    return out
+    works: dict[int, load.Workload] = {}
+
+    def measure(name: str, rep: int, plan) -> None:
+        if rep not in works:
+            works[rep] = load.workload(n, o.prompt_len, loaded.model_info.vocab_size or 1000, 7000 + rep,
+                                       max_tokens=o.max_tokens, tokenizer=tok)
+        r = load.run_load(name, plan.by_role("proxy")[0].http_url, t.model.name, works[rep], o.max_tokens, 1,
+                          seed=rep)
+        out.setdefault(name, []).append({"ttft_ms_p50": r.ttft_ms_p50, "tpot_ms_p50": r.tpot_ms_p50})
+        print(f"concurrency 1, {rep + 1}/{o.repeat} {name}: TTFT p50 {r.ttft_ms_p50:.1f} ms, TPOT p50 "
+              f"{r.tpot_ms_p50:.2f} ms", flush=True)
+    return measure
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("topology", nargs="?", default="configs/cpu-demo.yaml")
-    ap.add_argument("--setting", action="append", required=True, help="dotted.path=value[;dotted.path=value]")
+    ap.add_argument("--setting", action="append", default=[], help="dotted.path=value[;dotted.path=value]: "
+                    "a candidate for the P/D topology, judged against its defaults")
+    ap.add_argument("--baseline-setting", action="append", default=[], help="the same for the baseline (each "
+                    "pool's settings reach the aggregated server on its devices), judged against the baseline")
     ap.add_argument("--rates", required=True, help="offered req/s, e.g. 2,3,4,5,6")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--requests", type=int, default=goodput.MIN_REQUESTS)
@@ -81,16 +82,22 @@ def main() -> int:
     for setting in a.setting:
         t = api.load(a.topology, [s.strip() for s in setting.split(";")], gated=True)
         plans[setting] = api.plan(t, state_dir=work / f"s{len(plans)}")
+    for setting in a.baseline_setting:
+        t = api.load(a.topology, [s.strip() for s in setting.split(";")], gated=True)
+        plans[f"baseline: {setting}"] = api.plan(t, state_dir=work / f"s{len(plans)}", baseline=True)
     t0 = time.monotonic()
+    c1: dict[str, list[dict]] = {}
     g = run_deployments(api.origin(base_t), plans, LocalEngine(), Path("results") / "bench_settings", o,
-                        lambda text: print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True))
-    c1 = concurrency_one(plans, api.origin(base_t), o, a.c1_requests, a.repeat)
+                        lambda text: print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True),
+                        on_up=concurrency_one(api.origin(base_t), o, a.c1_requests, c1), until_miss=True)
     rows = []
     for name in plans:
-        med = {k: statistics.median(r[k] for r in c1[name]) for k in ("ttft_ms_p50", "tpot_ms_p50")}
+        runs = c1.get(name) or [{"ttft_ms_p50": float("nan"), "tpot_ms_p50": float("nan")}]  # never came up
+        med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_ms_p50", "tpot_ms_p50")}
         rows.append({"deployment": name, "sustained_req_s": g[name]["sustained_req_s"], **med})
-    d = next(r for r in rows if r["deployment"] == "defaults")
+    by_name = {r["deployment"]: r for r in rows}
     for r in rows:
+        d = by_name["baseline" if r["deployment"].startswith("baseline") else "defaults"]
         r["goodput_x"] = r["sustained_req_s"] / d["sustained_req_s"] if d["sustained_req_s"] else None
         r["ttft_c1_x"], r["tpot_c1_x"] = r["ttft_ms_p50"] / d["ttft_ms_p50"], r["tpot_ms_p50"] / d["tpot_ms_p50"]
         r["verdict"] = ("reference" if r["deployment"] in ("baseline", "defaults") else

@@ -39,11 +39,14 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, 
 
 
 def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine, out_dir: Path,
-                    o: BenchOptions, phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
+                    o: BenchOptions, phase: Callable[[str], None], headers: dict[str, str] | None = None,
+                    on_up: Callable[[str, int, Plan], None] | None = None, until_miss: bool = False) -> dict:
     """Each deployment brought up alone in turn and sent the same prompts with the same seeded arrivals per
     (repetition, rate); the first must be "baseline" (`--slo auto` is measured on its first instance before any
     other number exists); the order rotates every repetition. Per deployment: the runs (attainment, statistics
-    and every request's TTFT/TPOT per rate), the median sustained rate and the medians per rate."""
+    and every request's TTFT/TPOT per rate), the median sustained rate and the medians per rate.
+    on_up(name, repetition, plan) runs once a deployment is up, before its load; until_miss stops a deployment's
+    explicit rates at its first miss (nothing above it counts towards the sustained rate)."""
     names = list(deployments)
     assert names[0] == "baseline", names
     t = loaded.topology
@@ -91,6 +94,8 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                                            [x.tpot_ms for x in times if x.tpot_ms is not None])
                     unloaded = r.to_dict()
                     phase(f"SLO: {slo}")
+                if on_up is not None:
+                    on_up(name, rep, plan)
                 points: dict[float, float] = {}
                 stats: dict[str, dict] = {}
                 per_request: dict[str, list] = {}
@@ -107,6 +112,8 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                     phase(f"  {name} at {rate:g} req/s: {points[rate]:.0%} of {o.requests} within the SLO "
                           f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms)")
                     k += 1
+                    if until_miss and points[rate] < goodput.ATTAINMENT:
+                        break
                     rate = (o.rates[k] if k < len(o.rates) else None) if o.rates else \
                         goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
             finally:
