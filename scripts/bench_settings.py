@@ -100,9 +100,11 @@ def main() -> int:
         d = by_name["baseline" if r["deployment"].startswith("baseline") else "defaults"]
         r["goodput_x"] = r["sustained_req_s"] / d["sustained_req_s"] if d["sustained_req_s"] else None
         r["ttft_c1_x"], r["tpot_c1_x"] = r["ttft_ms_p50"] / d["ttft_ms_p50"], r["tpot_ms_p50"] / d["tpot_ms_p50"]
+        better = (r["goodput_x"] or 0) >= GAIN and r["ttft_c1_x"] <= LATENCY_SLACK and r["tpot_c1_x"] <= LATENCY_SLACK
         r["verdict"] = ("reference" if r["deployment"] in ("baseline", "defaults") else
-                        "make it the default" if (r["goodput_x"] or 0) >= GAIN and r["ttft_c1_x"] <= LATENCY_SLACK
-                        and r["tpot_c1_x"] <= LATENCY_SLACK else "take it out of the schema")
+                        ("tunes the baseline" if better else "no better than the baseline")
+                        if r["deployment"].startswith("baseline") else
+                        "make it the default" if better else "take it out of the schema")
     print(f"\nSLO: {g['slo']['origin']}; rates {a.rates}; {a.requests} requests per rate; median of {a.repeat}")
     print(f"{'deployment':44}{'req/s':>7}{'x dflt':>8}{'TTFT c1':>9}{'x':>6}{'TPOT c1':>9}{'x':>6}  verdict")
     for r in rows:
