@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--baseline-setting", action="append", default=[], help="the same for the baseline (each "
                     "pool's settings reach the aggregated server on its devices), judged against the baseline")
     ap.add_argument("--rates", required=True, help="offered req/s, e.g. 2,3,4,5,6")
+    ap.add_argument("--pd-rates", help="the P/D deployments' own rates (default --rates), e.g. from the lowest "
+                    "a P/D deployment is known to sustain; the baselines get --rates")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--requests", type=int, default=goodput.MIN_REQUESTS)
     ap.add_argument("--c1-requests", type=int, default=20)
@@ -89,7 +91,9 @@ def main() -> int:
     c1: dict[str, list[dict]] = {}
     g = run_deployments(api.origin(base_t), plans, LocalEngine(), Path("results") / "bench_settings", o,
                         lambda text: print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True),
-                        on_up=concurrency_one(api.origin(base_t), o, a.c1_requests, c1), until_miss=True)
+                        on_up=concurrency_one(api.origin(base_t), o, a.c1_requests, c1), until_miss=True,
+                        rates_for={name: api.parse_rates(a.pd_rates) for name in plans
+                                   if a.pd_rates and not name.startswith("baseline")})
     rows = []
     for name in plans:
         runs = c1.get(name) or [{"ttft_ms_p50": float("nan"), "tpot_ms_p50": float("nan")}]  # never came up

@@ -40,13 +40,15 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, 
 
 def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine, out_dir: Path,
                     o: BenchOptions, phase: Callable[[str], None], headers: dict[str, str] | None = None,
-                    on_up: Callable[[str, int, Plan], None] | None = None, until_miss: bool = False) -> dict:
+                    on_up: Callable[[str, int, Plan], None] | None = None, until_miss: bool = False,
+                    rates_for: dict[str, tuple[float, ...]] | None = None) -> dict:
     """Each deployment brought up alone in turn and sent the same prompts with the same seeded arrivals per
     (repetition, rate); the first must be "baseline" (`--slo auto` is measured on its first instance before any
     other number exists); the order rotates every repetition. Per deployment: the runs (attainment, statistics
     and every request's TTFT/TPOT per rate), the median sustained rate and the medians per rate.
     on_up(name, repetition, plan) runs once a deployment is up, before its load; until_miss stops a deployment's
-    explicit rates at its first miss (nothing above it counts towards the sustained rate)."""
+    explicit rates at its first miss (nothing above it counts towards the sustained rate); rates_for gives a
+    deployment its own explicit rates (one known to sustain the lowest of o.rates need not be sent it)."""
     names = list(deployments)
     assert names[0] == "baseline", names
     t = loaded.topology
@@ -55,14 +57,16 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     tok = load.load_tokenizer(resolved_model(t, t.decode[0], loaded.base_dir))
     vocab = loaded.model_info.vocab_size or 1000
     seed = int(time.time())
-    works: dict[tuple, load.Workload] = {}
+    works: dict[tuple, tuple[load.Workload, int]] = {}
 
-    def prompts(key: tuple, n: int) -> load.Workload:
-        # One workload per (repetition, point): every deployment gets the same prompts and arrivals; each
-        # bring-up starts with empty prefix caches, a point's prompts are new to the servers that get them.
+    def prompts(key: tuple, n: int) -> tuple[load.Workload, int]:
+        # One workload and arrival seed per (repetition, offered rate): every deployment sent a rate gets the
+        # same prompts and arrivals there; each bring-up starts with empty prefix caches, and a rate's prompts
+        # are new to the servers that get them.
         if key not in works:
-            works[key] = load.workload(n, o.prompt_len, vocab, seed + len(works), max_tokens=o.max_tokens,
-                                       tokenizer=tok, dataset=o.dataset, dataset_path=o.dataset_path)
+            works[key] = (load.workload(n, o.prompt_len, vocab, seed + len(works), max_tokens=o.max_tokens,
+                                        tokenizer=tok, dataset=o.dataset, dataset_path=o.dataset_path),
+                          seed + 1000 + len(works))
         return works[key]
 
     (out_dir / "goodput").mkdir(parents=True, exist_ok=True)
@@ -87,7 +91,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
             try:
                 if slo is None:  # the first leg is the baseline's
                     one = plan.by_role("baseline")[0]
-                    r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS),
+                    r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS)[0],
                                       o.max_tokens, 1, seed=seed, headers=headers)
                     times = goodput.request_times(r.vllm)
                     slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
@@ -100,10 +104,12 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                 stats: dict[str, dict] = {}
                 per_request: dict[str, list] = {}
                 k = 0
-                rate = o.rates[0] if o.rates else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
+                own = (rates_for or {}).get(name, o.rates)
+                rate = own[0] if own else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
                 while rate is not None:
-                    r = load.run_load(name, url, model, prompts((rep, k), o.requests), o.max_tokens, 1,
-                                      request_rate=rate, seed=seed + 1000 * rep + k, headers=headers)
+                    w, arrivals = prompts((rep, rate), o.requests)
+                    r = load.run_load(name, url, model, w, o.max_tokens, 1, request_rate=rate, seed=arrivals,
+                                      headers=headers)
                     times = goodput.request_times(r.vllm)
                     points[rate] = goodput.attainment(times, slo)
                     stats[f"{rate:g}"] = goodput.point_stats(times, slo, r.duration_s)
@@ -114,7 +120,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                     k += 1
                     if until_miss and points[rate] < goodput.ATTAINMENT:
                         break
-                    rate = (o.rates[k] if k < len(o.rates) else None) if o.rates else \
+                    rate = (own[k] if k < len(own) else None) if own else \
                         goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
             finally:
                 run_mod.down(state, engine)
