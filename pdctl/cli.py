@@ -80,12 +80,10 @@ TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for readiness")
 ExpectedOpt = Annotated[Path | None, typer.Option(help="expected-accuracy table (default: pdctl's own)")]
 AllowUngatedOpt = Annotated[bool, typer.Option(help="a model the table does not know passes (UNGATED), not fails")]
 DataDirOpt = Annotated[Path | None, typer.Option(help="GSM8K train.jsonl/test.jsonl here instead of the hub")]
-RateOpt = Annotated[float | None, typer.Option(help="load benchmark in open loop: Poisson arrivals at this many "
-                                               "requests/s (as vllm bench serve)")]
 SkipOpt = Annotated[str | None, typer.Option(help="phases not to run, comma-separated: check (parity gate), eval "
                                              "(accuracy gate), perf (load benchmark)")]
-DatasetOpt = Annotated[str, typer.Option(help="load benchmark: vLLM's random, prefix_repetition, sharegpt or custom")]
-DatasetPathOpt = Annotated[Path | None, typer.Option(help="load benchmark: sharegpt's JSON or custom's JSONL file")]
+DatasetOpt = Annotated[str, typer.Option(help="load benchmark: vLLM's random, prefix_repetition, sharegpt:FILE (a "
+                                          "ShareGPT JSON) or custom:FILE (JSONL, a prompt per line)")]
 
 
 def _load(path: Path, overrides: list, gated: bool = False):
@@ -131,7 +129,8 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
 
 BaselineOpt = Annotated[bool, typer.Option(help="bench --goodput's aggregated baseline on the same devices")]
 SloOpt = Annotated[str, typer.Option(help="--goodput: ttft=MS,tpot=MS, or auto")]
-RatesOpt = Annotated[str | None, typer.Option(help="--goodput: offered req/s, e.g. 2,4,8 [bench: search]")]
+RatesOpt = Annotated[str | None, typer.Option(help="offered req/s: --goodput's rates, e.g. 2,4,8 [bench: a search]; "
+                                               "else one rate: the load in open loop (Poisson), not --concurrency")]
 RepeatOpt = Annotated[int, typer.Option(help="--goodput: interleaved repetitions (median)")]
 
 @app.command()
@@ -549,8 +548,7 @@ def bench(
     prompt_len: Annotated[int | None, typer.Option(help="load: prompt tokens [256; --goodput: 2048]")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="load: output tokens [32; --goodput: 64]")] = None,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
-    request_rate: RateOpt = None,
-    dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
+    dataset: DatasetOpt = "random",
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
     goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
     slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3,
@@ -580,8 +578,8 @@ def bench(
 
       pdctl bench configs/cpu-demo.yaml --skip check,eval --goodput --slo auto   # does P/D pay here?
     """
-    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates),
-                    skip=api.parse_skip(skip))
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
+                    **api.load_rates(rates, goodput), **api.dataset_option(dataset))
     t = _load(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -602,7 +600,7 @@ def sweep(
     expected: ExpectedOpt = None,
     requests: Annotated[int | None, typer.Option(help="load: requests per side [32; --goodput: per rate, 200]")] = None,
     concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
-    request_rate: RateOpt = None, dataset: DatasetOpt = "random", dataset_path: DatasetPathOpt = None,
+    dataset: DatasetOpt = "random",
     skip: SkipOpt = None, timeout: TimeoutOpt = 300.0,
     goodput: Annotated[bool, typer.Option(help="cases are layouts of the same devices: goodput per layout")] = False,
     slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, json_: JsonOpt = False,
@@ -623,8 +621,8 @@ def sweep(
 
       pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layout-matrix.yaml --goodput --rates 1,2,3,4,6
     """
-    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, rates=api.parse_rates(rates),
-                    skip=api.parse_skip(skip))
+    opts = _options(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
+                    **api.load_rates(rates, goodput), **api.dataset_option(dataset))
     r = api.sweep(topology, matrix, opts, results=results, say=say)
     print(json.dumps(r.to_dict(), indent=2)) if json_ else render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)

@@ -195,7 +195,6 @@ def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
         if staging:
             extra["pdctl"]["staging_blocks"] = staging
         if role == "decode":
-            extra["pdctl"]["read_wait_s"] = c.read_wait_s
             extra["pdctl"]["kv_read_timeout_s"] = c.kv_read_timeout_s
         if t.proxy.early_decode:  # the decode takes hand-overs, the prefill gives them
             extra["pdctl"]["handover"] = True
@@ -241,10 +240,10 @@ def _server_argv(t: Topology, role: Role, pool: Pool, index: int, model_path: st
 
 
 def queue_spin_s(t: Topology, pool: Pool) -> float | None:
-    """How long the executor-queue readers of a server of the pool spin after a message (pdctl's vLLM plugin:
-    connector.worker_spin_s, default 0 on CPU); None: vLLM's own queues (the plugin stays inert)."""
-    spin = t.connector.worker_spin_s
-    return spin if spin is not None else (0.0 if pool.platform == "cpu" else None)
+    """How long the executor-queue readers of a server of the pool spin after a message (pdctl's vLLM plugin):
+    0 on CPU, where a spinning reader takes the cores compute and NIXL need (any spin measured lower goodput);
+    None elsewhere: vLLM's own queues (the plugin stays inert)."""
+    return 0.0 if pool.platform == "cpu" else None
 
 
 def _server_env(t: Topology, pool: Pool, index: int, queue_spin: float | None = None) -> dict[str, str]:
@@ -385,14 +384,13 @@ def monitor_spec(t: Topology, state_dir: Path) -> ProcessSpec:
 def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:
     """An aggregated server for the parity gate: the first decode pool's block size, TP, devices and mode, no
     connector (greedy output does not depend on the block size on CPU, so one reference serves a fleet). Its
-    executor queues are calmed like the P/D servers' unless `reference.calm_queues` is false (plain vLLM)."""
+    executor queues are calmed like the P/D servers': a fair comparison."""
     g = t.decode[0]
     model = resolved_model(t, g, base_dir)
     argv = _server_argv(t, "decode", g, 0, model, python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
-    calm = t.reference.calm_queues
-    env = {k: v for k, v in _server_env(t, g, 0, queue_spin_s(t, g) if calm else None).items()
-           if not k.startswith(("VLLM_NIXL_", "UCX_")) and (calm or k != QUEUE_SPIN_ENV)}
+    env = {k: v for k, v in _server_env(t, g, 0, queue_spin_s(t, g)).items()
+           if not k.startswith(("VLLM_NIXL_", "UCX_"))}
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,

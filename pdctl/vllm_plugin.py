@@ -4,7 +4,7 @@ vLLM's executor message queues.
 vLLM loads every general plugin installed in the environment in each of its processes (API server, engine core,
 workers), users' own servers included, before their executor queues exist. So this plugin does nothing unless
 the environment variable PDCTL_QUEUE_SPIN_S is set, which pdctl's plan does for every server it starts on CPU
-(prefill, decode, and the aggregated reference unless `reference.calm_queues: false`).
+(prefill, decode, the aggregated reference and the baseline; not a benchmark's plain-vLLM reference).
 
 PDCTL_QUEUE_SPIN_S=<seconds>: how long a queue reader spins after a message before it waits (vLLM: 1 s, not
 configurable). Past that, the reader waits for the writer's notify in polls bounded by its idleness (vLLM's

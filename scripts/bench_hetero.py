@@ -130,11 +130,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="open-loop load, requests/s (0: none)")
     ap.add_argument("--requests", type=int, default=16, help="requests at concurrency 1")
     ap.add_argument("--rate-requests", type=int, default=96, help="requests of the open-loop load")
-    ap.add_argument("--dataset", default="random", choices=load.DATASETS, help="vLLM's benchmark dataset")
-    ap.add_argument("--dataset-path", help="sharegpt's JSON or custom's JSONL (a local file)")
+    ap.add_argument("--dataset", default="random", help="vLLM's benchmark dataset: random, prefix_repetition, "
+                    "sharegpt:FILE or custom:FILE (a local file)")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_hetero.json"))
     ap.add_argument("--table", help="print the table of an earlier run's JSON and stop")
     a = ap.parse_args()
+    a.dataset, a.dataset_path = load.dataset_option(a.dataset)
     if a.table:
         doc = json.loads(Path(a.table).read_text())
         table(medians(doc["runs"]), doc["reps"])

@@ -127,7 +127,7 @@ def spread(xs):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", default="configs/cpu-latency.yaml")
-    ap.add_argument("--set", action="append", default=[], help="topology override, e.g. connector.worker_spin_s=0")
+    ap.add_argument("--set", action="append", default=[], help="topology override, e.g. decode.block_size=128")
     ap.add_argument("--pairs", default="p32/d64,p64/d32,p64/d64,p32/d32", help="pinned PREFILL/DECODE pools")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--requests", type=int, default=16, help="requests per side per run")

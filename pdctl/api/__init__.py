@@ -25,6 +25,8 @@ from pdctl.api.benchmarks import (  # noqa: F401
     GoodputSweepResult,
     SweepResult,
     bench,
+    dataset_option,
+    load_rates,
     parse_rates,
     parse_skip,
     sweep,

@@ -104,6 +104,26 @@ def parse_rates(text: str | None) -> tuple[float, ...] | None:
     return rates
 
 
+def load_rates(text: str | None, goodput: bool) -> dict:
+    """--rates as BenchOptions fields: with --goodput the offered rates to measure (None: the search); without it
+    one rate, at which the load benchmark runs in open loop (Poisson arrivals) instead of --concurrency."""
+    rates = parse_rates(text)
+    if goodput or rates is None:
+        return {"rates": rates, "request_rate": None}
+    if len(rates) != 1:
+        raise UserError(f"--rates {text}: without --goodput the load benchmark runs at one offered rate (open loop), "
+                        "e.g. --rates 4; several are --goodput's")
+    return {"rates": None, "request_rate": rates[0]}
+
+
+def dataset_option(text: str) -> dict:
+    """--dataset KIND or KIND:FILE as BenchOptions fields (checked before anything starts, by bench and sweep)."""
+    from pdctl.bench.load import dataset_option as parse
+
+    dataset, path = parse(text)
+    return {"dataset": dataset, "dataset_path": path}
+
+
 def parse_skip(text: str | None) -> frozenset[str]:
     """--skip check,eval -> {"check", "eval"}; None -> nothing skipped. UserError naming the option otherwise."""
     try:
@@ -121,7 +141,7 @@ def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
     except goodput.SloError as e:
         raise UserError(str(e)) from None
     if o.breakdown or o.request_rate is not None:
-        raise UserError("--goodput runs its own rates (--rates, or a search): drop --request-rate and --breakdown")
+        raise UserError("--goodput runs its own rates (--rates, or a search): without --breakdown or a request_rate")
     if o.rates is not None and (not o.rates or any(not r > 0 for r in o.rates)):
         raise UserError(f"rates {o.rates}: offered request rates must be positive")
     if o.repeat < 1 or o.requests < 1:

@@ -25,11 +25,14 @@ RENAMED_FLAGS = {"check": {"--gsm8k-dir": "--data-dir"}, "eval": {"--url": "--pr
 
 # Flags removed in 0.2 (no command keeps more than about 20 options), refused with what replaces each for one
 # release: the typed topology overrides (--set is the one way), the reference's port (reference.port),
-# bench's three skips (one --skip list) and its accuracy gate's concurrency (1: per-sample agreement stays exact).
+# bench's three skips (one --skip list), its accuracy gate's concurrency (1: per-sample agreement stays exact),
+# the load's one open-loop rate (--rates) and dataset file (--dataset KIND:FILE).
 _OVERRIDES = {flag: f"--set {s}" for flag, s in REMOVED_OVERRIDE_FLAGS.items()}
 _REFERENCE = {"--reference-port": "--set reference.port=N"}
 _BENCH = {"--skip-check": "--skip check", "--skip-eval": "--skip eval", "--skip-perf": "--skip perf",
-          "--eval-concurrency": "pdctl eval --concurrency N (bench's accuracy gate runs at 1)"}
+          "--eval-concurrency": "pdctl eval --concurrency N (bench's accuracy gate runs at 1)",
+          "--request-rate": "--rates R (one rate: the load benchmark in open loop)",
+          "--dataset-path": "--dataset sharegpt:FILE or --dataset custom:FILE"}
 REMOVED_FLAGS = {"validate": _OVERRIDES, "plan": _OVERRIDES, "render k8s": _OVERRIDES, "up": _OVERRIDES,
                  "check": {**_OVERRIDES, **_REFERENCE}, "eval": {**_OVERRIDES, **_REFERENCE},
                  "bench": {**_OVERRIDES, **_REFERENCE, **_BENCH}, "sweep": {**_REFERENCE, **_BENCH}}

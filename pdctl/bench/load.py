@@ -92,21 +92,28 @@ class WorkloadError(ValueError):
     """A workload that cannot be built or sent as asked; the message names the flag."""
 
 
+def dataset_option(text: str) -> tuple[str, Path | None]:
+    """`--dataset KIND` or `--dataset KIND:FILE` (sharegpt:FILE, custom:FILE.jsonl) -> (kind, file or None)."""
+    kind, sep, path = text.partition(":")
+    return kind, (Path(path) if sep else None)
+
+
 def check_dataset(dataset: str, dataset_path: str | Path | None) -> None:
     """WorkloadError naming the flag when the dataset cannot be built here (no download, ever)."""
+    flag = f"--dataset {dataset}" + ("" if dataset_path is None else f":{dataset_path}")
     if dataset not in DATASETS:
-        raise WorkloadError(f"--dataset {dataset}: pdctl builds prompts from one of {', '.join(DATASETS)} (vLLM's "
-                            "benchmark datasets that need no download)")
+        raise WorkloadError(f"{flag}: pdctl builds prompts from one of random, prefix_repetition, sharegpt:FILE, "
+                            "custom:FILE (vLLM's benchmark datasets that need no download)")
     if dataset in FILE_DATASETS:
         if dataset_path is None:
-            raise WorkloadError(f"--dataset {dataset} needs --dataset-path: {FILE_DATASETS[dataset]} on this "
-                                "machine (pdctl downloads no datasets)")
+            raise WorkloadError(f"{flag} needs its file: --dataset {dataset}:FILE, {FILE_DATASETS[dataset]} on "
+                                "this machine (pdctl downloads no datasets)")
         if not Path(dataset_path).is_file():
-            raise WorkloadError(f"--dataset-path {dataset_path}: no such file")
+            raise WorkloadError(f"{flag}: no such file")
         if dataset == "custom" and Path(dataset_path).suffix != ".jsonl":
-            raise WorkloadError(f"--dataset-path {dataset_path}: --dataset custom reads a .jsonl file")
+            raise WorkloadError(f"{flag}: custom reads a .jsonl file")
     elif dataset_path is not None:
-        raise WorkloadError(f"--dataset-path {dataset_path}: --dataset {dataset} is synthetic and reads no file")
+        raise WorkloadError(f"{flag}: {dataset} is synthetic and reads no file")
 
 
 @dataclass
@@ -216,7 +223,7 @@ def workload(n: int, prompt_len: int, vocab: int | None = None, seed: int = 0, *
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 samples = serve.get_samples(args, tok)
         except (ValueError, KeyError, TypeError, OSError) as e:  # a file vLLM cannot read, lengths it refuses
-            where = f" --dataset-path {dataset_path}" if dataset_path else ""
+            where = f":{dataset_path}" if dataset_path else ""
             raise WorkloadError(f"--dataset {dataset}{where}: vLLM's dataset gave no prompts: {e}") from e
         picked = {}
         for r in samples:
@@ -228,7 +235,7 @@ def workload(n: int, prompt_len: int, vocab: int | None = None, seed: int = 0, *
             break
         want *= 2
     if len(picked) < n:
-        where = f"--dataset-path {dataset_path}" if dataset in FILE_DATASETS else f"vLLM's {dataset} dataset"
+        where = f"--dataset {dataset}:{dataset_path}" if dataset in FILE_DATASETS else f"vLLM's {dataset} dataset"
         raise WorkloadError(f"{where} gave {len(picked)} distinct prompts not sent before, {n} wanted (--requests)")
     seen.update(picked)
     requests = list(picked.values())

@@ -75,10 +75,6 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
                         "pdctl's vLLM plugin did not load (pdctl not installed in this Python, or VLLM_PLUGINS "
                         "does not name pdctl_calm_queues); the queue readers spin")
         self._trace = bool(s.get("trace", False))
-        # A read issued in this step is polled again (bounded) before the step's answer leaves: vLLM would see
-        # it done only at the next step's poll, and schedule its first token a step after that.
-        self._read_wait_s = float(s.get("read_wait_s", 0.002))
-        self._fresh_reads: list[str] = []  # requests whose read this step issued
         self._staging_blocks = int(s.get("staging_blocks", 0))
         self._staging: StagingPool | None = None  # the last staging_blocks ids of the cache, once first needed
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
@@ -168,8 +164,6 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         finally:
             self._prefix_hit = ()
             self._window_now = {}
-            if self._read_wait_s:
-                self._fresh_reads.append(req_id)
 
     def _give_up_late_reads(self) -> None:
         """Reads in progress past connector.kv_read_timeout_s, or from a prefill that is gone, fail through vLLM's
@@ -215,9 +209,6 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
                  self._received_tokens.get(engine, 0), "-" if read_s is None else f"{read_s * 1e3:.1f}")
 
     def get_transfer_results(self):
-        if self._fresh_reads:
-            seam.await_reads(self, self._fresh_reads, self._read_wait_s)
-            self._fresh_reads.clear()
         self._give_up_late_reads()
         polled = time.time() if self._trace else 0.0
         results = super().get_transfer_results()  # polls the reads, then converts P < D blocks

@@ -134,10 +134,8 @@ INTERNALS: tuple[Internal, ...] = (
              why="which CPU attention ISA (hence KV layout) a block size uses"),
     # -- worker state pdctl reads or writes -------------------------------------------------------------------
     *_attrs("attr", BASE_WORKER, "_remote_agents", "engines whose handshake finished (split only after it)"),
-    *_attrs("attr", BASE_WORKER, "_recving_transfers nixl_wrapper",
-            "the NIXL handles of a request's reads in progress, polled (bounded) in the step that issued them"),
-    Internal("method", f"{NIXL_API}:nixl_agent", "check_xfer_state", ("handle",),
-             why="polls a read's state without releasing it (vLLM's own poll releases it)"),
+    *_attrs("attr", BASE_WORKER, "_recving_transfers",
+            "the NIXL handles of a request's reads in progress (given up past the read timeout)"),
     *_attrs("attr", BASE_WORKER, "_recv_failures", "the failed-receive set _handle_failed_transfer records into"),
     *_attrs("attr", BASE_WORKER, "xfer_stats", "replaced by pdctl's stats (its counters in vLLM's /metrics)"),
     *_attrs("attr", f"{_N}.metadata:NixlConnectorMetadata", "reqs_to_recv",
@@ -255,21 +253,6 @@ def abandon_reads(worker: Any, req_id: str) -> int:
 def reads_in(meta: Any) -> list[str]:
     """The requests whose KV this step's connector metadata sends the workers to read."""
     return list(meta.reqs_to_recv)
-
-
-def await_reads(worker: Any, req_ids: list[str], timeout_s: float) -> bool:
-    """Poll these requests' NIXL reads (vLLM's `_recving_transfers` handles) until none is in progress or
-    `timeout_s` passed; True when all are done or failed. The handles stay vLLM's: its own poll, right after,
-    releases them and reports the requests."""
-    handles = [h for r in req_ids for h in worker._recving_transfers.get(r, ())]
-    deadline = time.perf_counter() + timeout_s
-    while handles:
-        handles = [h for h in handles if worker.nixl_wrapper.check_xfer_state(h) == "PROC"]
-        if handles and time.perf_counter() >= deadline:
-            return False
-        if handles:
-            time.sleep(0)
-    return True
 
 
 def kernel_blocks_per_block(worker: Any) -> int:

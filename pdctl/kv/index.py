@@ -1,7 +1,7 @@
 """Which block goes where: the connector's index decisions, as pure functions of explicit arguments.
 
 No torch, no vLLM: block ids in, block ids out. The connector (pdctl.connector.nixl) only adapts vLLM's calls to
-these and moves the bytes; the property tests (tests/unit/test_kv_index.py) pin every rule here.
+these and moves the bytes; the property tests (tests/unit/kv/test_index.py) pin every rule here.
 
 - prefill block > decode block: `split_plan` reads every prefill block a request touches whole, as `ratio`
   decode-sized chunks, each chunk either landing in one of the request's decode blocks or in a staging block

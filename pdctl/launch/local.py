@@ -73,7 +73,7 @@ def group_members(pgid: int) -> list[int]:
 
 
 # pdctl's settings for vLLM (the queue plugin's) come from the plan only: one exported in pdctl's own shell must not
-# reach a server the plan leaves plain (a reference with reference.calm_queues: false, a GPU server). Nor may a
+# reach a server the plan leaves plain (a benchmark's plain-vLLM reference, a GPU server). Nor may a
 # VLLM_API_KEY exported there lock the servers of a topology without auth (pdctl would not send it).
 PLAN_ONLY_ENV = ("PDCTL_QUEUE_SPIN_S", auth.VLLM_KEY_ENV)
 

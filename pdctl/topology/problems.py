@@ -18,6 +18,25 @@ from pdctl.topology.schema import DEFAULT_POOL, Pool, Role, Topology
 
 Loc = tuple[str | int, ...]
 
+# Keys removed in 0.2 (a setting stays in the schema only where it is the best measured configuration or has a
+# user who would set it), refused with why and what to do instead until 0.3. "pool.KEY" is any role's pool.
+REMOVED_KEYS: dict[str, str] = {
+    "connector.worker_spin_s": "delete it: servers on CPU never spin their executor queues (a spin of 10 ms "
+    "measured 0.75x the goodput, docs/benchmarks.md); off CPU vLLM's own queues run",
+    "connector.read_wait_s": "delete it: a decode no longer waits in the step that issued a KV read (the wait "
+    "measured no goodput gain: without it 5 req/s, median of 3, against 4; docs/benchmarks.md)",
+    "reference.calm_queues": "delete it: the reference's executor queues are calmed like every server pdctl starts "
+    "(a plain-vLLM reference is a benchmark script's: pdctl.plan.with_plain_reference)",
+}
+
+
+def removed_key(loc: Loc) -> str | None:
+    """What replaces a removed key at `loc` (None: the key was never in the schema)."""
+    names = [str(x) for x in loc if not isinstance(x, int)]
+    if names and names[0] in typing.get_args(Role):  # a role's pool, by index or by name
+        names = ["pool", names[-1]]
+    return REMOVED_KEYS.get(".".join(names))
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -141,7 +160,9 @@ def _from_validation_error(err: ValidationError, data: Any = None) -> list[Probl
     for e in err.errors(include_url=False):
         loc = _clean_loc(tuple(e["loc"]), data)
         kind = e["type"]
-        if kind == "extra_forbidden":
+        if kind == "extra_forbidden" and removed_key(loc):
+            problems.append(Problem(loc, f"'{loc[-1]}' was removed", removed_key(loc)))
+        elif kind == "extra_forbidden":
             key = str(loc[-1])
             model = _submodel(Topology, loc[:-1])
             known = sorted(model.model_fields) if model else []

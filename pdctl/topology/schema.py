@@ -155,8 +155,9 @@ class Pool(_Strict):
         "persistently: on-failure (not after a clean exit 0), always, never")
     nice: int = Field(
         0, ge=-20, le=19, strict=True, description="added to the niceness of every process of each instance (API "
-        "server, engine core, workers), like `nice -n`: 10 on a decode pool that shares a host's cores with prefill "
-        "pools lets the prefill's work go first (lower TTFT under load); below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
+        "server, engine core, workers), like `nice -n`: for a host shared with other work, or servers whose threads "
+        "spin (vLLM's stock connector: 19 lets the rest of a small host run). Not a latency setting: 10 on a decode "
+        "pool sharing cores with prefills measured no goodput gain; below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
     extra_args: list[str] = Field(default_factory=list, description="more vLLM server flags for this pool's "
                                   "instances, e.g. [--max-num-seqs, '64']")
     env: dict[str, str] = Field(default_factory=dict, description="environment of this pool's servers; overrides "
@@ -262,22 +263,10 @@ class ConnectorSpec(_Strict):
     progress_thread: bool = Field(True, description="NIXL's progress thread (serves a peer's transfers while the "
                                   "engine is busy); off: only the engine's own polls progress them")
     progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
-    worker_spin_s: float | None = Field(
-        None, ge=0, description="how long vLLM's executor-queue readers spin after a message, on every server "
-        "pdctl starts, whatever the connector kind (pdctl's vLLM plugin, through PDCTL_QUEUE_SPIN_S); default 0 "
-        "on CPU, where the spin starves compute and NIXL, vLLM's own 1 s elsewhere (plugin off). On a CPU host with "
-        "cores to spare, 0.01 buys plain vLLM's time per output token at low load (measured on 2 cores: TPOT "
-        "1.4x -> 1.04x plain vLLM's at one request at a time, but TTFT 1.3x -> 1.5x, and 1.9x under load)")
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
         "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
         "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
-    read_wait_s: float = Field(
-        0.002, ge=0, le=1, description="pdctl's connector: how long a decode waits, in the step that issued a KV "
-        "read, for it to finish before answering the step (0: not at all, vLLM's behaviour). vLLM notices a "
-        "finished read only at the next step's poll and schedules the first token a step later; a read of a few "
-        "hundred KiB takes ~0.1-0.3 ms, so a short bounded wait saves a whole step of TTFT (it delays that step's "
-        "other tokens by at most this much)")
     kv_read_timeout_s: float = Field(
         READ_TIMEOUT_S, gt=0, description="pdctl's connector: a KV read still in progress this long after it "
         "was posted is given up through vLLM's failure path (kv_load_failure_policy: recompute or fail), its "
@@ -311,10 +300,6 @@ class ReferenceSpec(_Strict):
     port: Port = Field(8300, description="the reference's HTTP port on the first decode pool's host while a gate "
                        "runs (check, eval --reference auto, bench): set it where 8300 is taken, or to run two "
                        "gates on one host at once")
-    calm_queues: bool = Field(
-        True, description="run the reference with vLLM's executor queues calmed like every P/D server pdctl "
-        "starts (pdctl's vLLM plugin, connector.worker_spin_s; on CPU by default): a fair comparison. false "
-        "runs it as plain vLLM, whose queue readers spin 1 s after every message (how vLLM runs unmanaged)")
 
 
 class SupervisionSpec(_Strict):

@@ -1,6 +1,6 @@
 """API keys (auth.api_key_env): the topology names a variable, the plan carries only that name, the engines read
 the key at spawn, pdctl's own calls send it, and no key value reaches the plan, the state, the k8s render or a
-command line. The proxy's own check is tested with the proxy (test_proxy.py)."""
+command line. The proxy's own check is tested with the proxy (proxy/test_proxy.py)."""
 
 import json
 import secrets

@@ -205,35 +205,22 @@ def test_every_cpu_server_gets_calm_executor_queues_and_the_connector_never_sees
     p = _plan()
     assert {s.name: s.env.get(ENV) for s in p.processes} == {"prefill-0": "0", "decode-0": "0", "proxy": None}
     assert "worker_spin_s" not in extra(p)
-    set_ = _plan(overrides=[Override(("connector", "worker_spin_s"), 0.25, "--set connector.worker_spin_s=0.25")])
-    assert set_.get("decode-0").env[ENV] == "0.25" and "worker_spin_s" not in extra(set_)
     stock = _plan(overrides=[Override(("connector", "kind"), "nixl", "--set connector.kind=nixl")])
     assert stock.get("prefill-0").env[ENV] == "0"  # not KV-transfer logic: the stock connector's servers too
 
 
-def test_queue_calming_off_cpu_only_when_asked():
-    from pdctl.plan import queue_spin_s
-    from pdctl.topology import Override
-
+def test_queue_calming_off_cpu_is_vllms_own():
     loaded = load_topology(CONFIGS / "qwen3-0.6b-cuda-d64-tp2.yaml")
     p = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", python="py")
     assert all("PDCTL_QUEUE_SPIN_S" not in s.env for s in p.processes)  # vLLM's own 1 s spin off CPU
-    loaded = load_topology(CONFIGS / "qwen3-0.6b-cuda-d64-tp2.yaml",
-                           [Override(("connector", "worker_spin_s"), 0.5, "--set connector.worker_spin_s=0.5")])
-    assert queue_spin_s(loaded.topology, loaded.topology.decode[0]) == 0.5
 
 
-def test_reference_is_calmed_by_default_and_plain_vllm_when_asked():
+def test_reference_is_calmed_like_the_pd_servers():
     from pdctl.plan import reference_spec
-    from pdctl.topology import Override
 
-    def ref(*overrides):
-        loaded = load_topology(CONFIGS / "cpu-demo.yaml", list(overrides))
-        return reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", port=8300)
-
-    assert ref().env["PDCTL_QUEUE_SPIN_S"] == "0"
-    plain = ref(Override(("reference", "calm_queues"), False, "--set reference.calm_queues=false"))
-    assert "PDCTL_QUEUE_SPIN_S" not in plain.env and not any(k.startswith("VLLM_NIXL_") for k in plain.env)
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    ref = reference_spec(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", port=8300)
+    assert ref.env["PDCTL_QUEUE_SPIN_S"] == "0" and not any(k.startswith("VLLM_NIXL_") for k in ref.env)
 
 
 # -- fleets: several pools per role ------------------------------------------------------------------------------

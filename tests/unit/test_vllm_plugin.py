@@ -184,8 +184,8 @@ def test_vllms_own_loader_patches_the_class_only_when_set(monkeypatch, spin_clas
 
 
 def test_the_spin_setting_reaches_a_server_only_from_its_plan(monkeypatch):
-    """One exported in pdctl's own shell must not calm a server the plan leaves plain (reference.calm_queues:
-    false); the plan's own value is what the server gets."""
+    """One exported in pdctl's own shell must not calm a server the plan leaves plain (a benchmark's plain
+    reference); the plan's own value is what the server gets."""
     from pdctl.launch.local import _inherited
 
     monkeypatch.setenv("PDCTL_QUEUE_SPIN_S", "0")

@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import CONFIGS
 
-BAD = sorted((Path(__file__).parent / "bad").glob("*.yaml"))
+BAD = sorted((Path(__file__).parents[1] / "bad").glob("*.yaml"))
 
 
 def _expectations(path: Path) -> tuple[list[str], list[str]]:
@@ -131,3 +131,26 @@ def test_one_cpu_pool_may_bind_its_instances_to_one_core_with_a_warning(run_cli)
     assert "cpu device 0 of prefill[1] is also used by prefill[0]" in err
     assert "cpu device 1 of decode[1] is also used by decode[0]" in err
     assert "first KV read" not in err
+
+
+@pytest.mark.parametrize("dotted", ["connector.worker_spin_s", "connector.read_wait_s", "reference.calm_queues"])
+def test_a_removed_key_is_refused_saying_what_to_do_instead(run_cli, dotted, tmp_path):
+    from pdctl.topology.problems import REMOVED_KEYS
+
+    section, key = dotted.split(".")
+    value = "true" if key == "calm_queues" else "0.01"
+    code, out, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", f"{dotted}={value}")
+    assert code == 1 and f"{dotted}: '{key}' was removed" in err and "Traceback" not in err, err
+    assert " ".join(REMOVED_KEYS[dotted].split())[:40] in " ".join(err.split())
+    # in a file too, naming its line
+    text = (CONFIGS / "cpu-demo.yaml").read_text().replace(f"{section}:\n", f"{section}:\n  {key}: {value}\n", 1)
+    if f"{section}:" not in text:
+        text += f"{section}:\n  {key}: {value}\n"
+    (tmp_path / "t.yaml").write_text(text.replace("../.pdctl", str(CONFIGS.parent / ".pdctl")))
+    code, _, err = run_cli("validate", tmp_path / "t.yaml")
+    assert code == 1 and f"'{key}' was removed" in err and f"{tmp_path / 't.yaml'}:" in err, err
+
+
+def test_an_unknown_key_is_still_unknown(run_cli):
+    code, _, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", "connector.read_wait=0")
+    assert code == 1 and "unknown key 'read_wait'" in err and "was removed" not in err

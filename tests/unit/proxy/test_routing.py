@@ -214,10 +214,10 @@ def test_affinity_is_stable_across_routers():
 
 def test_affinity_is_stable_across_processes():
     # Python's hash() differs per process (PYTHONHASHSEED): two proxies, or one restarted, must still agree.
-    code = ("from tests.unit.test_routing import affine; r = affine()[0]; "
+    code = ("from tests.unit.proxy.test_routing import affine; r = affine()[0]; "
             "print([r.pick_prefill(f'k{k}').name for k in range(50)], affine()[0].pick_decode('p', 'x').name)")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           cwd=Path(__file__).resolve().parents[2],
+                           cwd=Path(__file__).resolve().parents[3],
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(outs) == 1
 

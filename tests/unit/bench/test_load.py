@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,7 +203,7 @@ def test_file_datasets_read_local_files(tmp_path):
     w = work(4, dataset="custom", dataset_path=tmp_path / "c.jsonl")
     assert len(set(w.prompts)) == 4 and all(r.expected_output_len == 6 for r in w.requests)
     (tmp_path / "bad.jsonl").write_text('{"question": "no prompt column"}\n')
-    with pytest.raises(load.WorkloadError, match="--dataset custom --dataset-path .*bad.jsonl: vLLM's dataset gave no "
+    with pytest.raises(load.WorkloadError, match="--dataset custom:.*bad.jsonl: vLLM's dataset gave no "
                        "prompts: JSONL file must contain a 'prompt' column"):
         work(2, dataset="custom", dataset_path=tmp_path / "bad.jsonl")
     with pytest.raises(ValueError, match=r"gave 2 distinct prompts not sent before, 4 wanted \(--requests\)"):
@@ -228,18 +229,29 @@ def test_a_workload_whose_prompts_repeat_is_not_sent(fake):
 
 
 @pytest.mark.parametrize("dataset,path,message", [
-    ("sharegpt", None, "--dataset sharegpt needs --dataset-path: a ShareGPT JSON file on this machine"),
-    ("custom", None, "--dataset custom needs --dataset-path"),
-    ("sharegpt", "/nonexistent/s.json", "--dataset-path /nonexistent/s.json: no such file"),
-    ("random", "configs/cpu-demo.yaml", "--dataset-path configs/cpu-demo.yaml: --dataset random is synthetic"),
-    ("hf", None, "--dataset hf: pdctl builds prompts from one of random, prefix_repetition, sharegpt, custom"),
+    ("sharegpt", None, "--dataset sharegpt needs its file: --dataset sharegpt:FILE, a ShareGPT JSON file on this "
+     "machine"),
+    ("custom", None, "--dataset custom needs its file: --dataset custom:FILE"),
+    ("sharegpt", "/nonexistent/s.json", "--dataset sharegpt:/nonexistent/s.json: no such file"),
+    ("custom", "configs/cpu-demo.yaml", "--dataset custom:configs/cpu-demo.yaml: custom reads a .jsonl file"),
+    ("random", "configs/cpu-demo.yaml", "--dataset random:configs/cpu-demo.yaml: random is synthetic"),
+    ("hf", None, "--dataset hf: pdctl builds prompts from one of random, prefix_repetition, sharegpt:FILE, "
+     "custom:FILE"),
 ])
 def test_datasets_that_cannot_be_built_here_are_refused(dataset, path, message):
     with pytest.raises(ValueError) as e:
         load.check_dataset(dataset, path)
     assert str(e.value).startswith(message)
-    with pytest.raises(ValueError, match="needs --dataset-path"):
+    with pytest.raises(ValueError, match="needs its file"):
         work(2, dataset="sharegpt")
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("random", ("random", None)), ("sharegpt:/data/s.json", ("sharegpt", Path("/data/s.json"))),
+    ("custom:c.jsonl", ("custom", Path("c.jsonl"))), ("custom:", ("custom", Path(""))),
+])
+def test_the_dataset_option_is_a_kind_and_maybe_its_file(text, parsed):
+    assert load.dataset_option(text) == parsed
 
 
 def test_bench_and_sweep_refuse_a_bad_dataset_before_anything_starts(run_cli, monkeypatch, tmp_path):
@@ -248,13 +260,16 @@ def test_bench_and_sweep_refuse_a_bad_dataset_before_anything_starts(run_cli, mo
         monkeypatch.setattr(f"{where}.plan", lambda *a, **kw: started.append(1) or pytest.fail("started"))
     code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "eval", "--dataset", "sharegpt")
     assert code == 1 and started == [] and "Traceback" not in err
-    assert "error: --dataset sharegpt needs --dataset-path" in err
+    assert "error: --dataset sharegpt needs its file: --dataset sharegpt:FILE" in err
     code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "eval", "--dataset", "nope")
     assert code == 1 and "error: --dataset nope: pdctl builds prompts from one of" in err
     (tmp_path / "m.yaml").write_text("cases:\n  - name: a\n")
     code, _, err = run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", tmp_path / "m.yaml", "--skip", "eval",
-                           "--dataset", "random", "--dataset-path", tmp_path / "m.yaml", "--results", tmp_path / "r")
-    assert code == 1 and started == [] and "error: --dataset-path" in err and "is synthetic" in err
+                           "--dataset", f"random:{tmp_path / 'm.yaml'}", "--results", tmp_path / "r")
+    assert code == 1 and started == [] and "error: --dataset random:" in err and "is synthetic" in err
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "eval", "--dataset", "custom",
+                           "--dataset-path", tmp_path / "c.jsonl")
+    assert code == 1 and started == [] and "--dataset-path: removed: use --dataset sharegpt:FILE or" in err
 
 
 # ------------------------------------------------------------------------------------------------------------

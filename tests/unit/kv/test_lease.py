@@ -156,7 +156,7 @@ def test_a_read_whose_lease_is_not_known_alive_is_never_posted(worker, monkeypat
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
     w, clock = worker
-    w._split_ratio, w._trace, w._read_wait_s, w._fresh_reads = {}, False, 0.0, []
+    w._split_ratio, w._trace = {}, False
     w._windows = {}
     posted: list[str] = []
     monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req",
@@ -176,7 +176,7 @@ def test_before_the_handshake_the_lease_is_not_decided_yet(worker, monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
     w, clock = worker
-    w._split_ratio, w._trace, w._read_wait_s, w._fresh_reads, w._windows = {}, False, 0.0, [], {}
+    w._split_ratio, w._trace, w._windows = {}, False, {}
     w._remote_agents = {}  # handshake under way: vLLM queues the read and calls again once it is done
     calls: list[str] = []
     monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req", lambda self, r, m: calls.append(r))

@@ -21,7 +21,7 @@ from pdctl.topology import (
 )
 from tests.conftest import CONFIGS
 
-HYBRID_DIR = Path(__file__).parent / "bad" / "models" / "tiny-hybrid"  # the tiny hybrid model's config.json only
+HYBRID_DIR = Path(__file__).parents[1] / "bad" / "models" / "tiny-hybrid"  # the tiny hybrid model's config.json only
 HYBRID = ModelInfo(kv_heads=2, attention_heads=4, max_position=4096, layers=4, head_dim=64, max_len=4096,
                    config="tiny-hybrid/config.json", capacity_unknown="the model mixes sliding-window and full "
                    "attention (layer_types): vLLM keeps one KV cache group per kind", attention="hybrid",

@@ -33,7 +33,7 @@ from pdctl.topology import (
 )
 from tests.conftest import CONFIGS, REPO
 
-TINY_CONFIG = Path(__file__).parent / "bad" / "models" / "tiny"  # a config.json only: the rules read nothing else
+TINY_CONFIG = Path(__file__).parents[1] / "bad" / "models" / "tiny"  # a config.json only: the rules read nothing else
 TINY_HYBRID_CONFIG = TINY_CONFIG.with_name("tiny-hybrid")
 # PDCTL_FUZZ_EXAMPLES=5000 for a long hunt; the default keeps the unit tests quick.
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "120"))

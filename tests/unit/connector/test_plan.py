@@ -1,5 +1,5 @@
 """The connector's adaptation to vLLM, without servers: the prefill's metadata as decode-sized chunks and the CPU
-attention ISA in the handshake. Which block goes where is pdctl.kv.index's (tests/unit/test_kv_index.py)."""
+attention ISA in the handshake. Which block goes where is pdctl.kv.index's (tests/unit/kv/test_index.py)."""
 
 import pytest
 
@@ -148,7 +148,7 @@ def test_a_full_prefix_hit_plans_no_window_read(monkeypatch):
 
     w = window_worker(64, {0: 96})
     w._read_delay_s, w._split_ratio, w._split_plans, w._receiving, w._trace = 0, {}, {}, {}, False
-    w._window_now, w._read_wait_s, w._fresh_reads = {}, 0, []
+    w._window_now = {}
     w._gave_up, w._seen_at, w._posted_at, w._recving_transfers = set(), {}, {}, {}
     monkeypatch.setattr(seam, "has_remote_agent", lambda self, engine: True)
     monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req", lambda self, req, meta: "read")

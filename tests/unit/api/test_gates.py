@@ -337,7 +337,7 @@ def test_check_on_a_running_topology_warns_from_its_plan(monkeypatch, run_cli, t
 def test_check_on_running_servers_says_why_the_kv_proof_failed(run_cli, mode, code):
     """`pdctl check --proxy --reference --decode` against loopback stand-ins: the KV travelled (exit 0), or the
     decode computed every prompt itself (exit 1, and the reason)."""
-    from tests.unit.test_parity_gate import FakePD
+    from tests.unit.gates.test_parity import FakePD
 
     fake = FakePD(mode)
     try:

@@ -18,7 +18,8 @@ from tests.conftest import CONFIGS
     (["--slo", "ttft=500"], "--slo 'ttft=500': expected ttft=MS,tpot=MS"),
     (["--rates", "2,x"], "--rates 2,x: expected offered request rates"),
     (["--rates", "0,2"], "--rates 0,2: offered request rates must be positive"),
-    (["--request-rate", "2"], "--goodput runs its own rates"),
+    (["--breakdown"], "--goodput runs its own rates"),
+    (["--request-rate", "2"], "--request-rate: removed: use --rates R"),
     (["--repeat", "0"], "--repeat 0, --requests 200: at least 1 each"),
     (["--requests", "0"], "--repeat 3, --requests 0: at least 1 each"),
 ])
@@ -26,6 +27,25 @@ def test_bad_goodput_flags_are_refused_before_anything_starts(run_cli, args, say
     monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
     code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", "--goodput", *args)
     assert code == 1 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rates", "2,4"], "--rates 2,4: without --goodput the load benchmark runs at one offered rate"),
+    (["--rates", "x"], "--rates x: expected offered request rates"),
+])
+def test_rates_without_goodput_are_one_open_loop_rate(run_cli, args, says, monkeypatch):
+    monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", *args)
+    assert code == 1 and says in err and "Traceback" not in err, err
+
+
+def test_one_rate_is_the_load_benchmarks_open_loop_and_several_are_goodputs():
+    from pdctl import api
+
+    assert api.load_rates("4", goodput=False) == {"rates": None, "request_rate": 4.0}
+    assert api.load_rates("2,4", goodput=True) == {"rates": (2.0, 4.0), "request_rate": None}
+    assert api.load_rates("4", goodput=True) == {"rates": (4.0,), "request_rate": None}
+    assert api.load_rates(None, goodput=False) == {"rates": None, "request_rate": None}
 
 
 def test_the_loads_shape_defaults_to_long_prompts_for_goodput_and_short_for_the_gates():
@@ -99,6 +119,32 @@ def test_auto_slo_comes_from_the_unloaded_baseline_first_then_legs_interleave(tm
     assert out["crossover"] == {"from_req_s": None, "winner": "pd"}  # P/D sustains 2 req/s, the baseline 1
     for name in ("attainment.png", "ttft_p99.png", "tpot_p99.png"):
         assert (tmp_path / "goodput" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_deployment_stops_at_its_first_miss_and_may_start_at_its_own_rate(tmp_path, monkeypatch):
+    _, fake, _ = _run(tmp_path / "setup", monkeypatch, BenchOptions(goodput=True, rates=(1.0,), repeat=1,
+                                                                  requests=10), {"pd": 3.0, "baseline": 1.5})
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    t = loaded.topology
+    plans = {"baseline": baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py"),
+             "pd": build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")}
+    fake.loads.clear()
+    ups = []
+    o = BenchOptions(goodput=True, rates=(1.0, 2.0, 3.0, 4.0, 5.0), repeat=1, requests=10).resolved()
+    out = goodput_run.run_deployments(loaded, plans, None, tmp_path, o, lambda _: None,
+                                      on_up=lambda name, rep, plan: ups.append((name, rep, plan is plans[name])),
+                                      until_miss=True, rates_for={"pd": (2.0, 3.0, 4.0, 5.0)})
+    sent = {dep: [rate for d, target, rate, *_ in fake.loads if d == dep and target != "unloaded"]
+            for dep in ("baseline", "pd")}
+    assert sent == {"baseline": [1.0, 2.0], "pd": [2.0, 3.0, 4.0]}  # nothing after a miss; P/D from its own 2
+    assert out["baseline"]["sustained_req_s"] == 1.0 and out["pd"]["sustained_req_s"] == 3.0
+    assert ups == [("baseline", 0, True), ("pd", 0, True)]
+    at2 = {(d, w, seed) for d, target, rate, w, seed in fake.loads if rate == 2.0}
+    assert len({(w, seed) for _, w, seed in at2}) == 1  # the same prompts and arrivals at the same rate
+    # Negative control: without until_miss every rate is sent.
+    fake.loads.clear()
+    goodput_run.run_deployments(loaded, plans, None, tmp_path, o, lambda _: None)
+    assert [r for d, t_, r, *_ in fake.loads if d == "baseline" and t_ != "unloaded"] == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 def test_the_search_finds_each_deployments_rate_and_a_tight_slo_sustains_nothing(tmp_path, monkeypatch):

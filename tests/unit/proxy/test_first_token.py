@@ -12,7 +12,7 @@ from pdctl.proxy import first_token as ft
 from pdctl.proxy.config import ProxyConfig
 from pdctl.proxy.server import Proxy
 from tests.conftest import sample, wait_for
-from tests.unit.test_proxy import KVP, EarlyDecode, Loop, free_port, get, post
+from tests.unit.proxy.test_proxy import KVP, EarlyDecode, Loop, free_port, get, post
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"model": "m", "prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True}
