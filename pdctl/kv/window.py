@@ -9,7 +9,7 @@ pdctl.kv.index do for full-attention groups, puts the wrong tokens in the decode
 (docs/notes/hybrid-attention-research.md, Q3). Here every pair is chosen by absolute token range instead.
 
 Pure functions of explicit arguments, no torch, no vLLM; the connector computes the firsts and `need_from` (the
-first token the decode needs: the window's start, past anything the decode already holds). tests/unit/
+first token the decode needs: the window's start, past anything the decode already holds).
 tests/unit/kv/test_window.py pins every rule by simulating the reads on token payloads.
 
 - prefill block < decode block (`window_pairs`): NIXL reads prefill blocks into decode sub-blocks (decode block id
