@@ -416,20 +416,6 @@ def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str =
     return Plan(name=f"{t.name}-baseline", state_dir=str(state_dir), processes=[*servers, proxy], topology=t)
 
 
-def with_plain_reference(plan: Plan, port: int) -> Plan:
-    """The plan (which holds its aggregated reference) plus "reference-plain": the same server as plain vLLM,
-    executor queues not calmed, on `port`; for benchmarks that compare P/D with both."""
-    ref = plan.get("reference")
-    argv = list(ref.argv)
-    argv[argv.index("--port") + 1] = str(port)
-    old = ref.http_url
-    plain = replace(ref, name="reference-plain", argv=argv, ports={**ref.ports, "http": port},
-                    env={k: v for k, v in ref.env.items() if k != QUEUE_SPIN_ENV},
-                    log_path=str(Path(ref.log_path).with_name("reference-plain.log")))
-    plain = replace(plain, readiness_url=ref.readiness_url.replace(old, plain.http_url, 1))
-    return plan.with_processes([*plan.processes, plain])
-
-
 def select(plan: Plan, which: str | None) -> list[ProcessSpec]:
     """Processes named by an instance name (decode-d64-0), a role (decode), ROLE/POOL (decode/d64), ROLE/INDEX
     (decode/0: that index in every pool of the role) or ROLE/POOL/INDEX; nothing selects every process."""

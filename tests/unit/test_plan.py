@@ -296,22 +296,6 @@ def test_select_processes_by_instance_role_pool_and_index():
     assert names("prefill/p32/1") == ["prefill-p32-1"] and names("proxy") == ["proxy"] and names("x") == []
 
 
-def test_with_plain_reference_is_the_reference_uncalmed_on_its_own_port():
-    import pdctl
-    from pdctl.plan import QUEUE_SPIN_ENV, with_plain_reference
-
-    p = pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml"), reference_port=8300)
-    both = with_plain_reference(p, 8301)
-    ref, plain = both.get("reference"), both.get("reference-plain")
-    assert QUEUE_SPIN_ENV in ref.env and QUEUE_SPIN_ENV not in plain.env
-    assert plain.http_url.endswith(":8301") and plain.readiness_url.endswith(":8301/health")
-    assert plain.argv[plain.argv.index("--port") + 1] == "8301" and plain.log_path.endswith("reference-plain.log")
-    rest = [a for a in plain.argv if a != "8301"]
-    assert rest == [a for a in ref.argv if a != "8300"]  # nothing else differs
-    with pytest.raises(KeyError):
-        with_plain_reference(pdctl.plan(pdctl.load(CONFIGS / "cpu-demo.yaml")), 8301)  # no reference to copy
-
-
 def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_sockets_in_order():
     _, p = _fleet("proxy.early_decode=true")
     cfg = spec_of(p.get("proxy").argv)
