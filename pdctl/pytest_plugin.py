@@ -82,8 +82,7 @@ def _parity_problems(report) -> list[str]:
     for pair in getattr(report, "all", lambda: [report])():
         rep = getattr(pair, "report", pair)
         name = f"{pair.prefill_pool}/{pair.decode_pool} " if hasattr(pair, "prefill_pool") else ""
-        out += [f"{name}{r.label}: first divergent token {r.first_divergence} {r.error or ''}".rstrip()
-                for r in rep.results if not r.passed]
+        out += [f"{name}{r.label}: {r.failure}" for r in rep.results if not r.passed]
         out += [f"{name}{p}" for p in getattr(pair, "problems", [])]
         if rep.proof is not None and not rep.proof.ok:
             out.append(f"{name}{rep.proof.message}")

@@ -243,9 +243,9 @@ def parity(out: Console, report) -> None:
     for col in ("prompt", "tokens", "result", "first divergent token"):
         table.add_column(col, overflow="fold")
     for r in report.results:
-        table.add_row(r.label, str(r.prompt_tokens), "[green]pass[/]" if r.passed else "[red]FAIL[/]",
-                      "-" if r.first_divergence is None else str(r.first_divergence) + (f" ({r.error})" if r.error
-                                                                                         else ""))
+        table.add_row(r.label, str(r.prompt_tokens), "[red]FAIL[/]" if not r.passed else
+                      "[yellow]pass (near tie)[/]" if r.divergence else "[green]pass[/]",
+                      r.outcome.removeprefix("first divergent token ") or "-")
     out.print(table)
     p = report.proof
     if p:
@@ -269,9 +269,10 @@ def fleet(out: Console, report) -> None:
     out.print(table)
     for pair in report.all():
         for r in pair.report.results:
-            if not r.passed:
-                out.print(f"[red]FAIL[/] {pair.prefill_pool}/{pair.decode_pool} {r.label}: first divergent token "
-                          f"{r.first_divergence} {r.error or ''}", highlight=False)
+            if r.first_divergence is not None:
+                verdict = "[red]FAIL[/]" if not r.passed else "[yellow]pass[/]"
+                out.print(f"{verdict} {pair.prefill_pool}/{pair.decode_pool} {r.label}: {r.outcome}",
+                          highlight=False)
         for problem in pair.problems:
             out.print(f"[red]FAIL[/] {pair.prefill_pool}/{pair.decode_pool} {problem}", highlight=False)
     if not report.logs_checked:

@@ -171,7 +171,8 @@ def check_topology(t: Topology, *, options: CheckOptions | None = None, say: Say
     with _brought_up(p, t, o.timeout_s, progress, f"bringing up {p.name}{beside}") as d:
         progress(f"sending {len(ps)} prompts through P/D{'' if o.reference_first else ' and the reference'}")
         report = parity.run_parity(d.proxy_url, answers, [s.http_url for s in d.plan.by_role("decode")],
-                                   t.model.name, ps, o.max_tokens, o.concurrency, api_key=key, stream=o.stream)
+                                   t.model.name, ps, o.max_tokens, o.concurrency, api_key=key, stream=o.stream,
+                                   tie=parity.tie_nats(t.model.dtype))
     return _reported(report, o)
 
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdctl.gates.parity import ParityReport, Prompt, PromptResult, random_prompts, run_parity
+from pdctl.gates.parity import ParityReport, Prompt, PromptResult, random_prompts, run_parity, tie_nats
 from pdctl.plan import Plan
 from pdctl.protocol import LATE_READ, RECEIVED_LINE
 from pdctl.topology import ROLES
@@ -162,7 +162,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
         progress(f"pair {p} -> {d}")
         prompts = prompts_for(blocks[("prefill", p)], blocks[("decode", d)], k)
         rep = run_parity(proxy_url, reference, decodes[d], model, prompts, max_tokens, concurrency, f"{p}/{d}",
-                         api_key, stream)
+                         api_key, stream, tie=tie_nats(t.model.dtype))
         report.pairs.append(PairReport(p, d, rep))
     if mixed:
         progress(f"{mixed} prompts over every pair at once, {mixed_concurrency} in flight")
@@ -176,7 +176,7 @@ def check_fleet(plan: Plan, proxy_url: str, reference: str, model: str, prompts_
             routes.append(f"{p}/{d}")
         all_decodes = [u for urls in decodes.values() for u in urls]
         rep = run_parity(proxy_url, reference, all_decodes, model, prompts, max_tokens, mixed_concurrency, routes,
-                         api_key, stream)
+                         api_key, stream, tie=tie_nats(t.model.dtype))
         report.mixed = PairReport("*", "*", rep)
     if read_logs and t.connector.kind == "pdctl":
         received = received_from([s.log_path for s in plan.by_role("decode")])
@@ -234,7 +234,7 @@ def check_unpinned(plan: Plan, proxy_url: str, reference: str, model: str, promp
     before = {n: decode_counters([u]) for n, u in decodes.items()}
     progress(f"{len(prompts)} prompts for {len(t.pairs())} pool pair(s), unpinned")
     rep = run_parity(proxy_url, reference, list(decodes.values()), model, prompts, max_tokens, concurrency,
-                     stream=stream)
+                     stream=stream, tie=tie_nats(t.model.dtype))
     grown = {n: {k: v - before[n][k] for k, v in decode_counters([u]).items()} for n, u in decodes.items()}
     by_addr = {s.http_url.removeprefix("http://"): s.name for s in plan.processes}
     for r in rep.results:

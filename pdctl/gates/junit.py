@@ -13,7 +13,7 @@ def junit_xml(report, name: str = "pdctl.check") -> str:
     if hasattr(report, "pairs"):
         return _junit_fleet(report, name)
     for r in report.results:
-        body = "" if r.passed else (f'<failure message="first divergent token {r.first_divergence}">'
+        body = "" if r.passed else (f'<failure message="{escape(r.failure, {chr(34): "&quot;"})}">'
                                     f"{escape(r.error or '')}\nP/D: {escape(str(r.pd))}\n"
                                     f"reference: {escape(str(r.reference))}</failure>")
         cases.append(f'  <testcase classname="{name}" name="{escape(r.label)}">{body}</testcase>')
@@ -32,7 +32,7 @@ def _junit_fleet(report, name: str) -> str:
     for pair in report.all():
         pid = f"{pair.prefill_pool}/{pair.decode_pool}"
         for r in pair.report.results:
-            body = "" if r.passed else (f'<failure message="first divergent token {r.first_divergence}">'
+            body = "" if r.passed else (f'<failure message="{escape(r.failure, {chr(34): "&quot;"})}">'
                                         f"{escape(r.error or '')}</failure>")
             cases.append(f'  <testcase classname="{name}.{escape(pid)}" name="{escape(r.label)}">{body}</testcase>')
         ok = pair.report.proof is not None and pair.report.proof.ok and not pair.problems

@@ -103,6 +103,20 @@ def _token_ids(resp: dict) -> list[int] | str:
     return choice.get("token_ids") or choice["text"]
 
 
+TOP_LOGPROBS = 20
+# How far apart the reference may hold two tokens for a batch to break their tie: 8 prompts in flight on the tiny
+# random model (docs/gates.md), P/D against the reference, the chosen token's logprob: bf16 differed by up to 0.106
+# nats (one bf16 step there is 0.0625) and flipped 6 of 320 prompts at a tie of 0 or one step; float32 by up to
+# 1.5e-5, no flip in 320 (none in 6,975 of the gate's prompts either). A bound of about twice the noise measured.
+TIE_NATS = {"float32": 1e-3, "half": 0.25}
+
+
+def tie_nats(dtype: str | None) -> float:
+    """The tie bound for a model served in `dtype` (the topology's model.dtype; None where unknown). "auto"
+    and bf16/fp16 get the half-precision bound."""
+    return TIE_NATS["float32" if dtype == "float32" else "half"]
+
+
 @dataclass
 class PromptResult:
     label: str
@@ -116,6 +130,54 @@ class PromptResult:
     prefill: str | None = None  # the instances the proxy says served it (x-pdctl-prefill / x-pdctl-decode)
     decode: str | None = None
     served_id: str | None = None  # the answer's id (vllm-router's names the instances it chose)
+    divergence: Divergence | None = None  # a divergent answer's diagnosis (diagnose)
+
+    @property
+    def failure(self) -> str:
+        """Why this prompt failed, in one line ("" when it passed)."""
+        if self.passed:
+            return ""
+        return self.outcome
+
+    @property
+    def outcome(self) -> str:
+        """What happened at the first divergent token, in one line ("" when there was none)."""
+        if self.first_divergence is None:
+            return ""
+        return (f"first divergent token {self.first_divergence}" + (f" ({self.error})" if self.error else "")
+                + (f": {self.divergence.summary}" if self.divergence else ""))
+
+
+@dataclass
+class Divergence:
+    """What tells a near tie from wrong KV at the first divergent token: the reference's own logprobs there,
+    given the prompt and the tokens both sides agreed on, and the same prompt asked again alone.
+
+    A wrong KV makes P/D pick a token the reference ranks far down (or not at all); a tie the two sides break
+    differently under different batches shows as P/D's token ranked second a rounding error below, and as
+    equal answers when the prompt is asked again with nothing else in flight."""
+
+    reference_token: int
+    pd_token: int
+    tie_nats: float = TIE_NATS["half"]  # the bound a tie is judged by (tie_nats)
+    rank: int | None = None  # of P/D's token among the reference's TOP_LOGPROBS (1: its own choice); None: absent
+    gap: float | None = None  # the reference's logprob of its token minus of P/D's (None: absent from the top)
+    alone_equal: bool | None = None  # asked again, one at a time on both sides: equal (None: not asked)
+
+    @property
+    def tie(self) -> bool:
+        """A near tie the batch broke, not the KV: the reference holds P/D's token within tie_nats of its own
+        (first or second: asked with the agreed tokens as prompt it may order the two either way) and the
+        prompt asked again alone is answered the same by both, token for token."""
+        return (self.rank in (1, 2) and self.gap is not None and abs(self.gap) <= self.tie_nats
+                and self.alone_equal is True)
+
+    @property
+    def summary(self) -> str:
+        where = (f"P/D's token not in the reference's top {TOP_LOGPROBS}" if self.rank is None else
+                 f"P/D's token is the reference's choice {self.rank}, {self.gap:.3g} nats below its own")
+        alone = {None: "", True: "; asked again alone: equal", False: "; asked again alone: differs again"}
+        return ("a near tie: " if self.tie else "") + where + alone[self.alone_equal]
 
 
 @dataclass
@@ -205,7 +267,9 @@ class ParityReport:
         return {"passed": self.passed, "pass_rate": self.pass_rate,
                 "proof": asdict(self.proof) | {"ok": self.proof.ok, "required": self.proof.required,
                                                "message": self.proof.message} if self.proof else None,
-                "results": [asdict(r) for r in self.results]}
+                "results": [asdict(r) | ({"divergence": asdict(r.divergence) | {"tie": r.divergence.tie,
+                                                                                  "summary": r.divergence.summary}}
+                                         if r.divergence else {}) for r in self.results]}
 
 
 def first_divergence(a: list | str, b: list | str) -> int | None:
@@ -280,12 +344,13 @@ def reference_answers(url: str, model: str, prompts: list[Prompt], max_tokens: i
 
 def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], model: str, prompts: list[Prompt],
                max_tokens: int = 16, concurrency: int = 1, route: str | list[str | None] | None = None,
-               api_key: str | None = None, stream: bool = False) -> ParityReport:
+               api_key: str | None = None, stream: bool = False, tie: float = TIE_NATS["half"]) -> ParityReport:
     """Send every prompt through the P/D proxy and to the reference (a URL, or its answers recorded ahead);
     compare token ids (`stream`: both streamed, the text a client reads); prove the transfer. Shared-prefix
     prompts run after the others (_in_cache_order).
     `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL". `api_key` goes
-    with every call (auth.api_key_env).
+    with every call (auth.api_key_env). A prompt that differs is diagnosed (Divergence) and passes only as a near
+    tie within `tie` nats (tie_nats) that is equal asked again alone.
     """
     key = auth.headers(api_key)
     before = decode_counters(decode_urls, headers=key)
@@ -310,12 +375,63 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
                             seen.get(PREFILL_SERVED_HEADER), seen.get(DECODE_SERVED_HEADER), resp.get("id"))
 
+    waves = _in_cache_order(prompts)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        results = [r for wave in _in_cache_order(prompts) for r in pool.map(one, wave)]
+        results = [r for wave in waves for r in pool.map(one, wave)]
+    if isinstance(reference, str):  # after the run, so "asked again alone" is alone
+        order = [i for wave in waves for i in wave]
+        for r, i in zip(results, order, strict=True):
+            if not r.passed and r.error is None:
+                r.divergence = diagnose(r, prompts[i], proxy_url, reference, model, max_tokens,
+                                        {**({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}, stream, tie)
+                r.passed = bool(r.divergence and r.divergence.tie)
     missing: list[str] = []
     after = decode_counters(decode_urls, missing, key)
     fallbacks_after = proxy_fallbacks(proxy_url, key)
     return ParityReport(results, transfer_proof(results, before, after, missing, fallbacks_before, fallbacks_after))
+
+
+def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, model: str, max_tokens: int,
+             headers: dict[str, str], stream: bool = False, tie: float = TIE_NATS["half"]) -> Divergence | None:
+    """A divergent answer's Divergence: the reference's top logprobs at the first divergent token (given the
+    prompt and the tokens both agreed on), then the prompt asked again through P/D (same pair) and the
+    reference, one at a time. None where token ids are not known (streamed text, an answer cut short) or the
+    diagnosis itself fails: it explains a failure, it never decides one."""
+    k = r.first_divergence
+    if stream or not isinstance(r.pd, list) or not isinstance(r.reference, list) or k is None \
+            or k >= min(len(r.pd), len(r.reference)):
+        return None
+    key = {x: v for x, v in headers.items() if x != ROUTE_HEADER}
+    try:
+        ids = prompt.ids if prompt.ids is not None else _tokenize(reference, model, prompt.text or "", key)
+        top = _post(reference, "/v1/completions", {
+            "model": model, "prompt": ids + r.reference[:k], "max_tokens": 1, "temperature": 0,
+            "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}, key)["choices"][0]["logprobs"]
+        lps = {int(t.split(":", 1)[1]): lp for t, lp in top["top_logprobs"][0].items()}
+        d = Divergence(r.reference[k], r.pd[k], tie)
+        ranked = sorted(lps, key=lambda t: -lps[t])
+        if d.pd_token in lps:
+            d.rank = ranked.index(d.pd_token) + 1
+            d.gap = lps.get(d.reference_token, max(lps.values())) - lps[d.pd_token]
+        again = {**headers, "X-Request-Id": f"pdctl-check-again-{uuid.uuid4().hex[:16]}"}
+        pd = _token_ids(complete(proxy_url, model, prompt.body, max_tokens, headers=again))
+        d.alone_equal = pd == _token_ids(complete(reference, model, prompt.body, max_tokens, headers=key))
+        return d
+    except Exception:  # noqa: BLE001 - a diagnosis that cannot be made leaves the failure as it is
+        return None
+
+
+def _post(base_url: str, path: str, body: dict, headers: dict[str, str], timeout: float = 120) -> dict:
+    req = urllib.request.Request(base_url.rstrip("/") + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _tokenize(base_url: str, model: str, text: str, headers: dict[str, str]) -> list[int]:
+    """The prompt's token ids as the reference's /v1/completions sees them (vLLM's /tokenize, special tokens
+    added the same way)."""
+    return _post(base_url, "/tokenize", {"model": model, "prompt": text}, headers)["tokens"]
 
 
 def transfer_proof(results: list[PromptResult], before: dict[str, float], after: dict[str, float],

@@ -1,5 +1,7 @@
 """The parity gate's pure parts: prompt ordering, recorded reference answers, the transfer proof."""
 
+import pytest
+
 from pdctl.gates.parity import Prompt, _in_cache_order, first_divergence
 
 
@@ -94,6 +96,10 @@ class FakePD:
         self.bytes = 0
         self.fallbacks = 0
         self.stream_error = False
+        # The reference's top logprobs at the divergent token: P/D's token `gap` nats below its own (None: absent
+        # from the top); `diverge_once`: asked again, P/D answers equal (a tie broken by the batch, not the KV).
+        self.gap: float | None = None
+        self.diverge_once, self.diverged, self.logprobs_fail = False, False, False
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -103,10 +109,21 @@ class FakePD:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt, n = body["prompt"], body["max_tokens"]
                 ids = [(sum(prompt) + i) % 997 for i in range(n)]
+                if body.get("logprobs"):  # the diagnosis asks the reference at token 5, given the 5 agreed on
+                    self.send_response(500 if fake.logprobs_fail else 200)
+                    self.end_headers()
+                    if not fake.logprobs_fail:
+                        ref = (sum(prompt[:-5]) + 5) % 997
+                        top = {f"token_id:{ref}": -0.5, "token_id:998": -4.0}
+                        top |= {} if fake.gap is None else {f"token_id:{ref + 1}": -0.5 - fake.gap}
+                        self.wfile.write(json.dumps({"choices": [{"text": "", "logprobs": {
+                            "top_logprobs": [top]}}]}).encode())
+                    return
                 if self.path.startswith("/proxy"):
                     fake.served(len(prompt))
-                    if len(prompt) == fake.diverge_on:
+                    if len(prompt) == fake.diverge_on and not (fake.diverge_once and fake.diverged):
                         ids[5] += 1
+                        fake.diverged = True
                 usage = {"prompt_tokens": len(prompt)}
                 if body.get("stream"):  # one event per token, its text the id; then usage, or an error
                     evs = [{"choices": [{"text": f"{i},"}]} for i in ids]
@@ -189,7 +206,46 @@ def test_parity_gate_fails_on_one_mismatching_prompt():
     assert [(r.label, r.first_divergence) for r in failed] == [("random-65", 5)]
     from pdctl.gates.junit import junit_xml
 
-    assert '<failure message="first divergent token 5">' in junit_xml(report)
+    assert '<failure message="first divergent token 5: ' in junit_xml(report)
+    d = failed[0].divergence  # wrong KV: a token the reference does not rank, and again the same
+    assert (d.rank, d.gap, d.alone_equal) == (None, None, False)
+    assert failed[0].failure == ("first divergent token 5: P/D's token not in the reference's top 20; asked "
+                                 "again alone: differs again")
+    assert report.to_dict()["results"][1]["divergence"]["summary"] == d.summary
+
+
+def test_a_near_tie_equal_when_asked_again_alone_passes_and_is_shown():
+    from pdctl.gates.parity import TIE_NATS
+
+    fake = FakePD("transfer", diverge_on=65)
+    fake.gap, fake.diverge_once = TIE_NATS["half"] / 10, True
+    report = fake.run()
+    [r] = [r for r in report.results if r.first_divergence is not None]
+    assert report.passed and r.passed and (r.divergence.rank, r.divergence.alone_equal) == (2, True)
+    assert abs(r.divergence.gap - TIE_NATS["half"] / 10) < 1e-9 and r.failure == ""
+    assert r.outcome.startswith("first divergent token 5: a near tie: P/D's token is the reference's choice 2, ")
+    assert r.outcome.endswith(" nats below its own; asked again alone: equal")
+
+
+@pytest.mark.parametrize("gap, once", [(None, True), (0.3, True), (1e-6, False)],
+                         ids=["not-ranked-equal-alone", "past-the-bound-equal-alone", "near-tie-differs-again"])
+def test_a_divergence_fails_unless_both_a_near_tie_and_equal_alone(gap, once):
+    """Negative controls of the rule above, one condition at a time: a token the reference does not rank, or ranks
+    far below, fails even when the prompt alone is answered equal (a race, not a tie); a near tie that differs
+    again alone fails (deterministic: the KV, not the batch)."""
+    fake = FakePD("transfer", diverge_on=65)
+    fake.gap, fake.diverge_once = gap, once
+    report = fake.run()
+    [r] = [r for r in report.results if r.first_divergence is not None]
+    assert not report.passed and not r.passed and not r.divergence.tie and r.failure == r.outcome
+
+
+def test_a_diagnosis_that_cannot_be_made_leaves_the_failure_as_it_is():
+    fake = FakePD("transfer", diverge_on=65)
+    fake.logprobs_fail = True
+    report = fake.run()
+    [r] = [r for r in report.results if not r.passed]
+    assert not report.passed and r.divergence is None and r.failure == "first divergent token 5"
 
 
 def test_a_streamed_check_compares_the_text_a_client_reads():
@@ -258,3 +314,13 @@ def test_a_hybrid_models_window_adds_prompts_around_it():
     # n - 96 + 1 a multiple of a block: where vLLM's stock connector leaves the recomputed token one key short
     assert {127, 159, 255} <= set(hybrid) and all((n - 95) % 32 == 0 for n in (127, 159, 255))
     assert max(boundary_lengths([32], 200, window=96)) <= 200
+
+
+def test_float32_is_held_to_a_tighter_tie_than_half_precision():
+    from pdctl.gates.parity import Divergence, tie_nats
+
+    assert tie_nats("float32") < tie_nats("bfloat16") == tie_nats("float16") == tie_nats("auto") == tie_nats(None)
+    near = dict(reference_token=1, pd_token=2, rank=2, alone_equal=True)
+    assert Divergence(**near, gap=0.0625, tie_nats=tie_nats("bfloat16")).tie  # one bf16 step at logits 8-16
+    assert not Divergence(**near, gap=0.0625, tie_nats=tie_nats("float32")).tie
+    assert Divergence(**near, gap=-1e-5, tie_nats=tie_nats("float32")).tie  # ordered the other way asked again
