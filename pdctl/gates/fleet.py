@@ -72,7 +72,7 @@ class FleetReport:
     def to_dict(self) -> dict:
         return {"passed": self.passed, "pass_rate": self.pass_rate, "logs_checked": self.logs_checked,
                 "pairs": [p.to_dict() for p in self.pairs], "mixed": self.mixed.to_dict() if self.mixed else None,
-                "results": [{"pair": f"{p.prefill_pool}/{p.decode_pool}", **r.__dict__}
+                "results": [{"pair": f"{p.prefill_pool}/{p.decode_pool}", **r.to_dict()}
                             for p in self.all() for r in p.report.results]}
 
 

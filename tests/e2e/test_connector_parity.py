@@ -112,9 +112,11 @@ def test_negative_control_stock_connector_p32_d64_fails(stock):
     diverged = [r for r in doc["results"] if not r["passed"]]
     assert len(diverged) > len(doc["results"]) // 2
     assert all(r["first_divergence"] is not None for r in diverged)
-    # diagnosed against real vLLM: no near tie the batch broke; asked again alone, P/D differs again
-    assert all(r["divergence"] and not r["divergence"]["tie"] and r["divergence"]["alone_equal"] is False
-               for r in diverged), diverged
+    # diagnosed against real vLLM: no near tie; P/D's logprobs there moved by more than rounding
+    assert all(r["divergence"] and not r["divergence"]["tie"] for r in diverged), [r["divergence"] for r in diverged]
+    # spread null: one of the reference's top tokens is not even in P/D's top 20
+    assert any(r["divergence"]["spread"] is None or r["divergence"]["spread"] > 0.25 for r in diverged), \
+        [r["divergence"] for r in diverged]
     assert doc["pairs"][0]["kv_travelled"]  # it was merged wrongly, which only token parity catches
     assert not streamed["passed"] and sum(not r["passed"] for r in streamed["results"]) > len(diverged) // 2
     assert " first=prefill" in proxy_log  # the streamed check's requests took the prefill's token first

@@ -148,3 +148,16 @@ def test_bench_hands_the_fleet_gate_a_prompt_source_it_can_call(monkeypatch, tmp
         bench_run.run_bench(loaded, plan, ref, None, tmp_path / "r", BenchOptions(skip={"perf", "eval"}).resolved(),
                             {})
     assert drawn and drawn[0] > 0
+
+
+def test_a_diagnosed_divergence_is_in_the_fleets_json():
+    import json
+    import math
+
+    from pdctl.gates.parity import Divergence
+
+    pair = _pair("pdctl-check-0123456789abcdef", passed=False)
+    pair.report.results[0].divergence = Divergence(7, 9, rank=None, gap=None, spread=math.inf)
+    [r] = json.loads(json.dumps(FleetReport([pair]).to_dict(), allow_nan=False))["results"]
+    assert r["pair"] == "p32/d64" and r["divergence"]["spread"] is None and r["divergence"]["tie"] is False
+    assert "not in P/D's top 20" in r["divergence"]["summary"]

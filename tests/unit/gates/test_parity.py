@@ -1,5 +1,7 @@
 """The parity gate's pure parts: prompt ordering, recorded reference answers, the transfer proof."""
 
+import math
+
 import pytest
 
 from pdctl.gates.parity import Prompt, _in_cache_order, first_divergence
@@ -97,9 +99,9 @@ class FakePD:
         self.fallbacks = 0
         self.stream_error = False
         # The reference's top logprobs at the divergent token: P/D's token `gap` nats below its own (None: absent
-        # from the top); `diverge_once`: asked again, P/D answers equal (a tie broken by the batch, not the KV).
+        # from the top); P/D's there: the reference's, its token `spread` nats lower (P/D's token then ahead).
         self.gap: float | None = None
-        self.diverge_once, self.diverged, self.logprobs_fail = False, False, False
+        self.spread, self.logprobs_fail = 0.0, False
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -109,21 +111,22 @@ class FakePD:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt, n = body["prompt"], body["max_tokens"]
                 ids = [(sum(prompt) + i) % 997 for i in range(n)]
-                if body.get("logprobs"):  # the diagnosis asks the reference at token 5, given the 5 agreed on
+                if body.get("logprobs"):  # the diagnosis asks both sides at token 5, given the 5 agreed on
                     self.send_response(500 if fake.logprobs_fail else 200)
                     self.end_headers()
                     if not fake.logprobs_fail:
                         ref = (sum(prompt[:-5]) + 5) % 997
-                        top = {f"token_id:{ref}": -0.5, "token_id:998": -4.0}
-                        top |= {} if fake.gap is None else {f"token_id:{ref + 1}": -0.5 - fake.gap}
+                        top = {ref: -0.5, 998: -4.0} | ({} if fake.gap is None else {ref + 1: -0.5 - fake.gap})
+                        if self.path.startswith("/proxy"):
+                            top[ref] -= fake.spread
+                        top = {f"token_id:{t}": lp for t, lp in top.items()}
                         self.wfile.write(json.dumps({"choices": [{"text": "", "logprobs": {
                             "top_logprobs": [top]}}]}).encode())
                     return
                 if self.path.startswith("/proxy"):
                     fake.served(len(prompt))
-                    if len(prompt) == fake.diverge_on and not (fake.diverge_once and fake.diverged):
+                    if len(prompt) == fake.diverge_on:
                         ids[5] += 1
-                        fake.diverged = True
                 usage = {"prompt_tokens": len(prompt)}
                 if body.get("stream"):  # one event per token, its text the id; then usage, or an error
                     evs = [{"choices": [{"text": f"{i},"}]} for i in ids]
@@ -207,34 +210,35 @@ def test_parity_gate_fails_on_one_mismatching_prompt():
     from pdctl.gates.junit import junit_xml
 
     assert '<failure message="first divergent token 5: ' in junit_xml(report)
-    d = failed[0].divergence  # wrong KV: a token the reference does not rank, and again the same
-    assert (d.rank, d.gap, d.alone_equal) == (None, None, False)
-    assert failed[0].failure == ("first divergent token 5: P/D's token not in the reference's top 20; asked "
-                                 "again alone: differs again")
+    d = failed[0].divergence  # wrong KV: a token the reference does not rank
+    assert (d.rank, d.gap, d.spread, d.tie) == (None, None, 0.0, False)
+    assert failed[0].failure == ("first divergent token 5: P/D's token not in the reference's top 20; P/D's "
+                                 "logprobs there within 0 nats of the reference's (top 5)")
     assert report.to_dict()["results"][1]["divergence"]["summary"] == d.summary
 
 
-def test_a_near_tie_equal_when_asked_again_alone_passes_and_is_shown():
+def test_a_near_tie_passes_and_is_shown():
     from pdctl.gates.parity import TIE_NATS
 
+    bound = TIE_NATS["half"]
     fake = FakePD("transfer", diverge_on=65)
-    fake.gap, fake.diverge_once = TIE_NATS["half"] / 10, True
+    fake.gap, fake.spread = bound / 10, bound / 2
     report = fake.run()
     [r] = [r for r in report.results if r.first_divergence is not None]
-    assert report.passed and r.passed and (r.divergence.rank, r.divergence.alone_equal) == (2, True)
-    assert abs(r.divergence.gap - TIE_NATS["half"] / 10) < 1e-9 and r.failure == ""
+    assert report.passed and r.passed and r.divergence.rank == 2 and r.failure == ""
+    assert abs(r.divergence.gap - bound / 10) < 1e-9 and abs(r.divergence.spread - bound / 2) < 1e-9
     assert r.outcome.startswith("first divergent token 5: a near tie: P/D's token is the reference's choice 2, ")
-    assert r.outcome.endswith(" nats below its own; asked again alone: equal")
+    assert r.outcome.endswith(" nats of the reference's (top 5)")
 
 
-@pytest.mark.parametrize("gap, once", [(None, True), (0.3, True), (1e-6, False)],
-                         ids=["not-ranked-equal-alone", "past-the-bound-equal-alone", "near-tie-differs-again"])
-def test_a_divergence_fails_unless_both_a_near_tie_and_equal_alone(gap, once):
-    """Negative controls of the rule above, one condition at a time: a token the reference does not rank, or ranks
-    far below, fails even when the prompt alone is answered equal (a race, not a tie); a near tie that differs
-    again alone fails (deterministic: the KV, not the batch)."""
+@pytest.mark.parametrize("gap, spread", [(None, 0.0), (0.3, 0.3), (1e-6, 1.0)],
+                         ids=["not-ranked", "past-the-bound", "near-tie-but-p/d-elsewhere"])
+def test_a_divergence_fails_unless_a_near_tie_on_both_sides(gap, spread):
+    """Negative controls of the rule above, one condition at a time: a token the reference does not rank, or
+    ranks past the bound, fails; so does a near tie where P/D's logprobs for the reference's top tokens are off by
+    more than rounding (P/D's distribution moved: its KV)."""
     fake = FakePD("transfer", diverge_on=65)
-    fake.gap, fake.diverge_once = gap, once
+    fake.gap, fake.spread = gap, spread
     report = fake.run()
     [r] = [r for r in report.results if r.first_divergence is not None]
     assert not report.passed and not r.passed and not r.divergence.tie and r.failure == r.outcome
@@ -320,7 +324,8 @@ def test_float32_is_held_to_a_tighter_tie_than_half_precision():
     from pdctl.gates.parity import Divergence, tie_nats
 
     assert tie_nats("float32") < tie_nats("bfloat16") == tie_nats("float16") == tie_nats("auto") == tie_nats(None)
-    near = dict(reference_token=1, pd_token=2, rank=2, alone_equal=True)
+    near = dict(reference_token=1, pd_token=2, rank=2, spread=1e-5)
     assert Divergence(**near, gap=0.0625, tie_nats=tie_nats("bfloat16")).tie  # one bf16 step at logits 8-16
     assert not Divergence(**near, gap=0.0625, tie_nats=tie_nats("float32")).tie
     assert Divergence(**near, gap=-1e-5, tie_nats=tie_nats("float32")).tie  # ordered the other way asked again
+    assert not Divergence(**{**near, "spread": math.inf}, gap=0.0).tie  # a top token missing on P/D's side
