@@ -391,16 +391,16 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     waves = _in_cache_order(prompts)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         results = [r for wave in waves for r in pool.map(one, wave)]
-    if isinstance(reference, str):
+    missing: list[str] = []
+    after = decode_counters(decode_urls, missing, key)
+    fallbacks_after = proxy_fallbacks(proxy_url, key)
+    if isinstance(reference, str):  # after the counters: the proof is of the prompts, not of their diagnosis
         order = [i for wave in waves for i in wave]
         for r, i in zip(results, order, strict=True):
             if not r.passed and r.error is None:
                 r.divergence = diagnose(r, prompts[i], proxy_url, reference, model,
                                         {**({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}, stream, tie)
                 r.passed = bool(r.divergence and r.divergence.tie)
-    missing: list[str] = []
-    after = decode_counters(decode_urls, missing, key)
-    fallbacks_after = proxy_fallbacks(proxy_url, key)
     return ParityReport(results, transfer_proof(results, before, after, missing, fallbacks_before, fallbacks_after))
 
 
