@@ -384,8 +384,8 @@ def monitor_spec(t: Topology, state_dir: Path) -> ProcessSpec:
 def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, python: str = "python") -> ProcessSpec:
     """An aggregated server for the parity gate: the first decode pool's block size, TP, devices and mode, no
     connector (on CPU the block size changes greedy output at most by rounding, at ties the gate tells from
-    wrong KV, so one reference serves a fleet). Its
-    executor queues are calmed like the P/D servers': a fair comparison."""
+    wrong KV, so one reference serves a fleet). Its executor queues are calmed like the P/D servers': a fair
+    comparison."""
     g = t.decode[0]
     model = resolved_model(t, g, base_dir)
     argv = _server_argv(t, "decode", g, 0, model, python, connector=False)

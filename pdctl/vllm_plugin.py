@@ -5,12 +5,12 @@ AMX: on a CPU with AMX tiles, vLLM-CPU's attention for bf16 (ISA "amx") executes
 asks Linux for them (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), which a process must before its first one. A
 plain server served, but every NIXL decode (pdctl's connector and vLLM's own alike, P32 -> D64 and P64 -> D64)
 died of SIGILL in cpu_attention_with_kv_cache at its first request; asking at process start made them serve
-(a Xeon with AMX, vllm-cpu 0.32 + NIXL 1.5.1). So every process this plugin loads in asks, where the CPU has the tiles:
-what vLLM's kernel assumes, for any server in this environment.
+(a Xeon with AMX, vllm-cpu 0.32 + NIXL 1.5.1). So every process this plugin loads in asks, where the CPU has
+the tiles: what vLLM's kernel assumes, for any server in this environment.
 
 vLLM loads every general plugin installed in the environment in each of its processes (API server, engine core,
-workers), users' own servers included, before their executor queues exist. So this plugin does nothing unless
-the environment variable PDCTL_QUEUE_SPIN_S is set, which pdctl's plan does for every server it starts on CPU
+workers), users' own servers included, before their executor queues exist. So the queue calming does nothing
+unless the environment variable PDCTL_QUEUE_SPIN_S is set, which pdctl's plan does for every server it starts on CPU
 (prefill, decode, the aggregated reference and the baseline; not a benchmark's plain-vLLM reference).
 
 PDCTL_QUEUE_SPIN_S=<seconds>: how long a queue reader spins after a message before it waits (vLLM: 1 s, not
@@ -71,14 +71,19 @@ def has_amx_tiles(cpuinfo: str | None = None) -> bool:
     return "amx_tile" in flags.split()
 
 
+def _arch_prctl(code: int, arg) -> int:
+    """arch_prctl(2) through libc's syscall: 0, or -1 with errno set."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, code, arg)
+
+
 def amx_tiles_permitted() -> bool:
     """Whether Linux lets this process use AMX tile data (ARCH_GET_XCOMP_PERM)."""
     import ctypes
 
     mask = ctypes.c_ulong(0)
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 and \
-        bool(mask.value >> XFEATURE_XTILEDATA & 1)
+    return _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 and bool(mask.value >> XFEATURE_XTILEDATA & 1)
 
 
 def request_amx_tiles() -> bool | None:
@@ -91,8 +96,7 @@ def request_amx_tiles() -> bool | None:
         return None
     if amx_tiles_permitted():
         return True
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+    if _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
         log.warning("pdctl plugin: Linux refused AMX tile data (arch_prctl: %s): vLLM's AMX attention may die of "
                     "SIGILL in this process (pid %d)", os.strerror(ctypes.get_errno()), os.getpid())
         return False

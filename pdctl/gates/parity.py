@@ -438,11 +438,11 @@ def _top_logprobs(base_url: str, model: str, ids: list[int], headers: dict[str, 
     return {int(t.split(":", 1)[1]): lp for t, lp in out.items()}
 
 
-def _post(base_url: str, path: str, body: dict, headers: dict[str, str], timeout: float = 120) -> dict:
-    req = urllib.request.Request(base_url.rstrip("/") + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", **headers})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+def _post(base_url: str, path: str, body: dict, headers: dict[str, str]) -> dict:
+    status, text = probe.http_post_json(base_url.rstrip("/") + path, body, 120, headers)
+    if status != 200:
+        raise RuntimeError(f"{path}: HTTP {status or 'no answer'}")
+    return json.loads(text)
 
 
 def _tokenize(base_url: str, model: str, text: str, headers: dict[str, str]) -> list[int]:
