@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 from pdctl.auth import VLLM_KEY_ENV, key_env
 from pdctl.kv.lease import KV_LEASE_S
-from pdctl.proxy import handover
 from pdctl.proxy.config import SPEC_FLAG, ProxyConfig, moved_upstreams, spec_of, upstream, with_spec
 from pdctl.topology import (
     DEFAULT_POOL,
@@ -196,8 +195,6 @@ def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
             extra["pdctl"]["staging_blocks"] = staging
         if role == "decode":
             extra["pdctl"]["kv_read_timeout_s"] = c.kv_read_timeout_s
-        if t.proxy.early_decode:  # the decode takes hand-overs, the prefill gives them
-            extra["pdctl"]["handover"] = True
         if c.trace:
             extra["pdctl"]["trace"] = True
     if role == "decode":
@@ -236,7 +233,22 @@ def _server_argv(t: Topology, role: Role, pool: Pool, index: int, model_path: st
         argv += ["--gpu-memory-utilization", str(pool.gpu_memory_utilization)]
     if connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role, pool), separators=(",", ":"))]
+    if connector and role == "prefill" and pool.platform == "cpu" and not _sets(pool.extra_args, BATCHED_TOKENS):
+        argv += [BATCHED_TOKENS, str(CPU_PREFILL_BATCHED_TOKENS)]
     return argv + list(pool.extra_args)
+
+
+BATCHED_TOKENS = "--max-num-batched-tokens"
+# A P/D prefill on CPU computes up to this many prompt tokens per step (vLLM-CPU's server default: 2048): measured
+# 1.4x the goodput at the SLO on 2048-token prompts, TTFT and TPOT at one request at a time no worse (median of 3
+# interleaved repetitions, scripts/bench_settings.py, docs/benchmarks.md). The aggregated baseline measured no
+# better with it, and keeps vLLM's default.
+CPU_PREFILL_BATCHED_TOKENS = 4096
+
+
+def _sets(args: list[str], flag: str) -> bool:
+    """Whether a pool's extra_args give `flag` (as `--flag V` or `--flag=V`): the user's value wins."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def queue_spin_s(t: Topology, pool: Pool) -> float | None:
@@ -278,19 +290,15 @@ def server_secret_env(t: Topology) -> dict[str, str]:
 
 def proxy_config(t: Topology, servers: list[ProcessSpec]) -> ProxyConfig:
     """pdctl's proxy for these servers: the topology's proxy settings, every instance as [POOL=]URL (a single-pool
-    role's URLs stay bare), the pools' weights, and each decode's hand-over socket with early decode."""
+    role's URLs stay bare) and the pools' weights."""
     settings = t.proxy.model_dump(include=set(ProxySettings.model_fields))
     prefill = [upstream(s.pool or DEFAULT_POOL, s.http_url) for s in servers if s.role == "prefill"]
     if not prefill:  # goodput's baseline: aggregated servers, each request whole to one of them
-        return ProxyConfig(**{**settings, "first_token": "off", "exclude_pairs": []}, api_key_env=key_env(t),
+        return ProxyConfig(**{**settings, "exclude_pairs": []}, api_key_env=key_env(t),
                            decode=[s.http_url for s in servers if s.role == "baseline"])
     decode = [upstream(s.pool or DEFAULT_POOL, s.http_url) for s in servers if s.role == "decode"]
     weights = {f"{role}/{g.name}": g.weight for role in ROLES for g in t.pools(role) if g.weight != 1.0}
-    # each decode's hand-over socket, named after its side channel as its connector names it
-    handovers = [handover.name(s.env["VLLM_NIXL_SIDE_CHANNEL_HOST"], int(s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
-                 for s in servers if s.role == "decode"] if t.proxy.early_decode else []
-    return ProxyConfig(**settings, prefill=prefill, decode=decode, weights=weights, handovers=handovers,
-                       api_key_env=key_env(t))
+    return ProxyConfig(**settings, prefill=prefill, decode=decode, weights=weights, api_key_env=key_env(t))
 
 
 def proxy_argv(t: Topology, servers: list[ProcessSpec], python: str) -> list[str]:

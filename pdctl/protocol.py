@@ -9,11 +9,8 @@ import re
 # -- HTTP headers of pdctl's proxy ------------------------------------------------------------------------------
 ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
 REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall back to decode-only (warm-up)
-# With proxy.early_decode, per request: "off": the ordinary way; "proxy": early, but the proxy hands the KV
-# parameters over, not the prefill; "on" (or absent): early, handed over by the prefill. A/B runs of both.
-EARLY_HEADER = "x-pdctl-early-decode"
-# Per request, whatever proxy.first_token says: "on": the prefill's token first (when the request allows it),
-# "off": the decode's stream as it is. A/B runs.
+# Per request: "on": the prefill's token first (when the request allows it), "auto": only while the decode is
+# busy, "off": the decode's stream as it is (the default, or `pdctl proxy --first-token`'s).
 FIRST_HEADER = "x-pdctl-first-token"
 # In the proxy's answers: the instances that served the request, and why a request was served decode-only.
 PREFILL_SERVED_HEADER = "x-pdctl-prefill"

@@ -30,7 +30,7 @@ from plain_reference import with_plain_reference  # scripts/plain_reference.py
 import pdctl
 from pdctl.bench import breakdown, load
 from pdctl.bench.run import follow
-from pdctl.protocol import EARLY_HEADER, FIRST_HEADER, ROUTE_HEADER
+from pdctl.protocol import FIRST_HEADER, ROUTE_HEADER
 from pdctl.topology import resolved_model
 
 REFS = {"aggregated (calmed)": "reference", "aggregated (plain vLLM)": "reference-plain"}
@@ -104,11 +104,9 @@ def role_nice(text: str) -> tuple[str, int]:
 
 
 # The A/B runs (one per run): flag -> the suffixed sides' suffix, their header (None: none), whether the unsuffixed
-# side is the variant (early decode is 'PAIR', the ordinary way 'PAIR seq'), the report's key and what its ratio is.
+# side is the variant (the prefill's first token is 'PAIR', the decode's 'PAIR dec1st'), the report's key and what its
+# ratio is.
 AB = {
-    "early_ab": (" seq", (EARLY_HEADER, "off"), True, "early_vs_ordinary", "early decode / ordinary"),
-    "handover_ab": (" proxy", (EARLY_HEADER, "proxy"), True, "prefill_vs_proxy_handover",
-                    "handed over by the prefill / by the proxy"),
     "nice_ab": (" nice", None, False, "nice_vs_plain", "reniced / not"),
     "first_token_ab": (" dec1st", (FIRST_HEADER, "off"), True, "first_token_vs_decode",
                        "prefill's first token / the decode's"),
@@ -138,16 +136,9 @@ def main() -> int:
     ap.add_argument("--stall-concurrency", type=int, default=16, help="0: skip the stall check")
     ap.add_argument("--no-floor", dest="floor", action="store_false",
                     help="skip the per-request floor (a 4-token prompt through each aggregated reference)")
-    ap.add_argument("--early-ab", action="store_true",
-                    help="proxy.early_decode on, and each pair run twice per repeat: early (PAIR) and the ordinary "
-                    "way (PAIR seq, header x-pdctl-early-decode: off); reports early / ordinary per pair")
-    ap.add_argument("--handover-ab", action="store_true",
-                    help="proxy.early_decode on, and each pair run twice per repeat: the prefill hands the KV "
-                    "parameters over itself (PAIR) and the proxy does (PAIR proxy, header x-pdctl-early-decode: "
-                    "proxy); reports prefill / proxy hand-over per pair")
     ap.add_argument("--first-token-ab", default=None, choices=("on", "auto"),
-                    help="proxy.first_token set to it, and each pair run twice per repeat: that way (PAIR) and the "
-                    "decode's first token (PAIR dec1st, header x-pdctl-first-token: off); reports one / the other")
+                    help="each pair run twice per repeat: the prefill's token first (PAIR, header x-pdctl-first-"
+                    "token: on|auto) and the decode's (PAIR dec1st, header: off); reports one / the other")
     ap.add_argument("--pin-instances", action="store_true",
                     help="bind every thread of each vLLM server (API server, engine core, worker) to its instance's "
                     "core, not only the model's compute threads: instances then share no core, as on separate hosts")
@@ -159,14 +150,12 @@ def main() -> int:
     a = ap.parse_args()
     ab = [flag for flag in AB if getattr(a, flag)]
     if len(ab) > 1:
-        ap.error("--nice-ab, --early-ab, --handover-ab, --first-token-ab: one A/B per run")
+        ap.error("--nice-ab, --first-token-ab: one A/B per run")
     suffix, ab_header, *_ = AB[ab[0]] if ab else (None, None)
     out = Path(a.out or f"results/bench_pd_latency-{a.label}.json")
 
     try:
-        t = pdctl.load(a.topology, [*a.set, "connector.trace=true",
-                                    *(["proxy.early_decode=true"] if a.early_ab or a.handover_ab else []),
-                                    *([f"proxy.first_token={a.first_token_ab}"] if a.first_token_ab else [])])
+        t = pdctl.load(a.topology, [*a.set, "connector.trace=true"])
     except pdctl.TopologyError as e:
         ap.error(str(e))
     state_dir = Path("/tmp/pdctl-bench-latency")
@@ -208,6 +197,8 @@ def main() -> int:
                     headers = {ROUTE_HEADER: f"{pair[0]}/{pair[1]}"} if pair else None
                     if ab_header and side.endswith(suffix):
                         headers[ab_header[0]] = ab_header[1]
+                    elif a.first_token_ab and pair:  # the variant: the prefill's token first, asked per request
+                        headers[FIRST_HEADER] = a.first_token_ab
                     decodes = [s.http_url for s in d.plan.by_role("decode") if pair and s.pool == pair[1]]
                     if a.nice_ab and pair:
                         renice(d.plan, a.nice_ab[0], a.nice_ab[1] if side.endswith(suffix) else 0)
@@ -320,8 +311,8 @@ def summarize(runs: list[dict], sides: list[str], pairs: list[tuple], modes: lis
 def variant_over_base(runs: list[dict], sides: list[str], modes: list, suffix: str,
                       base_suffixed: bool = False) -> list[dict]:
     """Per pair and mode, per repeat of one run: the variant's TTFT and TPOT p50 over the base's. The sides
-    'PAIR' and 'PAIR{suffix}'; the suffixed one is the variant (or the base, with base_suffixed: early decode is
-    'PAIR', the ordinary way 'PAIR seq')."""
+    'PAIR' and 'PAIR{suffix}'; the suffixed one is the variant (or the base, with base_suffixed: the prefill's
+    first token is 'PAIR', the decode's 'PAIR dec1st')."""
     out = []
     for mode, *_ in modes:
         for side in [sd for sd in sides if f"{sd}{suffix}" in sides]:

@@ -11,10 +11,9 @@ before its load, --c1-requests prompts one at a time give TTFT and TPOT at concu
 candidates are aggregated deployments judged against the baseline: the baseline gets the same engine-settings
 search as P/D.
 
-Usage: python scripts/bench_settings.py [configs/cpu-demo.yaml] --setting proxy.early_decode=true
-           --setting proxy.first_token=auto --baseline-setting "prefill.extra_args=[--max-num-batched-tokens,'512']"
-           --rates 3,4,5,6 [--repeat 3] [--requests 200] [--c1-requests 20]
-           [--out results/bench_settings.json]
+Usage: python scripts/bench_settings.py [configs/cpu-demo.yaml] --setting proxy.first_token=auto
+           --baseline-setting "prefill.extra_args=[--max-num-batched-tokens,'512']" --rates 3,4,5,6
+           [--repeat 3] [--requests 200] [--c1-requests 20] [--out results/bench_settings.json]
 Each --setting is a `--set` override (dotted.path=value); several in one, separated by ';', are one candidate.
 """
 

@@ -39,7 +39,7 @@ class CheckOptions:
     timeout_s: float = 300.0
     junit: Path | None = None  # write a JUnit XML report here
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
-    stream: bool = False  # streamed requests, compared as the text a client reads (proxy.first_token's path)
+    stream: bool = False  # streamed requests (the prefill's token first), compared as the text a client reads
 
 
 def check(target: Topology | Deployment | str | Path | None = None, *, proxy: str | None = None,

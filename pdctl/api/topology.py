@@ -132,10 +132,6 @@ def render_k8s(t: Topology, out_dir: str | Path, *, image: str | None = None, na
     import yaml
 
     from pdctl.launch import k8s
-
-    if t.proxy.early_decode:
-        raise UserError("proxy.early_decode: its hand-over is a host-local socket, and Kubernetes puts the proxy "
-                        "and each decode in pods of their own; remove it to render for Kubernetes")
     from pdctl.topology import ROLES, pool_field
 
     niced = [pool_field(t, r, g, "nice") for r in ROLES for g in t.pools(r) if g.nice]

@@ -26,12 +26,10 @@ class Stage:
 # In request order; consecutive, so their sum is the proxy's receive -> first byte to the client (TTFT).
 STAGES: tuple[Stage, ...] = (
     Stage("proxy in", "recv", "prefill_sent", "proxy: request read, prefill chosen and sent"),
-    Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer "
-          "(early decode, handed over by the prefill: until the decode has its KV parameters)"),
-    Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent (early "
-          "decode: the KV parameters handed over; 0 when the prefill handed them over itself)"),
+    Stage("prefill", "prefill_sent", "prefill_done", "prefill server: its API, the prompt's compute, its answer"),
+    Stage("proxy hop", "prefill_done", "decode_sent", "proxy: prefill answer parsed, decode request sent"),
     Stage("decode API", "decode_sent", "sched_seen", "decode API server and engine input until its scheduler "
-          "sees the request (early decode: until it takes the handed-over KV parameters)"),
+          "sees the request"),
     Stage("blocks", "sched_seen", "sched_alloc", "decode scheduler: until it gives the request blocks"),
     Stage("read issue", "sched_alloc", "read_issued", "scheduler output to the worker, NIXL read issued"),
     Stage("read post", "read_issued", "read_posted", "vLLM's read plan (descriptors) and NIXL's post of the read"),
@@ -45,9 +43,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("proxy out", "decode_first", "client_first", "proxy: first event written to the client"),
 )
 TOTAL = Stage("TTFT (proxy)", "recv", "client_first", "proxy receive -> first byte to the client")
-# proxy.first_token: the client's first token is the prefill's; the decode's stages lead to its second token.
+# first_token: the client's first token is the prefill's; the decode's stages lead to its second token.
 FIRST_STAGES: tuple[Stage, ...] = (*STAGES[:2], Stage("token out", "prefill_done", "client_first", "proxy: the "
-                                                      "prefill's token written to the client (proxy.first_token)"))
+                                                      "prefill's token written to the client (first_token)"))
 
 
 def connector_stamps(lines: Iterable[str]) -> dict[str, dict[str, float]]:
@@ -78,24 +76,13 @@ def join(proxy_records: Iterable[dict], stamps: dict[str, dict[str, float]]) -> 
         if len(theirs) != 1:  # none, or several (n > 1 completions): not one P/D read to follow
             continue
         merged = {k: v for k, v in rec.items() if isinstance(v, float)} | theirs[0]
-        if "sched_handover" in merged and ("handover" in merged or "handover_in" in merged):
-            # Early decode: the decode's request path ran during the prefill; on the way to the first token
-            # the hand-over takes its place (request sent -> scheduler sees it and gives it blocks). Handed over
-            # by the prefill itself (no proxy stamp), the prefill ends when the decode has its KV parameters:
-            # the prefill's answer to the proxy is off the path.
-            given = merged.get("handover")
-            if given is None:
-                given = merged["handover_in"]
-                merged |= {"prefill_answered": merged["prefill_done"], "prefill_done": given}
-            merged |= {"early_decode_sent": merged["decode_sent"], "decode_sent": given,
-                       "sched_seen": merged["sched_handover"], "sched_alloc": merged["sched_handover"]}
         if all(s.start in merged and s.end in merged for s in STAGES):
             out.append(merged)
     return out
 
 
 def first_token(proxy_records: Iterable[dict]) -> list[dict[str, float]]:
-    """The proxy's stamps of the requests whose first token was the prefill's (proxy.first_token): FIRST_STAGES."""
+    """The proxy's stamps of the requests whose first token was the prefill's (first_token): FIRST_STAGES."""
     return [{k: v for k, v in r.items() if isinstance(v, float)} for r in proxy_records
             if r.get("status") == 200 and r.get("first") == "prefill"
             and all(isinstance(r.get(s.start), float) and isinstance(r.get(s.end), float) for s in FIRST_STAGES)]

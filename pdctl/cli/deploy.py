@@ -176,8 +176,6 @@ def proxy(
     access_log: Annotated[bool | None, typer.Option(help="one log line per request [on]")] = None,
     api_key_env: Annotated[str | None, typer.Option(help="require the key this environment variable holds "
                                                     "(Bearer, on /v1/*) and send it to the instances")] = None,
-    handover: Annotated[list[str] | None, typer.Option("--handover", help="early decode: each decode's hand-over "
-                                                       "socket, one per --decode in its order")] = None,
     first_token: Annotated[str | None, typer.Option(help="off | on | auto: stream the prefill's token first "
                                                     "(greedy streams; auto: while the decode is busy)")] = None,
 ) -> None:
@@ -202,5 +200,5 @@ def proxy(
                     breaker_failures=breaker_failures, breaker_open_s=breaker_open,
                     weights=api.proxy_weights(weight) if weight else None,
                     exclude_pairs=api.proxy_pairs(exclude_pair) if exclude_pair else None,
-                    affinity_epsilon=affinity_epsilon, handovers=handover, affinity_prefix_chars=affinity_prefix_chars,
+                    affinity_epsilon=affinity_epsilon, affinity_prefix_chars=affinity_prefix_chars,
                     access_log=access_log, api_key_env=api_key_env, first_token=first_token)

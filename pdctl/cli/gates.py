@@ -50,7 +50,7 @@ def check(
     json_: JsonOpt = False,
     junit: Annotated[Path | None, typer.Option(help="write a JUnit XML report here")] = None,
     stream: Annotated[bool, typer.Option(help="stream every request and compare the text a client reads "
-                                         "(proxy.first_token's path)")] = False,
+                                         "(asking pdctl's proxy for the prefill's token first)")] = False,
     timeout: TimeoutOpt = 300.0,
     state_dir: StateDirOpt = None,
     overrides: list = (),
@@ -75,7 +75,7 @@ def check(
 
       pdctl check configs/cpu-demo.yaml --set decode.tp=2 --set "decode.devices=[0,1]" --reference-first
 
-      pdctl check configs/cpu-demo.yaml --set proxy.first_token=on --stream   # the prefill's token first
+      pdctl check configs/cpu-demo.yaml --stream   # as a streaming client reads it
 
       pdctl check --proxy http://127.0.0.1:8000 --reference http://127.0.0.1:8300 --model tiny --json
 

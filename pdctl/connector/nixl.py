@@ -10,8 +10,8 @@ small parts, each a module of its own:
   real layout on completion;
 - windows.py: hybrid models (sliding-window + full-attention KV groups): window tails paired by absolute token
   position in both directions, what the prefill no longer holds zeroed;
-- scheduler.py: the scheduler side (staging reserve, the sliding-window backoff, early decode's parked requests,
-  when each request's KV parameters were seen);
+- scheduler.py: the scheduler side (staging reserve, the sliding-window backoff, when each request's KV
+  parameters were seen);
 - peers.py, stats.py, common.py: whether a prefill is still there, pdctl's counters, the logger and timing lines.
 This module holds the worker's read path: prefill block < decode block on CPU_ATTN (received sub-blocks merged
 with the real per-ISA layout, the uncovered tail zeroed in it; vLLM's generic merge corrupts CPU KV silently),

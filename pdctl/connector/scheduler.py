@@ -1,19 +1,16 @@
 """The decode's (and prefill's) scheduler side of pdctl's connector: the staging area reserved for prefill block >
-decode block, the sliding-window backoff, early decode's parked requests and hand-overs, when each request's KV
-parameters were seen (the workers' lease decisions), and the scheduler's timing lines."""
+decode block, the sliding-window backoff, when each request's KV parameters were seen (the workers' lease
+decisions), and the scheduler's timing lines."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 
 from pdctl.connector import seam
 from pdctl.connector.common import log, settings, trace
-from pdctl.proxy import handover
 
-IDLE_WAIT_S = 0.01  # early decode: the longest an engine with only parked requests waits for a hand-over
 ARRIVED_ATTR = "pdctl_seen_at"  # on the connector metadata: req -> when the decode's scheduler saw its KV params
 
 
@@ -34,17 +31,6 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         self._seen_at: dict[str, float] = {}  # req -> when its KV parameters were seen here, until sent to workers
         self._kv_ready: set[str] = set()  # ... then until the step that computes their first token
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        # Early decode: hand-over token -> (request, blocks, external tokens) of a request waiting for its
-        # prefill's KV parameters; they arrive on the listener's thread and are taken in build_connector_meta.
-        self._parked: dict[str, tuple[Any, Any, int]] = {}
-        self._reading: set[str] = set()  # requests whose KV read vLLM has, until it is done (or they end)
-        self._handover: handover.Listener | None = None
-        role = vllm_config.kv_transfer_config.kv_role
-        # A prefill hands its KV parameters over to the decode itself, when the proxy's request says where.
-        self._hands_over = bool(settings(vllm_config).get("handover")) and role in ("kv_producer", "kv_both")
-        if settings(vllm_config).get("handover") and role in ("kv_consumer", "kv_both"):
-            self._handover = handover.Listener(handover.name(self.side_channel_host, self.side_channel_port))
-            log.info("pdctl connector: early decode: KV parameters handed over on @%s", self._handover.sock_name)
 
     def _prefill_backoff(self) -> int:
         # vLLM's decode recomputes the prompt's last token, whose window starts one key before the window both
@@ -65,82 +51,20 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         if self._trace and request.request_id not in self._traced and params.get("do_remote_prefill"):
             self._traced.add(request.request_id)
             trace("sched_seen", request.request_id)
-        if params.get(handover.TOKEN_KEY) and params.get("do_remote_prefill") and self._handover is None:
-            # No hand-over here (the proxy sends early requests only to decodes started with it): compute it.
-            log.warning("pdctl connector: request %s awaits a hand-over this decode does not listen for "
-                        "(proxy.early_decode): computing its prompt", request.request_id)
-            params["do_remote_prefill"] = False
-            return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if self._trace and num_external_tokens and request.request_id in self._traced:
             trace("sched_alloc", request.request_id)
-        params = request.kv_transfer_params or {}
-        token = params.get(handover.TOKEN_KEY)
-        if token and params.get("do_remote_prefill") and self._handover is not None:
-            self._parked[token] = (request, blocks, num_external_tokens)  # until its KV parameters arrive
-            return None
-        if self._handover is not None and num_external_tokens and params.get("do_remote_prefill"):
-            self._reading.add(request.request_id)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def _claim_handovers(self) -> None:
-        """Parked requests whose KV parameters arrived go on as if they had come with them."""
-        for token in list(self._parked):
-            try:
-                at, params = self._handover.take_timed(token)
-            except KeyError:
-                continue
-            request, blocks, num_external_tokens = self._parked.pop(token)
-            if self._trace:
-                trace("handover_in", request.request_id, at)
-            if params is None:  # no KV will come: the proxy drops this request (vLLM aborts it)
-                request.kv_transfer_params["do_remote_prefill"] = False
-                continue
-            request.kv_transfer_params = {**params, "do_remote_prefill": True}
-            self._seen_at[request.request_id] = time.monotonic()
-            if self._trace:
-                trace("sched_handover", request.request_id)
-            if num_external_tokens:
-                self._reading.add(request.request_id)
-            super().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def _idle_until_handover(self, scheduler_output) -> bool:
-        """A step with nothing to compute, no read under way and requests parked: vLLM's engine would step again
-        at once, empty, for as long as their prefills compute (~100 ms; on a CPU host that busy loop slows the
-        prefills). Wait for a hand-over instead, bounded so a new request is still seen soon; whether one came."""
-        if scheduler_output.total_num_scheduled_tokens or self._reading or seam.reads_to_issue(self):
-            return False
-        return self._handover.wait(IDLE_WAIT_S, self._parked)
 
     def request_finished(self, request, block_ids):
         self._traced.discard(request.request_id)  # aborted before its KV or first token: followed no further
         self._seen_at.pop(request.request_id, None)
         self._kv_ready.discard(request.request_id)
-        params = request.kv_transfer_params or {}
-        token = params.get(handover.TOKEN_KEY)
-        if token and params.get("do_remote_prefill"):
-            # Ended while parked (or before it was given blocks): nothing to read, no prefill to notify.
-            self._parked.pop(token, None)
-            if self._handover is not None:
-                self._handover.discard(token)  # a hand-over that came meanwhile is nobody's now
-            params["do_remote_prefill"] = False
-            return False, None
-        self._reading.discard(request.request_id)
-        delay, out = super().request_finished(request, block_ids)
-        target = handover.direct_target(params) if self._hands_over and out else None
-        if target is not None:
-            why = handover.send(*target, out)
-            if why is None:
-                out = {**out, handover.HANDED_KEY: True}
-            else:  # the proxy hands them over when it has the answer
-                log.warning("pdctl connector: request %s: %s", request.request_id, why)
-        return delay, out
+        return super().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output) -> None:
-        if self._reading:
-            self._reading.difference_update(connector_output.finished_recving or ())
         if self._trace:
             for req_id in connector_output.finished_recving or ():
                 if req_id in self._traced:
@@ -150,8 +74,6 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output):
-        if self._parked and (self._handover.has(self._parked) or self._idle_until_handover(scheduler_output)):
-            self._claim_handovers()
         if self._trace and self._kv_ready:  # the step that computes the first token of a request whose KV arrived
             for req_id in self._kv_ready & scheduler_output.num_scheduled_tokens.keys():
                 self._kv_ready.discard(req_id)

@@ -110,13 +110,7 @@ INTERNALS: tuple[Internal, ...] = (
             why="PdctlNixlScheduler's timing lines (connector.trace): request seen, blocks given, KV arrived, "
             "first token scheduled"),
     *_hooks(PULL_SCHEDULER, ("request_finished", ("request", "block_ids")),
-            why="early decode: a request that ends while parked has nothing read and no prefill to notify"),
-    *_attrs("attr", BASE_SCHEDULER, "side_channel_host side_channel_port",
-            "early decode: the decode's hand-over socket is named after its NIXL side channel"),
-    *_attrs("attr", BASE_SCHEDULER, "_reqs_need_recv",
-            "early decode: reads the next step will issue (an engine with some is not idle)"),
-    *_attrs("field", "vllm.v1.core.sched.output:SchedulerOutput", "total_num_scheduled_tokens",
-            "early decode: a step with nothing to compute"),
+            why="PdctlNixlScheduler forgets an ended request's timing state (connector.trace, the read lease)"),
     *_hooks(PULL_CONNECTOR, ("__init__", ("vllm_config", "role", "kv_cache_config")),
             why="pdctl's NixlConnector builds its own parts"),
     *_hooks(SPIN, ("wait", ("timeout_ms",)), why="the plugin's bounded wait replaces it for readers"),
@@ -215,11 +209,6 @@ INTERNALS: tuple[Internal, ...] = (
 
 # --------------------------------------------------------------------------------------------------------------
 # Accessors: the connector's only way to vLLM's private worker state.
-
-
-def reads_to_issue(scheduler: Any) -> bool:
-    """The scheduler holds KV reads its next connector metadata will send to the worker."""
-    return bool(scheduler._reqs_need_recv)
 
 
 def has_remote_agent(worker: Any, engine_id: str) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from pdctl import auth
 from pdctl.launch import probe
-from pdctl.protocol import DECODE_SERVED_HEADER, PREFILL_SERVED_HEADER, ROUTE_HEADER
+from pdctl.protocol import DECODE_SERVED_HEADER, FIRST_HEADER, PREFILL_SERVED_HEADER, ROUTE_HEADER
 
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
 
@@ -69,12 +69,13 @@ def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int
              headers: dict[str, str] | None = None, seen: dict[str, str] | None = None,
              stream: bool = False) -> dict:
     """One greedy completion; `headers` go with the request, the answer's headers land in `seen`. `stream`:
-    streamed, and answered as the text a client reads (its events' text joined; no token ids: asking for them
-    changes what a stream's events carry)."""
+    streamed, asking pdctl's proxy for the prefill's token first (its most involved path: the prefill's token,
+    then the decode's stream without it; other servers ignore the header), and answered as the text a client reads
+    (its events' text joined; no token ids: asking for them changes what a stream's events carry)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body |= {"stream": True, "stream_options": {"include_usage": True}} if stream else {"return_token_ids": True}
-    req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", **(headers or {})})
+    sent = {"Content-Type": "application/json", **({FIRST_HEADER: "on"} if stream else {}), **(headers or {})}
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), sent)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         if seen is not None:
             seen.update({k.lower(): v for k, v in r.headers.items()})

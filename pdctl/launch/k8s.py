@@ -107,7 +107,7 @@ def _proxy_command(argv: list[str], urls: dict[str, list[str]], router: bool) ->
     argv = ["python3", *argv[1:]]
     if not router:
         return with_spec(argv, spec_of(argv).model_copy(
-            update={"host": "0.0.0.0", "prefill": urls["prefill"], "decode": urls["decode"], "handovers": []}))
+            update={"host": "0.0.0.0", "prefill": urls["prefill"], "decode": urls["decode"]}))
     argv[argv.index("--host") + 1] = "0.0.0.0"
     argv[argv.index("--prometheus-host") + 1] = "0.0.0.0"  # its metrics listen apart, on their own port
     kept = [a for k, a in enumerate(argv) if a not in ("--prefill", "--decode")

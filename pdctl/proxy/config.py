@@ -7,7 +7,9 @@ Kubernetes as it is); `pdctl proxy`'s flags, for people running it by hand, pars
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationError, model_validator
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from pdctl.auth import ENV_NAME_PATTERN
 from pdctl.topology import DEFAULT_POOL, ProxySettings, instance_name
@@ -17,7 +19,12 @@ SPEC_FLAG = "--spec"
 # The flag of each field, for errors about a configuration given by flags.
 FLAGS = {"connect_timeout_s": "--connect-timeout", "first_byte_timeout_s": "--first-byte-timeout",
          "read_timeout_s": "--read-timeout", "breaker_open_s": "--breaker-open", "exclude_pairs": "--exclude-pair",
-         "weights": "--weight", "handovers": "--handover", "prefill": "--prefill", "decode": "--decode"}
+         "weights": "--weight", "prefill": "--prefill", "decode": "--decode"}
+
+
+def _on_off(v: object) -> object:
+    """YAML 1.1 reads a bare off / on as a boolean: take it as the word it was."""
+    return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v
 
 
 class ProxyConfig(ProxySettings):
@@ -25,8 +32,14 @@ class ProxyConfig(ProxySettings):
                                "aggregated serving, each request whole to one decode")
     decode: list[str] = Field(min_length=1, description="[POOL=]URL per decode instance (aggregated: per server)")
     weights: dict[str, float] = Field(default_factory=dict, description='"ROLE/POOL" -> share of traffic')
-    handovers: list[str] = Field(default_factory=list, description="early decode: each decode's hand-over socket, "
-                                 "in the order of `decode`; empty: off")
+    # Not a topology setting: on for a whole deployment it measured no goodput gain at the SLO (it trades TPOT for
+    # TTFT; docs/latency.md). A client asks for it per request with the header; `pdctl proxy --first-token` sets it.
+    first_token: Annotated[Literal["off", "on", "auto"], BeforeValidator(_on_off)] = Field(
+        "off", description="stream the prefill's token to the client as soon as the prefill answers, and the "
+        "decode's stream after it without its first token (the same token: only for greedy streaming requests of "
+        "one choice, without logprobs, echo, stop strings or tools; any other request is served as it is). "
+        "'auto': only while the pair's decode has other requests in flight. Per request, the header "
+        "x-pdctl-first-token: on|off|auto overrides it")
     api_key_env: str | None = Field(None, pattern=ENV_NAME_PATTERN, description="the environment variable "
                                     "holding the key clients must send (never the key: a spec is in argv)")
     access_log: bool = Field(True, description="one log line per request: id, status, ms, pair")
@@ -36,11 +49,8 @@ class ProxyConfig(ProxySettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> ProxyConfig:
-        if not self.prefill and (self.handovers or self.first_token != "off"):
-            raise ValueError("aggregated serving (no prefill instances) has no early decode and no prefill token")
-        if self.handovers and len(self.handovers) != len(self.decode):
-            raise ValueError(f"{len(self.handovers)} hand-over sockets for {len(self.decode)} decodes: give one "
-                             "per --decode, in the same order")
+        if not self.prefill and self.first_token != "off":
+            raise ValueError("aggregated serving (no prefill instances) has no prefill token")
         return self
 
     def to_spec(self) -> str:

@@ -1,4 +1,4 @@
-"""The prefill's first token to the client (`proxy.first_token`): pure rules and the stream edit.
+"""The prefill's first token to the client (x-pdctl-first-token): pure rules and the stream edit.
 
 A P/D prefill computes the prompt and samples one token (its answer's text); the decode then reads the KV and
 samples that same token again before it streams anything. For a greedy streaming request the prefill's token is

@@ -65,7 +65,6 @@ class Metrics:
         self.fallbacks: Counter = Counter({(r,): 0 for r in FALLBACK_REASONS})  # (reason,): every reason, from 0
         self.rejected: Counter = Counter()  # (reason,)
         self.kv_missing = 0
-        self.early: Counter = Counter()  # (outcome,): early decode handed over, or undone (served the ordinary way)
         self.first_token: Counter = Counter()  # (outcome,): the prefill's token streamed first, or mismatch
         self.retries = 0
         self.ttft = _Histograms("pdctl_proxy_ttft_seconds", "proxy receive -> first byte to the client, per pair",
@@ -121,10 +120,7 @@ class Metrics:
                                   value=self.retries)
         yield _counter("pdctl_proxy_rejected", "requests refused: on_prefill_down: reject's reasons, and "
                        "unauthorized (no or a wrong API key)", ["reason"], self.rejected)
-        yield _counter("pdctl_proxy_early_decode", "proxy.early_decode: decode requests sent with the prefill's "
-                       "and handed their KV parameters by the prefill (prefill_handed_over) or the proxy "
-                       "(handed_over), or undone (served the ordinary way)", ["outcome"], self.early)
-        yield _counter("pdctl_proxy_first_token", "proxy.first_token: streams whose first token came from the "
+        yield _counter("pdctl_proxy_first_token", "first_token: streams whose first token came from the "
                        "prefill's answer (from_prefill), and those the decode's first text then contradicted "
                        "(mismatch: ended with an error)", ["outcome"], self.first_token)
         yield from (h.family() for h in (self.ttft, self.duration, self.prefill_latency))

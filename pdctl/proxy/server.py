@@ -1,9 +1,7 @@
 """pdctl's P/D proxy: OpenAI-compatible front for prefill and decode instances.
 
 Each request: prefill with max_tokens 1 and `do_remote_decode`, then the client's request plus the prefill's
-kv_transfer_params to a decode, whose answer (SSE or JSON) is passed through as it arrives. With early decode
-(`handovers`, pdctl.proxy.handover) the decode gets the request at the same time as the prefill and its KV
-parameters handed over when the prefill answers; any failure undoes it and the request goes the ordinary way.
+kv_transfer_params to a decode, whose answer (SSE or JSON) is passed through as it arrives.
 
 Faults: a prefill that fails before answering is tried once more on another (a prefill is idempotent); when no
 prefill answers with usable KV, `on_prefill_down` says fallback (the decode computes the prompt, counted) or
@@ -26,7 +24,6 @@ from aiohttp import web
 from pdctl import auth
 from pdctl.protocol import (
     DECODE_SERVED_HEADER,
-    EARLY_HEADER,
     FALLBACK_HEADER,
     FIRST_HEADER,
     HOLD_ROUTE,
@@ -35,7 +32,7 @@ from pdctl.protocol import (
     REMOTE_DECODE_PARAMS,
     ROUTE_HEADER,
 )
-from pdctl.proxy import first_token, handover
+from pdctl.proxy import first_token
 from pdctl.proxy.admin import AdminRoutes, error_body
 from pdctl.proxy.config import ProxyConfig, names
 from pdctl.proxy.keys import KeyGuard
@@ -64,7 +61,6 @@ class Proxy(AdminRoutes):
     def __init__(self, cfg: ProxyConfig):
         self.cfg = cfg  # validated as a whole by its model (pdctl.proxy.config)
         decodes = instances("decode", cfg.decode, cfg.weights)
-        self._handovers = {d.name: h for d, h in zip(decodes, cfg.handovers, strict=False)}
         self.router = Router(instances("prefill", cfg.prefill, cfg.weights), decodes, cfg.policy,
                              cfg.exclude_pairs, cfg.affinity_epsilon, cfg.affinity_prefix_chars)
         for inst in self.router.instances:
@@ -177,10 +173,9 @@ class Proxy(AdminRoutes):
                                  **rt.stamps,
                                  "end": time.time()})
             if self.cfg.access_log:
-                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s%s%s", request_id, route, status,
+                log.info("%s %s %d %.1f ms prefill=%s decode=%s%s%s", request_id, route, status,
                          1e3 * seconds, p.name if p else "-", d.name if d else "-",
-                         f" fallback={rt.fallback}" if rt.fallback else "", f" early={rt.early}" if rt.early else "",
-                         f" first={rt.first}" if rt.first else "")
+                         f" fallback={rt.fallback}" if rt.fallback else "", f" first={rt.first}" if rt.first else "")
 
     def _failed(self, inst: Instance, e: Exception | None = None) -> None:
         """Count a failed call on an instance: its breaker, and (nothing listening) its health at once."""
@@ -211,31 +206,13 @@ class Proxy(AdminRoutes):
         if router.aggregated:  # every request served whole by one instance: no prefill leg, nothing to fall back
             return await self._decode_leg(req, route, body, headers, key, pin, rt, None, "off")
         rt.reject = self.cfg.on_prefill_down == "reject" or req.headers.get(REJECT_HEADER, "").lower() == "reject"
-        how = req.headers.get(EARLY_HEADER, "").lower()  # off: the ordinary way; proxy: the proxy hands over
-        if how not in ("", "on", "off", "proxy"):
-            return web.json_response(error_body(f"{EARLY_HEADER}: {how!r} is none of on, off, proxy",
-                                                "invalid_request", 400), status=400)
         first = req.headers.get(FIRST_HEADER, "").lower() or self.cfg.first_token
         if first not in first_token.MODES:
             return web.json_response(error_body(f"{FIRST_HEADER}: {first!r} is none of on, off, auto",
                                                 "invalid_request", 400), status=400)
         if first != "off" and first_token.ineligible(route, body):
             first = "off"
-        early = self._early(route, body, headers, key, pin, rt) if self._handovers and how != "off" else None
-        try:
-            pre = await self._prefill(route, body, headers, key, pin, rt, first=early.prefill if early else None,
-                                      handover_to=early.target if early and how != "proxy" else None)
-            if early is not None and isinstance(pre, dict) and rt.prefill is early.prefill:
-                resp = await self._early_answer(req, early, route, headers, pre, rt, first)
-                if resp is not None:
-                    return resp
-                rt.decode = None
-        finally:
-            if early is not None and early.task is not None:
-                early.drop()  # not answered: closed, so vLLM aborts the parked request
-                rt.early = "undone"
-            if rt.early:
-                self.metrics.early[(rt.early,)] += 1
+        pre = await self._prefill(route, body, headers, key, pin, rt)
         if isinstance(pre, web.Response):
             return pre
         return await self._decode_leg(req, route, body, headers, key, pin, rt, pre, first, t0)
@@ -279,58 +256,11 @@ class Proxy(AdminRoutes):
                 return resp
             # Nothing listened there: the decode never saw the request (nor its KV parameters); one more.
 
-    def _early(self, route: str, body: dict, headers: dict[str, str], key: str | None,
-               pin: tuple[str, str] | None, rt: _Route) -> _Early | None:
-        """proxy.early_decode: choose the pair now and send the decode its request at once, parked until the
-        prefill's KV parameters are handed over; None when no pair is usable (the ordinary path decides)."""
-        p = self.router.pick_prefill(key, pin, exclude=[], usable_only=True)
-        d = self.router.pick_decode(p.pool, key, pin, exclude=[]) if p is not None else None
-        sock = self._handovers.get(d.name) if d is not None else None
-        if sock is None:
-            return _Early(p, None, "", "", None) if p is not None else None
-        token = uuid.uuid4().hex
-        dec = dict(body)
-        dec["kv_transfer_params"] = {"do_remote_prefill": True, handover.TOKEN_KEY: token}
-        rt.stamps["decode_sent"] = time.time()
-        d.inflight += 1
-        task = asyncio.ensure_future(self.upstream(d).request("POST", route, json.dumps(dec).encode(), headers))
-        return _Early(p, d, sock, token, task, dec)
-
-    async def _early_answer(self, req: web.Request, early: _Early, route: str, headers: dict[str, str],
-                            pre: dict, rt: _Route, first: str) -> web.StreamResponse | None:
-        """The parked decode's answer once the KV parameters were handed over; None: it could not take them."""
-        if early.task is None:
-            return None
-        # The prefill's connector handed them over itself (handover.py) unless its answer says otherwise.
-        by_prefill, why = bool(pre.get(handover.HANDED_KEY)), None
-        if not by_prefill:
-            rt.stamps["handover"] = time.time()
-            why = handover.send(early.sock, early.token, pre)
-        if why is not None:
-            log.warning("request %s: early decode on %s undone (%s)", headers.get("X-Request-Id"), early.decode.name,
-                        why)
-            return None
-        rt.decode, task, early.task = early.decode, early.task, None
-        rt.early = "prefill_handed_over" if by_prefill else "handed_over"
-        try:
-            out, text = None, None
-            if first != "off":  # this request already counts among the decode's in flight
-                out, text = await self._first_out(req, route, rt, headers, first, busy=early.decode.inflight > 1)
-            return await self._decode(req, early.decode, route, early.body, headers, rt.headers(), retry_ok=False,
-                                      stamps=rt.stamps, pending=task, out=out, first=text)
-        finally:
-            early.decode.inflight -= 1
-
     async def _prefill(self, route: str, body: dict, headers: dict[str, str], key: str | None,
-                       pin: tuple[str, str] | None, rt: _Route, first: Instance | None = None,
-                       handover_to: dict | None = None) -> dict | None | web.Response:
+                       pin: tuple[str, str] | None, rt: _Route) -> dict | None | web.Response:
         """The prefill leg: the request's KV parameters, None for decode-only fallback, or the answer to send
         back (a client error, or a refusal under on_prefill_down: reject). Tried once more on another prefill
-        when the first fails before answering (it is idempotent: a prefill only computes and holds KV). `first`:
-        the instance to try first (already chosen, for an early decode), and where it hands its KV parameters
-        over (`handover_to`: the early decode's; a retry on another prefill is not asked to, and the caller then
-        undoes the early decode, even one whose read the first prefill's hand-over had started: vLLM aborts it
-        and that prefill's blocks wait for their lease)."""
+        when the first fails before answering (it is idempotent: a prefill only computes and holds KV)."""
         pre_body = dict(body)
         pre_body["max_tokens"] = 1
         if "max_completion_tokens" in pre_body:
@@ -340,15 +270,10 @@ class Proxy(AdminRoutes):
             pre_body.pop(k, None)
         pre_body["kv_transfer_params"] = dict(REMOTE_DECODE_PARAMS)
         wire = json.dumps(pre_body).encode()
-        first_wire = wire
-        if handover_to is not None:
-            first_wire = json.dumps({**pre_body, "kv_transfer_params": {**REMOTE_DECODE_PARAMS,
-                                                                        handover.TO_KEY: handover_to}}).encode()
         tried: list[Instance] = []
         errors: list[str] = []
         for attempt in range(2):
-            p = first if attempt == 0 and first is not None else self.router.pick_prefill(
-                key, pin, exclude=tried, usable_only=True)
+            p = self.router.pick_prefill(key, pin, exclude=tried, usable_only=True)
             if p is None:
                 break
             if attempt:
@@ -360,8 +285,7 @@ class Proxy(AdminRoutes):
             p.inflight += 1
             rt.stamps["prefill_sent"] = time.time()
             try:
-                async with await self.upstream(p).request("POST", route, first_wire if attempt == 0 else wire,
-                                                          headers) as r:
+                async with await self.upstream(p).request("POST", route, wire, headers) as r:
                     raw = await r.read()
                 rt.stamps["prefill_done"] = time.time()
             except UpstreamError as e:
@@ -416,7 +340,7 @@ class Proxy(AdminRoutes):
 
     async def _first_out(self, req: web.Request, route: str, rt: _Route, headers: dict[str, str], mode: str,
                          busy: bool) -> tuple[web.StreamResponse | None, str | None]:
-        """proxy.first_token: the client's stream opened with the prefill's token (first_token.events), and
+        """first_token: the client's stream opened with the prefill's token (first_token.events), and
         that token's text, which the decode's stream must then begin with; (None, None): the decode's stream
         as it is (mode auto and the decode idle, or the prefill's answer not one complete token)."""
         text = first_token.token_text(route, rt.answer) if mode == "on" or busy else None
@@ -434,15 +358,15 @@ class Proxy(AdminRoutes):
 
     async def _decode(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
                       route_headers: dict[str, str], retry_ok: bool, stamps: dict[str, float],
-                      pending: asyncio.Future | None = None, out: web.StreamResponse | None = None,
+                      out: web.StreamResponse | None = None,
                       first: str | None = None) -> web.StreamResponse | None:
         """The decode's answer passed through; None when nothing listened and another decode may be tried.
-        `pending`: the request already sent (early decode). `out`: the client's stream, already opened with
-        the prefill's token `first` (proxy.first_token): the decode's stream follows without it, and a decode
+        `out`: the client's stream, already opened with
+        the prefill's token `first` (first_token): the decode's stream follows without it, and a decode
         that fails ends that stream with the error."""
         try:
             resp = await self._decode_answer(req, d, route, body, headers, route_headers, retry_ok, stamps,
-                                             pending, out, first)
+                                             out, first)
         except BaseException:  # cancelled (the client went away): no verdict on the instance
             d.breaker.release()
             raise
@@ -452,13 +376,11 @@ class Proxy(AdminRoutes):
 
     async def _decode_answer(self, req: web.Request, d: Instance, route: str, body: dict, headers: dict[str, str],
                              route_headers: dict[str, str], retry_ok: bool, stamps: dict[str, float],
-                             pending: asyncio.Future | None = None, out: web.StreamResponse | None = None,
+                             out: web.StreamResponse | None = None,
                              first: str | None = None) -> web.StreamResponse | None:
         try:
-            if pending is None:
-                stamps["decode_sent"] = time.time()
-                pending = self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
-            upstream = await pending
+            stamps["decode_sent"] = time.time()
+            upstream = await self.upstream(d).request("POST", route, json.dumps(body).encode(), headers)
         except UpstreamError as e:
             self._failed(d, e)
             if isinstance(e, ConnectFailed) and retry_ok:
@@ -527,7 +449,7 @@ class Proxy(AdminRoutes):
                 d.breaker.release()  # no verdict on the decode: greedy near-ties differ across block sizes
                 log.warning("request %s: first token from the prefill, but %s: stream ended", headers["X-Request-Id"],
                             e)
-                err = error_body(f"decode {d.name} ({d.url}): {e} (proxy.first_token: the stream so far is not "
+                err = error_body(f"decode {d.name} ({d.url}): {e} (first_token: the stream so far is not "
                                  "what the decode generated; retry with the header x-pdctl-first-token: off)",
                                  "first_token_mismatch", 502)
                 await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
@@ -556,37 +478,6 @@ def _decode_failed(d: Instance, status: int, raw: bytes) -> dict:
 
 
 @dataclass
-class _Early:
-    """An early decode under way: the prefill chosen for it, the decode and its request already sent (`task`),
-    the hand-over's socket and token. `decode` None: the pair's decode takes no hand-over (ordinary path)."""
-
-    prefill: Instance
-    decode: Instance | None
-    sock: str
-    token: str
-    task: asyncio.Future | None
-    body: dict = field(default_factory=dict)
-
-    @property
-    def target(self) -> dict | None:
-        """Where the prefill hands its KV parameters over itself (kv_transfer_params.pdctl_handover_to)."""
-        return {"socket": self.sock, "await": self.token} if self.task is not None else None
-
-    def drop(self) -> None:
-        """Undo a decode request that was not answered: its connection closes and vLLM aborts it."""
-        if self.task is None:
-            return
-        task, self.task = self.task, None
-        self.decode.inflight -= 1
-        self.decode.breaker.release()  # no verdict on the decode
-        if task.done():
-            if not task.cancelled() and task.exception() is None:
-                task.result().close()
-        else:
-            task.cancel()
-
-
-@dataclass
 class _Route:
     """Who served one request: the prefill (None for decode-only fallback), the decode, why it fell back."""
 
@@ -594,8 +485,7 @@ class _Route:
     decode: Instance | None = None
     fallback: str | None = None
     reject: bool = False  # no decode-only fallback for this request (on_prefill_down, or its header)
-    early: str | None = None  # early decode: prefill_handed_over, handed_over (by the proxy), or undone
-    first: str | None = None  # proxy.first_token: "prefill" when the client's first token came from it
+    first: str | None = None  # first_token: "prefill" when the client's first token came from it
     answer: dict | None = field(default=None, repr=False)  # the prefill's answer (its one token)
     stamps: dict[str, float] = field(default_factory=dict)  # wall-clock times of its stages (/debug/timings)
 

@@ -27,6 +27,11 @@ REMOVED_KEYS: dict[str, str] = {
     "measured no goodput gain: without it 5 req/s, median of 3, against 4; docs/benchmarks.md)",
     "reference.calm_queues": "delete it: the reference's executor queues are calmed like every server pdctl starts "
     "(a plain-vLLM reference is a benchmark script's: scripts/plain_reference.py)",
+    "proxy.early_decode": "delete it: P/D requests go to their decode once the prefill answers (sending them "
+    "early measured 0.8x the goodput, median of 3; docs/benchmarks.md)",
+    "proxy.first_token": "delete it: for a whole deployment it measured no goodput gain at the SLO (it moves the "
+    "decode's path from before token 1 to between tokens 1 and 2; docs/latency.md); a streaming client can still "
+    "ask for the prefill's token first per request, header x-pdctl-first-token: on|auto",
 }
 
 

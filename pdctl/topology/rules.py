@@ -12,7 +12,7 @@ from pdctl.topology.rules_exposure import _exposure_problems
 from pdctl.topology.rules_hybrid import _attention_problems
 from pdctl.topology.rules_pairs import _pair_problems, _pool_set_problems
 from pdctl.topology.rules_pool import _pool_problems
-from pdctl.topology.rules_proxy import _early_decode_problems, _router_problems
+from pdctl.topology.rules_proxy import _router_problems
 from pdctl.topology.rules_transport import _transport_problems
 from pdctl.topology.schema import ROLES, Topology
 
@@ -35,7 +35,6 @@ def compatibility_problems(t: Topology, info: ModelInfo = ModelInfo()) -> list[P
     out += _transport_problems(t)
     out += _engine_problems(t)
     out += _router_problems(t)
-    out += _early_decode_problems(t)
     out += _exposure_problems(t)
     out += _collisions(t)
     # A rule that holds for a pool is met or broken once, whatever the pairs it is in.

@@ -1,4 +1,4 @@
-"""Rules of the proxy: what vllm-router cannot do (refused, never silently dropped), and what early_decode needs."""
+"""Rules of the proxy: what vllm-router cannot do (refused, never silently dropped)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,12 @@ from pdctl.topology.schema import ROLES, ProxySpec, Topology
 
 # Proxy fields vllm-router has no equivalent for: refused when the topology sets them.
 ROUTER_UNSUPPORTED = {
-    "first_token": "it streams the decode's answer as it is",
     "exclude_pairs": "it pairs every prefill with every decode",
     "affinity_epsilon": "its cache_aware policy has its own load balance thresholds",
     "affinity_prefix_chars": "its cache_aware policy matches whole prompts in a radix tree",
     "connect_timeout_s": "it has one whole-request timeout (first_byte_timeout_s maps to it)",
     "read_timeout_s": "it has one whole-request timeout (first_byte_timeout_s maps to it)",
 }
-
-
-def _early_decode_problems(t: Topology) -> list[Problem]:
-    if not t.proxy.early_decode:
-        return []
-    loc, out = ("proxy", "early_decode"), []
-    if t.proxy.kind != "pdctl":
-        out.append(Problem(loc, "needs pdctl's proxy (it sends the decode request early and hands over the KV "
-                           "parameters)", "remove it, or use proxy.kind: pdctl"))
-    if t.connector.kind != "pdctl":
-        out.append(Problem(loc, "needs pdctl's connector (the decode parks the request until the hand-over)",
-                           "remove it, or use connector.kind: pdctl"))
-    if t.engine.kind != "local":
-        out.append(Problem(loc, f"the hand-over is a host-local socket: the {t.engine.kind} engine may place "
-                           "the proxy and the decodes on different hosts", "remove it, or use engine.kind: local"))
-    return out
 
 
 def _router_problems(t: Topology) -> list[Problem]:

@@ -34,11 +34,6 @@ def _layout(v: Any) -> Any:
     return v
 
 
-def _on_off(v: Any) -> Any:
-    """YAML 1.1 reads a bare off / on as a boolean: take it as the word it was."""
-    return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v
-
-
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -159,7 +154,8 @@ class Pool(_Strict):
         "spin (vLLM's stock connector: 19 lets the rest of a small host run). Not a latency setting: 10 on a decode "
         "pool sharing cores with prefills measured no goodput gain; below 0 needs CAP_SYS_NICE (or RLIMIT_NICE)")
     extra_args: list[str] = Field(default_factory=list, description="more vLLM server flags for this pool's "
-                                  "instances, e.g. [--max-num-seqs, '64']")
+                                  "instances, e.g. [--max-num-seqs, '64']; a flag given here wins over pdctl's "
+                                  "(a CPU prefill pool's default --max-num-batched-tokens 4096)")
     env: dict[str, str] = Field(default_factory=dict, description="environment of this pool's servers; overrides "
                                 "pdctl's own (e.g. UCX_TLS: validate refuses what NIXL cannot transfer with)")
 
@@ -224,14 +220,6 @@ class ProxySettings(_Strict):
                                   "routing (circuit breaker)")
     breaker_open_s: float = Field(10.0, gt=0, description="how long a tripped instance stays out before one "
                                   "trial request (half-open)")
-    first_token: Annotated[Literal["off", "on", "auto"], BeforeValidator(_on_off)] = Field(
-        "off", description="pdctl's proxy: stream the prefill's token to the client as soon as the prefill "
-        "answers, and the decode's stream after it without its first token (the same token: only for greedy "
-        "streaming requests of one choice, without logprobs, echo, stop strings or tools; any other request is "
-        "served as it is). The decode's path (request, KV read, one step) leaves the time to first token and "
-        "shows between tokens 1 and 2 instead. 'auto': only while the pair's decode has other requests in "
-        "flight (under load, where the decode's first token waits longest). Per request, the header "
-        "x-pdctl-first-token: on|off overrides it")
 
 
 class ProxySpec(ProxySettings):
@@ -241,11 +229,6 @@ class ProxySpec(ProxySettings):
                             "Rust router, extra `router`): same endpoint, pdctl starts and supervises either")
     metrics_port: Port | None = Field(None, description="vllm-router only: its Prometheus /metrics port "
                                       "(default port + 1); pdctl's proxy serves /metrics on its own port")
-    early_decode: bool = Field(
-        False, description="pdctl's proxy and connector, local engine: send each P/D request to its decode at the "
-        "same time as to its prefill; the decode's own request path (API server, scheduler, blocks: ~8 ms of TTFT "
-        "on a CPU host) then runs while the prefill computes, and the prefill's KV parameters are handed to the "
-        "waiting decode over a host-local socket. A request whose prefill fails is served the ordinary way")
 
     @property
     def router_metrics_port(self) -> int | None:

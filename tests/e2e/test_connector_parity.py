@@ -3,9 +3,8 @@ aggregated reference token for token over prompts at every block boundary and sh
 decode's /metrics show the prompt KV arrived by transfer. The pairs 32 -> 64 (with GSM8K prompts and JUnit),
 32 -> 32, 128 -> 64 and 128 -> 32 (under 12 requests in flight) are checked in one fleet bring-up:
 tests/e2e/test_fleet.py. P64 -> D32 (the direction vLLM refuses) is the README's Python API example:
-tests/e2e/test_api.py. The prefill's first token streamed to the client (proxy.first_token) is checked on an extra
-proxy over the router module's servers (tests/e2e/test_router.py), early decode on a second proxy over the fleet's
-P128 -> D32 pair (tests/e2e/test_fleet.py)."""
+tests/e2e/test_api.py. The prefill's first token streamed to the client (x-pdctl-first-token) is checked on an extra
+proxy over the router module's servers (tests/e2e/test_router.py)."""
 
 import json
 from dataclasses import replace
@@ -88,7 +87,7 @@ def stock(tmp_path_factory, reference):
              "decode.side_channel_port=5745")
     # nice 19: the stock connector's NIXL progress threads spin a core each while the servers are up; at the
     # lowest priority they no longer starve the clients, the proxy and the session's reference on these 2 cores.
-    sets = [a for x in (*ports, "connector.kind=nixl", "proxy.first_token=on", "proxy.on_prefill_down=reject",
+    sets = [a for x in (*ports, "connector.kind=nixl", "proxy.on_prefill_down=reject",
                         "connector.kv_load_failure_policy=fail", "prefill.nice=19", "decode.nice=19")
             for a in ("--set", x)]
     with Up("cpu-demo.yaml", d, *sets, timeout=600) as up:
@@ -97,7 +96,7 @@ def stock(tmp_path_factory, reference):
 
 
 def test_negative_control_stock_connector_p32_d64_fails(stock):
-    """The gate can fail: check says so; streamed with the prefill's token first (proxy.first_token), too: the
+    """The gate can fail: check says so; streamed with the prefill's token first (`check --stream`), too: the
     decode's wrong first token ends those streams (the proxy's mismatch check) or its text diverges later.
     Through the Python API on a running deployment."""
     import pdctl

@@ -22,7 +22,7 @@ def test_the_references_match_the_schema_and_the_cli(tmp_path):
 
 def test_every_topology_field_and_command_is_in_the_references():
     topo = (REPO / "docs" / "reference" / "topology.md").read_text()
-    for field in ("`connector.kv_read_timeout_s`", "`prefill[].net_devices`", "`proxy.early_decode`"):
+    for field in ("`connector.kv_read_timeout_s`", "`prefill[].net_devices`", "`proxy.on_prefill_down`"):
         assert field in topo
     cli = (REPO / "docs" / "reference" / "cli.md").read_text()
     for cmd in ("## pdctl up", "## pdctl sweep", "## pdctl model tiny", "## pdctl render k8s"):

@@ -296,23 +296,6 @@ def test_select_processes_by_instance_role_pool_and_index():
     assert names("prefill/p32/1") == ["prefill-p32-1"] and names("proxy") == ["proxy"] and names("x") == []
 
 
-def test_early_decode_gives_each_decode_its_hand_over_and_the_proxy_their_sockets_in_order():
-    _, p = _fleet("proxy.early_decode=true")
-    cfg = spec_of(p.get("proxy").argv)
-    decodes = [s for s in p.processes if s.role == "decode"]
-    assert cfg.decode == [s.http_url if s.pool == "default" else f"{s.pool}={s.http_url}" for s in decodes]
-    assert cfg.handovers == [f"pdctl-handover-127.0.0.1:{s.env['VLLM_NIXL_SIDE_CHANNEL_PORT']}" for s in decodes]
-    def handover(plan) -> dict:  # the decodes take hand-overs, the prefills give them
-        return {s.name: json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
-            "pdctl"].get("handover") for s in plan.processes if s.role in ("prefill", "decode")}
-
-    assert set(handover(p).values()) == {True}
-    _, off = _fleet()  # negative control
-    assert spec_of(off.get("proxy").argv).handovers == [] and set(handover(off).values()) == {None}
-
-
-# -- nice: a pool's CPU priority --------------------------------------------------------------------------------
-
 
 def test_a_pools_nice_reaches_its_own_instances_only_and_reads_back():
     from pdctl.plan import Plan
@@ -379,30 +362,6 @@ def test_slurm_step_adds_the_nice_before_it_becomes_the_server(monkeypatch):
     assert calls == [("exec", ["serve"])]  # negative control: no --nice, niceness untouched
     calls.clear()
     assert slurm_step.main(["--nice", "x", "--", "serve"]) == 2 and calls == []  # a usage error, nothing run
-
-
-# -- first_token: the prefill's token streamed first ------------------------------------------------------------
-
-
-def test_first_token_reaches_the_proxy_only_when_asked():
-    _, p = _fleet("proxy.first_token=auto")
-    assert spec_of(p.get("proxy").argv).first_token == "auto"
-    assert "first_token" not in _fleet()[1].get("proxy").argv[-1]  # off: the default, not written
-
-
-def test_first_token_reads_yamls_bare_on_and_off_and_refuses_anything_else_with_its_place(run_cli, tmp_path):
-    f = tmp_path / "t.yaml"
-    text = (CONFIGS / "cpu-demo.yaml").read_text().replace("../.pdctl", str(REPO / ".pdctl"))
-    assert "\nproxy:\n" in text
-    for value, want in (("off", "off"), ("on", "on"), ("auto", "auto")):  # YAML 1.1 reads bare off/on as booleans
-        f.write_text(text.replace("\nproxy:\n", f"\nproxy:\n  first_token: {value}\n"))
-        assert load_topology(f).topology.proxy.first_token == want, value
-    f.write_text(text.replace("\nproxy:\n", "\nproxy:\n  first_token: sometimes\n"))
-    code, out, err = run_cli("validate", f)
-    line = f.read_text().splitlines().index("  first_token: sometimes") + 1
-    assert code != 0 and f"{f}:{line}: proxy.first_token" in out + err and "'auto'" in out + err
-    code, out, err = run_cli("validate", f, "--set", "proxy.first_token=on", "--set", "proxy.kind=vllm-router")
-    assert code != 0 and "proxy.first_token" in out + err and "vllm-router has no equivalent" in out + err
 
 
 def test_with_hosts_moves_every_named_pools_upstream_of_a_fleets_proxy():
@@ -498,3 +457,21 @@ def test_the_baseline_of_cuda_to_gaudi_serves_aggregated_on_both_kinds_of_device
     assert all("--kv-transfer-config" not in p["argv"] for p in servers)
     assert any("CUDA_VISIBLE_DEVICES" in p["env"] for p in servers)
     assert any("HABANA_VISIBLE_MODULES" in p["env"] for p in servers)
+
+
+def test_a_cpu_prefill_batches_4096_tokens_unless_its_pool_says_otherwise():
+    def batched(plan, name):
+        argv = plan.get(name).argv
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--max-num-batched-tokens"]
+
+    p = _plan()
+    assert batched(p, "prefill-0") == ["4096"] and batched(p, "decode-0") == []  # the decode keeps vLLM's
+    own = _plan(overrides=[Override.parse_set("prefill.extra_args=[--max-num-batched-tokens,'1024']")])
+    assert batched(own, "prefill-0") == ["1024"]  # negative control: the pool's own flag, once
+    eq = _plan(overrides=[Override.parse_set("prefill.extra_args=[--max-num-batched-tokens=1024]")])
+    assert "--max-num-batched-tokens" not in eq.get("prefill-0").argv  # given as --flag=V: not added again
+    from pdctl.plan import baseline_plan
+
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    base = baseline_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=REPO / ".pdctl" / "x", python="py")
+    assert all("--max-num-batched-tokens" not in s.argv for s in base.processes)  # the baseline: vLLM's default

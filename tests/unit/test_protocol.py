@@ -34,4 +34,4 @@ def test_the_prefills_request_asks_for_a_remote_decode_and_names_no_remote():
 
 def test_every_header_is_pdctls_and_distinct():
     headers = [v for k, v in vars(protocol).items() if k.endswith("_HEADER")]
-    assert len(headers) == len(set(headers)) == 7 and all(h.startswith("x-pdctl-") for h in headers)
+    assert len(headers) == len(set(headers)) == 6 and all(h.startswith("x-pdctl-") for h in headers)

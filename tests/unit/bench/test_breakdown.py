@@ -111,27 +111,6 @@ def test_table_bars_fit_when_the_stage_p50s_add_up_to_more_than_the_total():
     assert all(len(ln) <= 80 for ln in lines) and all(bar.count("#") <= 3 for bar in bars), lines
 
 
-def test_early_decode_handed_over_by_the_prefill_or_by_the_proxy():
-    # Early decode: the decode request went out with the prefill's (decode_sent), its scheduler took the hand-over
-    # (sched_handover) when it arrived (handover_in). By the prefill itself: the proxy stamps no hand-over, and
-    # the prefill's answer (prefill_done, later) is off the path to the first token.
-    def early(vid: str, t0: float, arrived: float) -> list[str]:
-        return [ln for ln in _lines(vid, t0) if " sched_seen " not in ln and " sched_alloc " not in ln] + [
-            f"pdctl trace handover_in {vid} {t0 + arrived:.6f}", f"pdctl trace sched_handover {vid} {t0 + 0.0135:.6f}"]
-
-    stamps = b.connector_stamps(early("cmpl-d-0-x", 1.0, 0.0105) + early("cmpl-p-0-x", 2.0, 0.0125))
-    direct = _proxy("d", 1.0, decode_sent=1.0012, prefill_done=1.013)
-    by_proxy = _proxy("p", 2.0, decode_sent=2.0012, prefill_done=2.011, handover=2.012)
-    tl = {t["recv"]: t for t in b.join([direct, by_proxy], stamps)}
-    d, p = tl[1.0], tl[2.0]
-    assert d["prefill_done"] == pytest.approx(1.0105) and d["prefill_answered"] == pytest.approx(1.013)
-    assert d["decode_sent"] == d["prefill_done"] and d["early_decode_sent"] == pytest.approx(1.0012)
-    assert p["prefill_done"] == pytest.approx(2.011) and p["decode_sent"] == pytest.approx(2.012)
-    assert "prefill_answered" not in p  # negative control: handed over by the proxy, the prefill ends at its answer
-    for t in (d, p):
-        stages = [t[s.end] - t[s.start] for s in b.STAGES]
-        assert min(stages) >= 0 and sum(stages) == pytest.approx(t["client_first"] - t["recv"])
-
 
 def test_a_request_whose_first_token_was_the_prefills_is_followed_by_its_own_stages():
     # proxy.first_token: the client had token 1 right after the prefill answered, before the decode's first event.

@@ -121,13 +121,6 @@ def test_every_pod_carries_prometheus_scrape_annotations_for_its_metrics_port():
                                                   "prometheus.io/port": str(ports["http"])}, name
 
 
-def test_early_decode_is_refused_for_kubernetes(run_cli, tmp_path):
-    code, _, err = run_cli("render", "k8s", CONFIGS / "cpu-demo.yaml", "-o", tmp_path, "--set",
-                           "proxy.early_decode=true")
-    assert code != 0 and "proxy.early_decode" in err and "host-local socket" in err and "Traceback" not in err
-    assert not list(tmp_path.glob("*.yaml"))
-    assert run_cli("render", "k8s", CONFIGS / "cpu-demo.yaml", "-o", tmp_path)[0] == 0  # negative control
-
 
 def test_a_pools_nice_is_refused_for_kubernetes(run_cli, tmp_path):
     code, _, err = run_cli("render", "k8s", CONFIGS / "cpu-fleet.yaml", "-o", tmp_path, "--set",

@@ -55,3 +55,9 @@ def test_moving_upstreams_keeps_pools_and_the_rest(served):
     assert out.policy == "round_robin"
     argv = ["python", "-m", "pdctl", "proxy", "--spec", cfg.to_spec()]
     assert spec_of(with_spec(argv, out)) == out and with_spec(argv, out)[:5] == argv[:5]
+
+
+def test_first_token_takes_a_bare_on_or_off_as_the_word_and_is_off_by_default():
+    assert ProxyConfig(decode=["http://h:2"]).first_token == "off"
+    assert ProxyConfig(prefill=["http://h:1"], decode=["http://h:2"], first_token=True).first_token == "on"
+    assert ProxyConfig(prefill=["http://h:1"], decode=["http://h:2"], first_token=False).first_token == "off"

@@ -1,4 +1,4 @@
-"""proxy.first_token: the prefill's token streamed first (pure rules and the stream edit), and the proxy doing it
+"""The proxy's first_token: the prefill's token streamed first (pure rules and the stream edit), and the proxy doing it
 against vLLM-shaped test backends over real loopback HTTP."""
 
 import asyncio
@@ -12,7 +12,7 @@ from pdctl.proxy import first_token as ft
 from pdctl.proxy.config import ProxyConfig
 from pdctl.proxy.server import Proxy
 from tests.conftest import sample, wait_for
-from tests.unit.proxy.test_proxy import KVP, EarlyDecode, Loop, free_port, get, post
+from tests.unit.proxy.test_proxy import KVP, Loop, free_port, get, post
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"model": "m", "prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True}
@@ -304,31 +304,6 @@ def test_a_decode_nobody_listens_on_is_tried_again_on_another_and_the_token_sent
         assert status == 200 and "".join(texts(text)) == "".join(TOKENS)  # the token once, then the rest
     assert px.metrics.upstream_errors[(dead,)] == 1 and px.metrics.first_token == {("from_prefill",): sent}
 
-
-class EarlyVllm(EarlyDecode):
-    """An early decode (parked until the hand-over) streaming like vLLM."""
-
-    async def completions(self, req: web.Request):
-        body = await self.early(await req.json())
-        self.requests.append((body, req.headers.copy()))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(req)
-        await resp.write(cmpl_stream())
-        return resp
-
-
-def test_with_early_decode_the_prefills_token_goes_first_too(fleet):
-    dec = EarlyVllm()
-    px = Proxy(ProxyConfig(prefill=[fleet.p_url], decode=[fleet.loop.serve(dec.app())],
-                           handovers=[dec.listener.sock_name],
-                           read_timeout_s=2.0, connect_timeout_s=1.0, first_token="on"))
-    try:
-        status, text, headers = post(fleet.loop.serve(px.app()) + CMPL, GREEDY)
-        assert status == 200 and headers["x-pdctl-first-token"] == "prefill" and dec.handed == [KVP]
-        assert "".join(texts(text)) == "".join(TOKENS)
-        assert wait_for(lambda: px.metrics.early == {("handed_over",): 1}, 5)  # counted as the handler ends
-    finally:
-        dec.listener.close()
 
 
 def test_a_proxy_refuses_an_unknown_mode():

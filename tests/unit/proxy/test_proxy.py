@@ -7,12 +7,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 from aiohttp import web
 
-from pdctl.proxy import handover
 from pdctl.proxy.config import ProxyConfig
 from pdctl.proxy.server import Proxy
 from tests.conftest import sample, wait_for
@@ -71,7 +69,6 @@ class Backend:
         self.healthy = True
         self.cancelled = asyncio.Event()
         self.model_headers: list[dict] = []
-        self.hands_over = False  # a prefill that hands its KV parameters over itself, as pdctl's connector does
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -85,16 +82,12 @@ class Backend:
         self.model_headers.append(req.headers.copy())
         return web.json_response({"data": [{"id": "m"}]})
 
-    async def early(self, body: dict) -> dict:
-        return body
-
     async def health(self, _req):
         return web.json_response({}, status=200 if self.healthy else 503)
 
     async def completions(self, req: web.Request):
         body = await req.json()
         self.arrived.append(time.monotonic())
-        body = await self.early(body)
         self.requests.append((body, req.headers.copy()))  # case-insensitive
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
@@ -105,12 +98,6 @@ class Backend:
             return web.json_response({"error": {"message": "prompt too long"}}, status=400)
         if self.mode == "slow":
             await asyncio.sleep(30)
-        target = handover.direct_target(body.get("kv_transfer_params"))
-        if self.role == "prefill" and self.hands_over and target and self.mode == "ok":
-            assert handover.send(*target, KVP) is None
-            await asyncio.sleep(0.2)  # its answer comes later than the hand-over (vLLM's output path)
-            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {**KVP,
-                                                                                        handover.HANDED_KEY: True}})
         if self.role == "prefill":
             return web.json_response({"choices": [{"text": "x"}],
                                       "kv_transfer_params": None if self.mode == "no_kvp" else KVP})
@@ -800,138 +787,10 @@ def test_a_key_that_cannot_be_a_header_is_refused_at_start_and_never_shown():
     assert "hunter2" not in repr(ProxyConfig(decode=["http://127.0.0.1:2"], api_key="hunter2"))
 
 
-class EarlyDecode(Backend):
-    """A decode started with the early-decode hand-over: an early request waits for its KV parameters, as pdctl's
-    connector parks it."""
-
-    def __init__(self):
-        super().__init__("decode")
-        self.listener = handover.Listener(f"{handover.PREFIX}test-{uuid.uuid4().hex}")
-        self.handed: list[dict | None] = []
-        self.listener_took: list[float] = []
-
-    async def early(self, body: dict) -> dict:
-        token = (body.get("kv_transfer_params") or {}).get(handover.TOKEN_KEY)
-        if not token:
-            return body
-        while True:
-            try:
-                params = self.listener.take(token)
-                self.listener_took.append(time.time())
-                break
-            except KeyError:
-                await asyncio.sleep(0.002)
-        self.handed.append(params)
-        return {**body, "kv_transfer_params": params}
-
-
-@pytest.fixture
-def early(pd):
-    dec = EarlyDecode()
-    d_url = pd.loop.serve(dec.app())
-    proxy = Proxy(ProxyConfig(prefill=[pd.p_url], decode=[d_url], handovers=[dec.listener.sock_name],
-                              read_timeout_s=2.0,
-                              connect_timeout_s=1.0))
-    yield type("Early", (), {"prefill": pd.prefill, "decode": dec, "proxy": proxy, "url": pd.loop.serve(proxy.app())})
-    dec.listener.close()
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_early_decode_sends_the_decode_its_request_with_the_prefills_and_hands_over_the_kv(early, stream):
-    early.prefill.delay_s = 0.3
-    status, text, headers = post(early.url + "/v1/completions", {**BODY, "stream": stream})
-    assert status == 200 and headers["x-pdctl-decode"] == "decode-0"
-    assert early.decode.arrived[0] < early.prefill.answered[0]  # the decode had it while the prefill computed
-    assert early.decode.handed == [KVP] and early.decode.requests[0][0]["kv_transfer_params"] == KVP
-    assert handover.TO_KEY in early.prefill.requests[0][0]["kv_transfer_params"]  # asked; this prefill did not
-    if not stream:
-        assert json.loads(text)["echo_kvp"] == KVP
-    assert wait_for(lambda: early.proxy.timings, 5)  # recorded as the handler ends, after the last byte
-    rec = early.proxy.timings[-1]
-    assert rec["decode_sent"] < rec["prefill_done"] <= rec["handover"]
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_prefill_that_hands_over_itself_starts_the_decodes_read_before_its_answer(early, stream):
-    early.prefill.delay_s, early.prefill.hands_over = 0.1, True
-    status, text, headers = post(early.url + "/v1/completions", {**BODY, "stream": stream})
-    assert status == 200 and headers["x-pdctl-decode"] == "decode-0"
-    (pre, _), = early.prefill.requests
-    to = pre["kv_transfer_params"][handover.TO_KEY]
-    assert to["socket"] == early.decode.listener.sock_name and to["await"]
-    assert early.decode.handed == [KVP]
-    assert wait_for(lambda: early.proxy.timings, 5)  # recorded as the handler ends, after the last byte
-    rec = early.proxy.timings[-1]
-    assert "handover" not in rec  # the proxy did not hand them over again (its stamp says when it does)
-    assert rec["prefill_done"] - early.decode.listener_took[0] > 0.1  # the decode had them before the answer
-    assert early.proxy.metrics.early == {("prefill_handed_over",): 1}
-
-
-def test_one_request_may_have_the_proxy_hand_over_for_an_ab_run(early):
-    early.prefill.delay_s, early.prefill.hands_over = 0.1, True
-    status, _, _ = post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "proxy"})
-    assert status == 200 and early.decode.handed == [KVP]
-    (pre, _), = early.prefill.requests
-    assert handover.TO_KEY not in pre["kv_transfer_params"]  # not asked: the proxy handed them over
-    assert wait_for(lambda: early.proxy.timings, 5) and "handover" in early.proxy.timings[-1]
-    assert early.proxy.metrics.early == {("handed_over",): 1}
-
-
-def test_a_retry_on_another_prefill_is_not_asked_to_hand_over_and_the_early_decode_is_undone(pd):
-    dec, second = EarlyDecode(), Backend("prefill")
-    d_url, p2_url = pd.loop.serve(dec.app()), pd.loop.serve(second.app())
-    pd.prefill.mode, second.hands_over = "error500", True
-    proxy = Proxy(ProxyConfig(prefill=[pd.p_url, p2_url], decode=[d_url], handovers=[dec.listener.sock_name],
-                              read_timeout_s=2.0,
-                              connect_timeout_s=1.0, policy="round_robin"))
-    try:
-        status, text, _ = post(pd.loop.serve(proxy.app()) + "/v1/completions", BODY)
-        assert status == 200 and json.loads(text)["echo_kvp"] == KVP  # served the ordinary way by the second
-        (first, _), = pd.prefill.requests
-        (retry, _), = second.requests
-        assert handover.TO_KEY in first["kv_transfer_params"]  # the early pair's prefill was asked
-        assert handover.TO_KEY not in retry["kv_transfer_params"] and dec.handed == []  # the retry was not
-        assert proxy.metrics.early == {("undone",): 1}
-    finally:
-        dec.listener.close()
-
-
-def test_an_unknown_early_decode_header_value_is_refused(early):
-    status, text, _ = post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "prxy"})
-    assert status == 400 and "x-pdctl-early-decode: 'prxy' is none of on, off, proxy" in text
-    assert early.prefill.requests == [] and early.decode.requests == []
-    assert post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "ON"})[0] == 200  # negative control
-
-
-def test_without_hand_over_sockets_the_decode_is_asked_after_the_prefill(pd):
-    # Negative control for the test above: the ordinary path.
+def test_the_decode_is_asked_after_the_prefill_answers(pd):
     pd.prefill.delay_s = 0.3
     assert post(pd.url + "/v1/completions", BODY)[0] == 200
     assert pd.decode.arrived[0] >= pd.prefill.answered[0]
-
-
-def test_one_request_may_go_the_ordinary_way_under_early_decode(early):
-    early.prefill.delay_s = 0.3
-    status, text, _ = post(early.url + "/v1/completions", BODY, {"x-pdctl-early-decode": "off"})
-    assert status == 200 and json.loads(text)["echo_kvp"] == KVP
-    assert early.decode.arrived[0] >= early.prefill.answered[0] and early.decode.handed == []
-
-
-def test_a_failed_prefill_drops_the_early_decode_request_and_falls_back_the_ordinary_way(early):
-    early.prefill.mode = "error500"
-    status, text, headers = post(early.url + "/v1/completions", BODY)
-    assert status == 200 and headers["x-pdctl-fallback"].startswith("decode-only")
-    assert early.decode.handed == []  # the parked request never got KV parameters: it was dropped
-    (dec, _), = early.decode.requests  # the one that answered: a plain request
-    assert "kv_transfer_params" not in dec
-    assert early.decode.listener._arrived == {} and early.proxy.router.instances[1].inflight == 0
-
-
-def test_a_hand_over_nobody_takes_is_undone_and_the_decode_asked_the_ordinary_way(early):
-    early.decode.listener.close()  # e.g. a decode restarted without it
-    status, text, _ = post(early.url + "/v1/completions", BODY)
-    assert status == 200 and json.loads(text)["echo_kvp"] == KVP
-    assert early.proxy.router.instances[1].inflight == 0
 
 
 def test_aggregated_mode_sends_each_request_whole_to_one_instance_and_counts_no_fallback(pd):

@@ -133,12 +133,13 @@ def test_one_cpu_pool_may_bind_its_instances_to_one_core_with_a_warning(run_cli)
     assert "first KV read" not in err
 
 
-@pytest.mark.parametrize("dotted", ["connector.worker_spin_s", "connector.read_wait_s", "reference.calm_queues"])
+@pytest.mark.parametrize("dotted", ["connector.worker_spin_s", "connector.read_wait_s", "reference.calm_queues",
+                                    "proxy.early_decode", "proxy.first_token"])
 def test_a_removed_key_is_refused_saying_what_to_do_instead(run_cli, dotted, tmp_path):
     from pdctl.topology.problems import REMOVED_KEYS
 
     section, key = dotted.split(".")
-    value = "true" if key == "calm_queues" else "0.01"
+    value = {"calm_queues": "true", "early_decode": "true", "first_token": "auto"}.get(key, "0.01")
     code, out, err = run_cli("validate", CONFIGS / "cpu-demo.yaml", "--set", f"{dotted}={value}")
     assert code == 1 and f"{dotted}: '{key}' was removed" in err and "Traceback" not in err, err
     assert " ".join(REMOVED_KEYS[dotted].split())[:40] in " ".join(err.split())

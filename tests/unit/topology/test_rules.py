@@ -225,10 +225,3 @@ def test_read_model_info(tmp_path):
     assert info("[1, 2]").config is None and info("{nope").config is None and info("[" * 100000).config is None
 
 
-def test_early_decode_needs_pdctls_proxy_and_connector_on_one_host():
-    assert msgs(topo(proxy__early_decode=True)) == []
-    assert not msgs(topo(proxy__early_decode=False, connector__kind="nixl"))  # negative control: off
-    wrong = msgs(topo(proxy__early_decode=True, connector__kind="nixl", proxy__kind="vllm-router",
-                      engine__kind="slurm"))
-    assert any("needs pdctl's connector" in m for m in wrong) and any("needs pdctl's proxy" in m for m in wrong)
-    assert any("host-local socket" in m for m in wrong)
