@@ -18,7 +18,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdctl.bench import breakdown
+from pdctl.bench import breakdown, host
+from pdctl.bench import goodput as goodput_math
 
 
 class Output(enum.StrEnum):
@@ -417,15 +418,18 @@ def goodput(out: Console, g: dict) -> None:
     out.print(t)
     if any(stats.values()):
         lat = Table(box=boxed(out), title="latency per offered rate (ms, completed requests, median of the runs)")
-        for col in ("req/s", "side", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99"):
+        for col in ("req/s", "side", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "steal"):
             lat.add_column(col, overflow="fold")
         for r in rates:
             for side, name in (("pd", "P/D"), ("baseline", "agg")):
                 st = stats[side].get(f"{r:g}")
                 if st:
+                    steal = st.get("cpu_steal")
                     lat.add_row(f"{r:g}", name, *(fmt(st.get(f"ttft_ms_p{q}"), ".0f") for q in (50, 90, 99)),
-                                *(fmt(st.get(f"tpot_ms_p{q}"), ".1f") for q in (50, 90, 99)))
+                                *(fmt(st.get(f"tpot_ms_p{q}"), ".1f") for q in (50, 90, 99)),
+                                "-" if steal is None else f"{100 * steal:.0f}%")
         out.print(lat)
+    _steal_note(out, g, sides)
     cross = g.get("crossover") or {}
     if cross.get("winner") == "baseline":
         out.print("the aggregated deployment sustains the higher rate at this SLO and workload: P/D does not pay "
@@ -471,8 +475,17 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
     out.print(f"recommended at this SLO: {rec['best']} ({g['layouts'][rec['best']]}); "
               + (f"the answer changes at {changes} the SLO" if changes else "the same answer at every SLO scaling "
                  "tried"), highlight=False)
+    _steal_note(out, g, tuple(g["deployments"]))
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
+
+
+def _steal_note(out: Console, g: dict, sides: tuple[str, ...]) -> None:
+    """A shared VM's neighbours slow every deployment at once; a reader should know when they were busy."""
+    worst = goodput_math.max_steal(g, sides)
+    if worst is not None and worst >= host.STEAL_NOTE:
+        out.print(f"this host lost up to {worst:.0%} of its CPU time to other guests during a point (CPU steal): "
+                  "compare deployments within a repetition, and read the medians", highlight=False)
 
 
 def sweep(out: Console, result, matrix: Path) -> None:

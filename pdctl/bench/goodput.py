@@ -157,6 +157,15 @@ def point_stats(requests: Sequence[RequestTimes], slo: Slo, duration_s: float) -
     return out
 
 
+def max_steal(g: dict, sides: tuple[str, ...]) -> float | None:
+    """The highest CPU steal any point of these deployments (or the unloaded SLO measurement) ran under."""
+    seen = [st.get("cpu_steal") for side in sides for run in g[side].get("runs", ())
+            for st in run.get("stats", {}).values()]
+    seen.append((g.get("unloaded") or {}).get("cpu_steal"))
+    known = [x for x in seen if x is not None]
+    return max(known) if known else None
+
+
 def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:
     """Where P/D starts to pay, from the attainment per offered rate of each side (rates tried on both only).
     `winner`: the side that sustains the higher rate (goodput's verdict; "tie" when equal). `from_req_s`: among

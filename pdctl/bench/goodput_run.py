@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdctl.bench import goodput, load
+from pdctl.bench import goodput, host, load
 from pdctl.bench.options import BenchOptions
 from pdctl.launch import run as run_mod
 from pdctl.launch.engine import Engine
@@ -91,13 +91,15 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
             try:
                 if slo is None:  # the first leg is the baseline's
                     one = plan.by_role("baseline")[0]
+                    before = host.cpu_times()
                     r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS)[0],
                                       o.max_tokens, 1, seed=seed, headers=headers)
+                    steal = host.steal_share(before, host.cpu_times())
                     times = goodput.request_times(r.vllm)
                     slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
                                            [x.tpot_ms for x in times if x.tpot_ms is not None])
-                    unloaded = r.to_dict()
-                    phase(f"SLO: {slo}")
+                    unloaded = r.to_dict() | {"cpu_steal": steal}
+                    phase(f"SLO: {slo}{_steal_said(steal)}")
                 if on_up is not None:
                     on_up(name, rep, plan)
                 points: dict[float, float] = {}
@@ -108,15 +110,17 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                 rate = own[0] if own else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
                 while rate is not None:
                     w, arrivals = prompts((rep, rate), o.requests)
+                    before = host.cpu_times()
                     r = load.run_load(name, url, model, w, o.max_tokens, 1, request_rate=rate, seed=arrivals,
                                       headers=headers)
+                    steal = host.steal_share(before, host.cpu_times())
                     times = goodput.request_times(r.vllm)
                     points[rate] = goodput.attainment(times, slo)
-                    stats[f"{rate:g}"] = goodput.point_stats(times, slo, r.duration_s)
+                    stats[f"{rate:g}"] = goodput.point_stats(times, slo, r.duration_s) | {"cpu_steal": steal}
                     per_request[f"{rate:g}"] = [[x.ttft_ms, x.tpot_ms] for x in times]
                     (out_dir / "goodput" / f"{name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
                     phase(f"  {name} at {rate:g} req/s: {points[rate]:.0%} of {o.requests} within the SLO "
-                          f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms)")
+                          f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms){_steal_said(steal)}")
                     k += 1
                     if until_miss and points[rate] < goodput.ATTAINMENT:
                         break
@@ -140,6 +144,11 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                      "stats_median": {f"{x:g}": _medians([r["stats"][f"{x:g}"] for r in runs
                                                           if f"{x:g}" in r["stats"]]) for x in rates}}
     return out
+
+
+def _steal_said(steal: float | None) -> str:
+    return f"; this host's CPU stolen by other guests {steal:.0%}" if steal is not None and steal >= host.STEAL_NOTE \
+        else ""
 
 
 def _medians(points: list[dict]) -> dict:

@@ -159,6 +159,41 @@ def test_the_search_finds_each_deployments_rate_and_a_tight_slo_sustains_nothing
     assert out["ratio_pd_over_baseline"] is None and out["slo"]["origin"].startswith("--slo")
 
 
+def test_each_point_records_this_hosts_cpu_steal_and_the_report_says_when_neighbours_were_busy(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from pdctl import render
+    from pdctl.bench import host
+
+    def readings(steal_per_run):
+        # two readings per run (before, after), 1000 ticks apart; the steal in between as given
+        ticks = host.CpuTimes(0, 0)
+        for s in steal_per_run:
+            yield ticks
+            ticks = host.CpuTimes(ticks.steal + int(1000 * s), ticks.total + 1000)
+            yield ticks
+
+    def report(steal_per_run):
+        it = readings(steal_per_run)
+        monkeypatch.setattr(goodput_run.host, "cpu_times", lambda: next(it))
+        o = BenchOptions(goodput=True, rates=(1.0, 2.0), repeat=1, requests=10)
+        out, _, phases = _run(tmp_path, monkeypatch, o, {"pd": 3.0, "baseline": 1.5})
+        c = Console(record=True, width=120)
+        render.goodput(c, out)
+        return out, phases, " ".join(c.export_text().split())
+
+    # runs in order: unloaded (SLO), baseline at 1 and 2, P/D at 1 and 2
+    out, phases, text = report([0.0, 0.02, 0.01, 0.30, 0.0])
+    assert out["unloaded"]["cpu_steal"] == 0.0
+    assert out["baseline"]["runs"][0]["stats"]["2"]["cpu_steal"] == 0.01
+    assert out["pd"]["runs"][0]["stats"]["1"]["cpu_steal"] == 0.30
+    assert any(p.startswith("  pd at 1 req/s") and "stolen by other guests 30%" in p for p in phases)
+    assert "lost up to 30% of its CPU time to other guests" in text and "30%" in text
+    # Negative control: neighbours that took under 5 % are not worth a warning.
+    _, phases, text = report([0.0, 0.02, 0.01, 0.04, 0.0])
+    assert "other guests" not in text and not any("stolen" in p for p in phases)
+
+
 def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
     from rich.console import Console
 
