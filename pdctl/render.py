@@ -483,7 +483,7 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
 def _steal_note(out: Console, g: dict, sides: tuple[str, ...]) -> None:
     """A shared VM's neighbours slow every deployment at once; a reader should know when they were busy."""
     worst = goodput_math.max_steal(g, sides)
-    if worst is not None and worst >= host.STEAL_NOTE:
+    if host.worth_saying(worst):
         out.print(f"this host lost up to {worst:.0%} of its CPU time to other guests during a point (CPU steal): "
                   "compare deployments within a repetition, and read the medians", highlight=False)
 

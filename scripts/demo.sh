@@ -28,9 +28,9 @@ trap - EXIT
 DATA=${GSM8K_DIR:-../shared/data/gsm8k}
 DATA_ARGS=()
 [ -f "$DATA/test.jsonl" ] && DATA_ARGS=(--data-dir "$DATA")
-# Two operating points, both true: one request at a time, P/D pays the hand-over (TTFT, TPOT against one
-# aggregated server); under load on the same two cores, P/D sustains a higher request rate within the SLOs
-# (goodput, against two aggregated servers on those cores). Its rates span where a 2-core host's aggregated pair
+# Two operating points: one request at a time, P/D pays the hand-over (TTFT, TPOT against one aggregated
+# server); under load on the same two cores, which sustains the higher request rate within the SLOs (goodput,
+# against two aggregated servers on those cores): P/D on some hosts, the pair on others (docs/benchmarks.md). Its rates span where a 2-core host's aggregated pair
 # and P/D reach their limits (3-7 req/s measured on AMD and Intel hosts), the same rates for both sides; the run is
 # short (one repetition, 60 requests per rate): `pdctl bench --goodput` without the flags below is the measurement
 # to decide on.

@@ -147,8 +147,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
 
 
 def _steal_said(steal: float | None) -> str:
-    return f"; this host's CPU stolen by other guests {steal:.0%}" if steal is not None and steal >= host.STEAL_NOTE \
-        else ""
+    return f"; this host's CPU stolen by other guests {steal:.0%}" if host.worth_saying(steal) else ""
 
 
 def _medians(points: list[dict]) -> dict:

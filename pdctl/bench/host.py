@@ -1,6 +1,6 @@
 """This host's CPU steal during a measurement: the share of CPU time the hypervisor gave to other guests while a
 point ran. On a shared VM it moves a deployment's speed from one minute to the next (a 2-core cloud VM measured
-0-26 % in 5 s windows while its unloaded TTFT moved 1.7x), so every goodput point records it beside its numbers:
+0-43 % in 5 s windows while its unloaded TTFT moved 1.7x), so every goodput point records it beside its numbers:
 a slow point with high steal says the host was slow, not the deployment. Linux only (/proc/stat); None
 elsewhere."""
 
@@ -37,6 +37,10 @@ def cpu_times(stat: Path = PROC_STAT) -> CpuTimes | None:
         return parse_stat(stat.read_text())
     except OSError:
         return None
+
+
+def worth_saying(steal: float | None) -> bool:
+    return steal is not None and steal >= STEAL_NOTE
 
 
 def steal_share(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
