@@ -404,12 +404,24 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
                        model=model)
 
 
+BESIDE_PORTS = 1000  # the baseline's ports: the topology's plus this (minus, where that would pass 65535)
+
+
+def _ports(t: Topology) -> list[int]:
+    """Every port the topology listens on."""
+    return [t.proxy.port, t.proxy.router_metrics_port or t.proxy.port, t.reference.port, t.monitoring.port,
+            *(p for role in ROLES for g in t.pools(role) for i in range(g.count)
+              for p in (g.http_port_of(i), g.side_channel_port_of(i)))]
+
+
 def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str = "python") -> Plan:
     """Goodput's baseline: the aggregated alternative on the same devices as the P/D topology. Each P/D instance's
     devices serve one aggregated server instead (no connector; its pool's block size, TP, mode, nice, queue
     treatment, host and ports), behind pdctl's proxy in aggregated mode (no --prefill) with the topology's routing
-    policy and timeouts on the proxy's host and port, so a client sends the same requests to the same address.
-    Never up at the same time as the topology (they share devices and ports)."""
+    policy and timeouts on the proxy's host. Every port is the topology's moved by BESIDE_PORTS, so the two can be
+    up at once on one host (bench --goodput, once their idle CPU is measured): a client sends the same requests to
+    the proxy's port + 1000."""
+    t = t.ports_moved(BESIDE_PORTS if max(_ports(t)) + BESIDE_PORTS <= 65535 else -BESIDE_PORTS)
     logs = state_dir / "logs"
     servers = _servers(t, base_dir, logs, python, baseline=True)
     px = t.proxy

@@ -441,6 +441,7 @@ def goodput(out: Console, g: dict) -> None:
     elif cross.get("winner") in ("pd", "tie"):
         out.print("P/D meets the SLOs for at least as many requests as the aggregated deployment at every rate where "
                   "either meets the target", highlight=False)
+    _beside_note(out, g)
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
     if g.get("plots"):
@@ -478,6 +479,19 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
     _steal_note(out, g, tuple(g["deployments"]))
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
+
+
+def _beside_note(out: Console, g: dict) -> None:
+    """How the two were run: up at once (with the idle CPU that allowed it) or in turn (and why)."""
+    b = g.get("beside") or {}
+    n = b.get("repetitions_up_at_once", 0)
+    idle = [x for rep in b.get("idle_cores", [])[:n] for x in rep.values()]  # a refusal ends the at-once runs
+    if n:
+        which = "" if n == g["repeat"] else f" in {n} of {g['repeat']} repetitions"
+        out.print(f"both up at once{which}, taking turns rate by rate; idle, the busiest process used "
+                  f"{max(idle):.3f} cores (at most {b['idle_cores_max']:g} allowed)", highlight=False)
+    if b.get("why_not") not in (None, "not asked"):
+        out.print(f"{'then each' if n else 'each'} brought up alone in turn: {b['why_not']}", highlight=False)
 
 
 def _steal_note(out: Console, g: dict, sides: tuple[str, ...]) -> None:

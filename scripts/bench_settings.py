@@ -4,22 +4,24 @@ by at least 5 % over the repetitions without making TTFT or TPOT at concurrency 
 it leaves the topology schema).
 
 Deployments: the baseline (aggregated on the same devices: `--slo auto` is measured on it first), the topology as
-it is ("defaults"), and the topology with each `--setting` applied alone; every one brought up alone in turn, the
-order rotating every repetition, the same prompts and seeded Poisson arrivals at each of `--rates`
-(pdctl.bench.goodput_run.run_deployments; a deployment's rates stop at its first miss). As soon as each is up,
-before its load, --c1-requests prompts one at a time give TTFT and TPOT at concurrency 1. `--baseline-setting`
+it is ("defaults"), and the topology with each `--setting` applied alone; all up at once in each repetition (each
+on its own ports; idle CPU measured and stated; `--alone`: each brought up alone in turn), the order rotating,
+taking turns rate by rate, the same prompts and seeded Poisson arrivals at each of `--rates`
+(pdctl.bench.goodput_run.run_deployments; a deployment's rates stop at its first miss). Once up, before any
+load, --c1-requests prompts one at a time give each TTFT and TPOT at concurrency 1. `--baseline-setting`
 candidates are aggregated deployments judged against the baseline: the baseline gets the same engine-settings
 search as P/D.
 
 Usage: python scripts/bench_settings.py [configs/cpu-demo.yaml] --setting proxy.first_token=auto
            --baseline-setting "prefill.extra_args=[--max-num-batched-tokens,'512']" --rates 3,4,5,6
-           [--repeat 3] [--requests 200] [--c1-requests 20] [--out results/bench_settings.json]
+           [--repeat 3] [--requests 200] [--c1-requests 20] [--alone] [--out results/bench_settings.json]
 Each --setting is a `--set` override (dotted.path=value); several in one, separated by ';', are one candidate.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -72,27 +74,38 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=goodput.MIN_REQUESTS)
     ap.add_argument("--c1-requests", type=int, default=20)
     ap.add_argument("--slo", default="auto")
+    ap.add_argument("--alone", action="store_true", help="each deployment brought up alone in turn (default: all "
+                    "up at once, taking turns rate by rate, where their idle CPU allows)")
     ap.add_argument("--out", default="results/bench_settings.json")
     a = ap.parse_args()
     o = BenchOptions(goodput=True, rates=api.parse_rates(a.rates), repeat=a.repeat, requests=a.requests,
                      slo=a.slo).resolved()
     work = Path("/tmp/pdctl-bench-settings")
     base_t = api.load(a.topology, gated=True)  # a fallback to decode-only fails instead of passing as P/D
+
+    moved = itertools.count(1)
+
+    def on_own_ports(t):
+        # Up at once, each deployment needs its own ports: every candidate's topology moved by another 2000 from
+        # the defaults' (a baseline plan adds its own 1000).
+        return t.ports_moved(2000 * next(moved))
+
     plans = {"baseline": api.plan(base_t, state_dir=work / "baseline", baseline=True)}
     plans["defaults"] = api.plan(base_t, state_dir=work / "defaults")
     for setting in a.setting:
         t = api.load(a.topology, [s.strip() for s in setting.split(";")], gated=True)
-        plans[setting] = api.plan(t, state_dir=work / f"s{len(plans)}")
+        plans[setting] = api.plan(on_own_ports(t), state_dir=work / f"s{len(plans)}")
     for setting in a.baseline_setting:
         t = api.load(a.topology, [s.strip() for s in setting.split(";")], gated=True)
-        plans[f"baseline: {setting}"] = api.plan(t, state_dir=work / f"s{len(plans)}", baseline=True)
+        plans[f"baseline: {setting}"] = api.plan(on_own_ports(t), state_dir=work / f"s{len(plans)}",
+                                                 baseline=True)
     t0 = time.monotonic()
     c1: dict[str, list[dict]] = {}
     g = run_deployments(api.origin(base_t), plans, LocalEngine(), Path("results") / "bench_settings", o,
                         lambda text: print(f"[{time.monotonic() - t0:5.0f} s] {text}", flush=True),
                         on_up=concurrency_one(api.origin(base_t), o, a.c1_requests, c1), until_miss=True,
                         rates_for={name: api.parse_rates(a.pd_rates) for name in plans
-                                   if a.pd_rates and not name.startswith("baseline")})
+                                   if a.pd_rates and not name.startswith("baseline")}, beside=not a.alone)
     rows = []
     for name in plans:
         runs = c1.get(name) or [{"ttft_ms_p50": float("nan"), "tpot_ms_p50": float("nan")}]  # never came up

@@ -72,6 +72,8 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
         t = _traced(t, o)
     if o.goodput:
         _goodput_options(t, o, say)
+    elif o.alone:
+        raise UserError("--alone: how --goodput brings up P/D and its baseline; add --goodput")
     p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port)
     engine = _preflight(p, t)
     t0 = time.monotonic()
@@ -152,8 +154,8 @@ def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
 
 
 def _bench_goodput(t: Topology, p: Plan, engine, out_dir: Path, o: BenchOptions, table: dict, phase: Say) -> dict:
-    """The gates on the topology beside its reference (unless skipped), then goodput: the topology alone against
-    its baseline on the same devices."""
+    """The gates on the topology beside its reference (unless skipped), then goodput: the topology (without its
+    reference) against its baseline on the same devices."""
     from pdctl.bench.goodput_run import run_goodput
     from pdctl.bench.run import overall_status, run_bench
     from pdctl.topology import summary as summary_line
@@ -167,7 +169,7 @@ def _bench_goodput(t: Topology, p: Plan, engine, out_dir: Path, o: BenchOptions,
     base = plan(t, state_dir=p.state_dir, baseline=True)
     pd = p.with_processes([x for x in p.processes if x.role != "reference"])
     s["goodput"] = run_goodput(origin(t), pd, base, engine, out_dir, o, phase,
-                               auth.headers(auth.api_key(t)) or None)
+                               auth.headers(auth.api_key(t)) or None, beside=not o.alone)
     s["status"] = overall_status(s, o.allow_ungated)
     (out_dir / "summary.json").write_text(json.dumps(s, indent=2))
     return s

@@ -1,8 +1,10 @@
 """`pdctl bench --goodput`: the P/D topology and its baseline (the aggregated alternative on the same devices,
-pdctl.plan.baseline_plan) in turn, each brought up alone, sent the same prompts with the same seeded Poisson
-arrivals at each offered rate through vLLM's serving benchmark; the share of requests within the SLOs per rate,
-and the highest rate sustained. Repeated, interleaved (baseline first, so `--slo auto` is fixed before any P/D
-number exists; then the order flips every repetition), medians reported."""
+pdctl.plan.baseline_plan) sent the same prompts with the same seeded Poisson arrivals at each offered rate through
+vLLM's serving benchmark; the share of requests within the SLOs per rate, and the highest rate sustained. Repeated,
+interleaved (baseline first, so `--slo auto` is fixed before any P/D number exists; then the order flips every
+repetition), medians reported. On this host's CPUs both are up at once and take turns rate by rate, once each idle
+process is measured using at most IDLE_CORES_MAX cores (a slow minute of a shared host then falls on both sides of
+a rate); otherwise each is brought up alone in turn."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pdctl.bench.options import BenchOptions
 from pdctl.launch import run as run_mod
 from pdctl.launch.engine import Engine
 from pdctl.launch.errors import LaunchFailed
+from pdctl.launch.state import LaunchState
 from pdctl.plan import Plan
 from pdctl.topology import Loaded, resolved_model
 
@@ -24,10 +27,11 @@ UNLOADED_REQUESTS = 20  # --slo auto: one baseline instance at concurrency 1
 
 
 def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, out_dir: Path, o: BenchOptions,
-                phase: Callable[[str], None], headers: dict[str, str] | None = None) -> dict:
+                phase: Callable[[str], None], headers: dict[str, str] | None = None, beside: bool = False) -> dict:
     """o: resolved (requests per rate, prompt and output lengths). pd_plan without its reference: nothing but
-    the deployment under test runs on the devices."""
-    out = run_deployments(loaded, {"baseline": base_plan, "pd": pd_plan}, engine, out_dir, o, phase, headers)
+    the two deployments run on the devices. beside: up at once (run_deployments)."""
+    out = run_deployments(loaded, {"baseline": base_plan, "pd": pd_plan}, engine, out_dir, o, phase, headers,
+                          beside=beside)
     b, p = out["baseline"]["sustained_req_s"], out["pd"]["sustained_req_s"]
     out["ratio_pd_over_baseline"] = p / b if b else None
     out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
@@ -38,14 +42,24 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, 
     return out
 
 
+IDLE_CORES_MAX = 0.05  # the most one idle server may use while the deployment beside it is measured
+IDLE_SETTLE_S, IDLE_WINDOW_S = 2.0, 5.0  # after the last bring-up: wait, then read each process group's CPU time
+
+
 def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine, out_dir: Path,
                     o: BenchOptions, phase: Callable[[str], None], headers: dict[str, str] | None = None,
                     on_up: Callable[[str, int, Plan], None] | None = None, until_miss: bool = False,
-                    rates_for: dict[str, tuple[float, ...]] | None = None) -> dict:
-    """Each deployment brought up alone in turn and sent the same prompts with the same seeded arrivals per
-    (repetition, rate); the first must be "baseline" (`--slo auto` is measured on its first instance before any
-    other number exists); the order rotates every repetition. Per deployment: the runs (attainment, statistics
-    and every request's TTFT/TPOT per rate), the median sustained rate and the medians per rate.
+                    rates_for: dict[str, tuple[float, ...]] | None = None, beside: bool = False) -> dict:
+    """Every deployment sent the same prompts with the same seeded arrivals per (repetition, rate); the first
+    must be "baseline" (`--slo auto` is measured on its first instance before any other number exists); the
+    order rotates every repetition. Per deployment: the runs (attainment, statistics and every request's
+    TTFT/TPOT per rate), the median sustained rate and the medians per rate.
+
+    beside: all deployments up at once in each repetition and their points interleaved rate by rate, so a slow
+    minute of the host falls on every side of a rate alike, provided each idle server (and proxy) is measured at
+    most IDLE_CORES_MAX cores (stated in the result: out["beside"]); otherwise, and without beside, each is brought
+    up alone in turn and runs all its rates. Up at once needs this host's engine, CPU pools (accelerators would
+    share device memory) and ports that differ (plan.baseline_plan moves its own).
     on_up(name, repetition, plan) runs once a deployment is up, before its load; until_miss stops a deployment's
     explicit rates at its first miss (nothing above it counts towards the sustained rate); rates_for gives a
     deployment its own explicit rates (one known to sustain the lowest of o.rates need not be sent it)."""
@@ -58,6 +72,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     vocab = loaded.model_info.vocab_size or 1000
     seed = int(time.time())
     works: dict[tuple, tuple[load.Workload, int]] = {}
+    unloaded: dict | None = None
 
     def prompts(key: tuple, n: int) -> tuple[load.Workload, int]:
         # One workload and arrival seed per (repetition, offered rate): every deployment sent a rate gets the
@@ -69,72 +84,121 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                           seed + 1000 + len(works))
         return works[key]
 
+    def bring_up(name: str, rep: int) -> LaunchState | str:
+        """The deployment's launch state, or why it did not come up (that layout's result)."""
+        plan = deployments[name]
+        phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
+        try:
+            return run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
+        except LaunchFailed as e:
+            if slo is None:  # the baseline, whose first instance fixes the SLO: nothing to compare with
+                raise
+            phase(f"  {name} did not come up: {e}")
+            return str(e)
+
+    def failed(name: str, why: str) -> None:
+        legs[name].append({"points": {}, "stats": {}, "sustained": None, "requests": {}, "failed": why})
+
+    def ready(name: str, rep: int) -> _Leg:
+        """The SLO (on the baseline's first instance, before any other number), on_up, then the deployment's rates."""
+        nonlocal slo, unloaded
+        plan = deployments[name]
+        if slo is None:
+            one = plan.by_role("baseline")[0]
+            before = host.cpu_times()
+            r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS)[0],
+                              o.max_tokens, 1, seed=seed, headers=headers)
+            steal = host.steal_share(before, host.cpu_times())
+            times = goodput.request_times(r.vllm)
+            slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
+                                   [x.tpot_ms for x in times if x.tpot_ms is not None])
+            unloaded = r.to_dict() | {"cpu_steal": steal}
+            phase(f"SLO: {slo}{_steal_said(steal)}")
+        if on_up is not None:
+            on_up(name, rep, plan)
+        return _Leg(name, plan.by_role("proxy")[0].http_url, (rates_for or {}).get(name, o.rates), until_miss)
+
+    def point(leg: _Leg, rep: int) -> None:
+        assert slo is not None
+        rate = leg.rate
+        assert rate is not None
+        w, arrivals = prompts((rep, rate), o.requests)
+        before = host.cpu_times()
+        r = load.run_load(leg.name, leg.url, model, w, o.max_tokens, 1, request_rate=rate, seed=arrivals,
+                          headers=headers)
+        steal = host.steal_share(before, host.cpu_times())
+        times = goodput.request_times(r.vllm)
+        leg.record(rate, goodput.attainment(times, slo),
+                   goodput.point_stats(times, slo, r.duration_s) | {"cpu_steal": steal},
+                   [[x.ttft_ms, x.tpot_ms] for x in times])
+        (out_dir / "goodput" / f"{leg.name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
+        phase(f"  {leg.name} at {rate:g} req/s: {leg.points[rate]:.0%} of {o.requests} within the SLO "
+              f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms){_steal_said(steal)}")
+
     (out_dir / "goodput").mkdir(parents=True, exist_ok=True)
     legs: dict[str, list[dict]] = {n: [] for n in names}
-    unloaded: dict | None = None
+    why_apart = None if beside else "not asked"
+    if why_apart is None:
+        why_apart = beside_refusal(list(deployments.values()), engine.name)
+    idle_seen: list[dict[str, float]] = []
+    at_once = 0  # repetitions run with every deployment up
     for rep in range(o.repeat):
         k0 = rep % len(names)
-        for name in names[k0:] + names[:k0]:
-            plan = deployments[name]
-            phase(f"goodput {rep + 1}/{o.repeat}: {name} up ({len(plan.processes) - 1} servers)")
+        order = names[k0:] + names[:k0]
+        if why_apart is None:  # all up, idle CPU measured, then rate by rate
+            states: dict[str, LaunchState] = {}
             try:
-                state = run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
-            except LaunchFailed as e:
-                if slo is None:  # the baseline, whose first instance fixes the SLO: nothing to compare with
-                    raise
-                # One layout that does not come up (a pair that does not wire) is that layout's result.
-                phase(f"  {name} did not come up: {e}")
-                legs[name].append({"points": {}, "stats": {}, "sustained": None, "requests": {},
-                                   "failed": str(e)})
-                continue
-            url = plan.by_role("proxy")[0].http_url
-            try:
-                if slo is None:  # the first leg is the baseline's
-                    one = plan.by_role("baseline")[0]
-                    before = host.cpu_times()
-                    r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS)[0],
-                                      o.max_tokens, 1, seed=seed, headers=headers)
-                    steal = host.steal_share(before, host.cpu_times())
-                    times = goodput.request_times(r.vllm)
-                    slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
-                                           [x.tpot_ms for x in times if x.tpot_ms is not None])
-                    unloaded = r.to_dict() | {"cpu_steal": steal}
-                    phase(f"SLO: {slo}{_steal_said(steal)}")
-                if on_up is not None:
-                    on_up(name, rep, plan)
-                points: dict[float, float] = {}
-                stats: dict[str, dict] = {}
-                per_request: dict[str, list] = {}
-                k = 0
-                own = (rates_for or {}).get(name, o.rates)
-                rate = own[0] if own else goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
-                while rate is not None:
-                    w, arrivals = prompts((rep, rate), o.requests)
-                    before = host.cpu_times()
-                    r = load.run_load(name, url, model, w, o.max_tokens, 1, request_rate=rate, seed=arrivals,
-                                      headers=headers)
-                    steal = host.steal_share(before, host.cpu_times())
-                    times = goodput.request_times(r.vllm)
-                    points[rate] = goodput.attainment(times, slo)
-                    stats[f"{rate:g}"] = goodput.point_stats(times, slo, r.duration_s) | {"cpu_steal": steal}
-                    per_request[f"{rate:g}"] = [[x.ttft_ms, x.tpot_ms] for x in times]
-                    (out_dir / "goodput" / f"{name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
-                    phase(f"  {name} at {rate:g} req/s: {points[rate]:.0%} of {o.requests} within the SLO "
-                          f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms){_steal_said(steal)}")
-                    k += 1
-                    if until_miss and points[rate] < goodput.ATTAINMENT:
+                for name in order:
+                    st = bring_up(name, rep)
+                    if isinstance(st, str):  # memory for all at once, say: each alone shows whether it comes up
+                        why_apart = f"{name} did not come up beside the others"
                         break
-                    rate = (own[k] if k < len(own) else None) if own else \
-                        goodput.next_rate(points, goodput.START_RATE, goodput.MAX_RATE)
+                    states[name] = st
+                if why_apart is None:
+                    idle = _idle_cores(states)
+                    idle_seen.append(idle)
+                    worst = max(idle.values(), default=None)
+                    if worst is None or worst > IDLE_CORES_MAX:
+                        why_apart = ("idle CPU unreadable" if worst is None else
+                                     f"an idle process used {worst:.3f} cores (> {IDLE_CORES_MAX})")
+                if why_apart is not None:
+                    phase(f"  up at once refused: {why_apart}; each deployment alone from here")
+                else:
+                    phase(f"  all up at once; idle, the busiest process used {worst:.3f} cores "
+                          f"(<= {IDLE_CORES_MAX})")
+                    running = [ready(n, rep) for n in order]
+                    turn = 0
+                    while active := [leg for leg in running if leg.rate is not None]:
+                        k = turn % len(active)  # who goes first rotates from one round of rates to the next
+                        for leg in active[k:] + active[:k]:
+                            point(leg, rep)
+                        turn += 1
+                    for leg in running:
+                        legs[leg.name].append(leg.result())
+                    at_once += 1
+                    continue
             finally:
-                run_mod.down(state, engine)
-            legs[name].append({"points": {f"{r:g}": a for r, a in points.items()}, "stats": stats,
-                               "sustained": goodput.sustained(points), "requests": per_request})
+                for st in states.values():
+                    run_mod.down(st, engine)
+        for name in order:  # each alone
+            st = bring_up(name, rep)
+            if isinstance(st, str):
+                failed(name, st)
+                continue
+            try:
+                leg = ready(name, rep)
+                while leg.rate is not None:
+                    point(leg, rep)
+            finally:
+                run_mod.down(st, engine)
+            legs[name].append(leg.result())
     assert slo is not None
     out: dict = {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "origin": slo.origin},
                  "unloaded": unloaded, "requests_per_rate": o.requests, "repeat": o.repeat,
                  "dataset": o.dataset, "prompt_len": o.prompt_len, "max_tokens": o.max_tokens, "seed": seed,
-                 "attainment_target": goodput.ATTAINMENT, "deployments": names}
+                 "attainment_target": goodput.ATTAINMENT, "deployments": names,
+                 "beside": {"repetitions_up_at_once": at_once, "why_not": why_apart, "idle_cores": idle_seen,
+                            "idle_cores_max": IDLE_CORES_MAX}}
     for name, runs in legs.items():
         sustained = [r["sustained"] or 0.0 for r in runs]
         rates = sorted({float(x) for r in runs for x in r["points"]})
@@ -144,6 +208,67 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                      "stats_median": {f"{x:g}": _medians([r["stats"][f"{x:g}"] for r in runs
                                                           if f"{x:g}" in r["stats"]]) for x in rates}}
     return out
+
+
+class _Leg:
+    """One deployment's rates in one repetition: its explicit rates in order (stopping at its first miss when
+    until_miss), or the search (goodput.next_rate) when it has none."""
+
+    def __init__(self, name: str, url: str, rates: tuple[float, ...] | None, until_miss: bool):
+        self.name, self.url, self.rates, self.until_miss = name, url, rates, until_miss
+        self.points: dict[float, float] = {}
+        self.stats: dict[str, dict] = {}
+        self.requests: dict[str, list] = {}
+        self.rate: float | None = rates[0] if rates else goodput.next_rate({}, goodput.START_RATE,
+                                                                           goodput.MAX_RATE)
+
+    def record(self, rate: float, attainment: float, stats: dict, requests: list) -> None:
+        self.points[rate] = attainment
+        self.stats[f"{rate:g}"] = stats
+        self.requests[f"{rate:g}"] = requests
+        k = len(self.points)
+        if self.until_miss and attainment < goodput.ATTAINMENT:
+            self.rate = None
+        elif self.rates:
+            self.rate = self.rates[k] if k < len(self.rates) else None
+        else:
+            self.rate = goodput.next_rate(self.points, goodput.START_RATE, goodput.MAX_RATE)
+
+    def result(self) -> dict:
+        return {"points": {f"{r:g}": a for r, a in self.points.items()}, "stats": self.stats,
+                "sustained": goodput.sustained(self.points), "requests": self.requests}
+
+
+def beside_refusal(plans: list[Plan], engine_name: str) -> str | None:
+    """Why these deployments cannot be up at once on this host (None: they can): another engine's processes are
+    not this host's to measure, accelerator pools would share device memory, and no two may share a port."""
+    if engine_name != "local":
+        return f"the {engine_name} engine's processes are not measured here"
+    accel = sorted({s.platform for p in plans for s in p.processes if s.platform not in (None, "cpu")})
+    if accel:
+        return f"{', '.join(accel)} servers would share device memory"
+    seen: dict[tuple[str, int], tuple[int, str]] = {}
+    for k, p in enumerate(plans):
+        for s in p.processes:
+            for port in s.ports.values():
+                key = (s.host, port)
+                if key in seen and seen[key][0] != k:
+                    return f"{seen[key][1]} and {s.name} ({p.name}) both listen on {s.host}:{port}"
+                seen[key] = (k, f"{s.name} ({p.name})")
+    return None
+
+
+def _idle_cores(states: dict[str, LaunchState]) -> dict[str, float]:
+    """Cores each process (server or proxy, by deployment/process) used over IDLE_WINDOW_S with no load, after
+    IDLE_SETTLE_S; a process group /proc cannot read is left out."""
+    groups = {f"{name}/{p}": rec.pgid for name, st in states.items() for p, rec in st.processes.items()}
+    time.sleep(IDLE_SETTLE_S)
+    before = {k: host.group_cpu_seconds(g) for k, g in groups.items()}
+    t0 = time.monotonic()
+    time.sleep(IDLE_WINDOW_S)
+    after = {k: host.group_cpu_seconds(g) for k, g in groups.items()}
+    dt = time.monotonic() - t0
+    return {k: round((after[k] - b) / dt, 4) for k, b in before.items() if b is not None and after[k] is not None}
 
 
 def _steal_said(steal: float | None) -> str:

@@ -1,11 +1,12 @@
 """This host's CPU steal during a measurement: the share of CPU time the hypervisor gave to other guests while a
 point ran. On a shared VM it moves a deployment's speed from one minute to the next (a 2-core cloud VM measured
 0-43 % in 5 s windows while its unloaded TTFT moved 1.7x), so every goodput point records it beside its numbers:
-a slow point with high steal says the host was slow, not the deployment. Linux only (/proc/stat); None
-elsewhere."""
+a slow point with high steal says the host was slow, not the deployment. And the CPU a process group used (an
+idle deployment's servers, beside the one under load). Linux only (/proc); None elsewhere."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,3 +49,22 @@ def steal_share(before: CpuTimes | None, after: CpuTimes | None) -> float | None
     if before is None or after is None or after.total <= before.total:
         return None
     return max(0, after.steal - before.steal) / (after.total - before.total)
+
+
+def group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float | None:
+    """CPU time (user + system, every thread) used so far by the live processes of one process group; None when
+    /proc cannot be read."""
+    ticks, seen = 0, False
+    try:
+        entries = [d for d in proc.iterdir() if d.name.isdigit()]
+    except OSError:
+        return None
+    for d in entries:
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+            seen = True
+    return ticks / os.sysconf("SC_CLK_TCK") if seen else None

@@ -46,6 +46,7 @@ class BenchOptions:
     slo: str = "auto"  # "ttft=MS,tpot=MS", or auto: measured on one unloaded baseline instance first
     rates: tuple[float, ...] | None = None  # offered req/s to run; None: search for the highest sustained one
     repeat: int = 3  # interleaved repetitions (median)
+    alone: bool = False  # each deployment up alone in turn (default: up at once where goodput_run allows it)
 
     def __post_init__(self) -> None:
         self.skip = phases(self.skip)

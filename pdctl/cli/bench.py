@@ -49,6 +49,8 @@ def bench(
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
     goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
     slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3,
+    alone: Annotated[bool, typer.Option(help="--goodput: bring P/D and the baseline up alone in turn (default: "
+                                             "both up at once on this host's CPUs, idle CPU measured)")] = False,
     timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False,
     overrides: list = (),
 ) -> None:
@@ -59,7 +61,8 @@ def bench(
     serving benchmark against both (TTFT, TPOT, ITL, end-to-end p50/p99, throughput, NIXL transfer time and bytes),
     with P/D / aggregated ratios. Exit 1 if a gate failed; every artefact (resolved topology too) lands in --results.
     --goodput instead measures the highest request rate at which 90 % of requests meet both SLOs, for the topology
-    and for aggregated servers on the same devices (docs/benchmarks.md).
+    and for aggregated servers on the same devices (docs/benchmarks.md): on this host's CPUs both up at once,
+    taking turns rate by rate, once each idle server is measured at <= 0.05 cores (else, or with --alone, in turn).
 
     The accuracy gate is expected.yaml's for the model. GSM8K: --data-dir, else $GSM8K_DIR, else a cached
     openai/gsm8k, else the hub (none: it stops before anything starts). The topology runs with

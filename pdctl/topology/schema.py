@@ -399,6 +399,24 @@ class Topology(_Strict):
                     cursor[attr] = base + g.count
         return self
 
+    def ports_moved(self, offset: int) -> Topology:
+        """This topology with every port it listens on moved by offset (HTTP, NIXL side channel, proxy, its metrics,
+        the reference, Prometheus): a second deployment of it that can be up beside the first on the same host."""
+        def pools(role: Role) -> list[Pool]:
+            return [g.model_copy(update={"http_port": g.http_port_of(0) + offset,
+                                         "side_channel_port": g.side_channel_port_of(0) + offset})
+                    for g in self.pools(role)]
+
+        px = self.proxy
+        moved = self.model_copy(update={
+            "prefill": pools("prefill"), "decode": pools("decode"),
+            "proxy": px.model_copy(update={"port": px.port + offset,
+                                           "metrics_port": px.metrics_port and px.metrics_port + offset}),
+            "reference": self.reference.model_copy(update={"port": self.reference.port + offset}),
+            "monitoring": self.monitoring.model_copy(update={"port": self.monitoring.port + offset})})
+        moved._origin = self._origin
+        return moved
+
     def pools(self, role: Role) -> list[Pool]:
         return self.prefill if role == "prefill" else self.decode
 

@@ -426,14 +426,34 @@ def test_the_baseline_serves_aggregated_on_every_pd_instances_devices_behind_pdc
     assert [s.name for s in servers] == ["baseline-prefill-0", "baseline-decode-0"]
     for s, twin in zip(servers, pd.by_role("prefill") + pd.by_role("decode"), strict=True):
         assert s.env["VLLM_CPU_OMP_THREADS_BIND"] == twin.env["VLLM_CPU_OMP_THREADS_BIND"]  # the same cores
-        assert "--kv-transfer-config" not in s.argv and s.ports["http"] == twin.ports["http"]
+        assert "--kv-transfer-config" not in s.argv and s.ports["http"] == twin.ports["http"] + 1000  # beside it
         assert s.argv[s.argv.index("--block-size") + 1] == str(twin.block_size)
         assert not any(k.startswith(("UCX_", "VLLM_NIXL_")) for k in s.env)
     (router,) = [s for s in b.processes if s.role == "proxy"]
-    assert router.ports["http"] == pd.get("proxy").ports["http"]
+    assert router.ports["http"] == pd.get("proxy").ports["http"] + 1000
     cfg = spec_of(router.argv)
     assert cfg.policy == t.proxy.policy  # the topology's routing
     assert cfg.decode == [s.http_url for s in servers] and cfg.prefill == [] and router.argv[2:4] == ["pdctl", "proxy"]
+
+
+def test_a_topology_moved_to_other_ports_listens_on_none_of_the_firsts_and_keeps_everything_else():
+    from pdctl.plan import _ports
+
+    loaded = load_topology(CONFIGS / "cpu-router.yaml", [Override.parse_set("monitoring.enabled=true")])
+    t = loaded.topology
+    moved = t.ports_moved(1000)
+    assert sorted(_ports(moved)) == sorted(p + 1000 for p in _ports(t)) and not set(_ports(moved)) & set(_ports(t))
+    assert moved.proxy.router_metrics_port == t.proxy.router_metrics_port + 1000
+    assert moved.origin is t.origin and moved.model == t.model and moved.decode[0].block_size == t.decode[0].block_size
+    p, q = (build_plan(x, base_dir=loaded.base_dir, state_dir=Path("/s"), python="py") for x in (t, moved))
+    busy = {port for s in p.processes for port in s.ports.values()}
+    assert busy and not busy & {port for s in q.processes for port in s.ports.values()}
+    # Near the top of the port range the baseline moves down instead.
+    from pdctl.plan import baseline_plan
+
+    high = load_topology(CONFIGS / "cpu-demo.yaml", [Override.parse_set("proxy.port=65000")]).topology
+    b = baseline_plan(high, base_dir=loaded.base_dir, state_dir=Path("/s"), python="py")
+    assert b.get("baseline-proxy").ports["http"] == 64000
 
 
 def test_a_fleets_baseline_has_one_aggregated_server_per_instance():

@@ -32,6 +32,7 @@ def test_bad_goodput_flags_are_refused_before_anything_starts(run_cli, args, say
 @pytest.mark.parametrize("args, says", [
     (["--rates", "2,4"], "--rates 2,4: without --goodput the load benchmark runs at one offered rate"),
     (["--rates", "x"], "--rates x: expected offered request rates"),
+    (["--alone"], "--alone: how --goodput brings up P/D and its baseline; add --goodput"),
 ])
 def test_rates_without_goodput_are_one_open_loop_rate(run_cli, args, says, monkeypatch):
     monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
@@ -350,3 +351,124 @@ def test_a_layout_that_does_not_come_up_is_its_result_and_the_sweep_goes_on(tmp_
     assert g.summary["recommendation"]["best"] == "p64-d64"
     assert g.summary["recommendation"]["sustained_req_s"]["p32-d64"] == 0.0
     assert any("p32-d64 did not come up" in s for s in said)
+
+
+class SideBySide:
+    """Deployments up at once: every up, down and load in one timeline; a load meets the SLO up to its
+    deployment's capacity (by the name it is sent under)."""
+
+    def __init__(self, capacity: dict[str, float], idle: float):
+        self.capacity, self.idle, self.timeline = capacity, idle, []
+
+    def up(self, plan, engine, attached, timeout_s):
+        from pdctl.launch.state import LaunchState, ProcessRecord
+
+        name = "pd" if plan.by_role("decode") else "baseline"
+        self.timeline.append(("up", name))
+        return LaunchState(plan, processes={s.name: ProcessRecord(s.name, 1, 1, 0, 0.0) for s in plan.processes})
+
+    def down(self, state, engine):
+        self.timeline.append(("down", "pd" if state.plan.by_role("decode") else "baseline"))
+
+    def idle_cores(self, states):
+        return {f"{n}/{p}": self.idle for n, st in states.items() for p in st.processes}
+
+    def run_load(self, target, url, model, w, max_tokens, concurrency, request_rate=None, seed=0, headers=None):
+        self.timeline.append(("load", target, request_rate, id(w), seed))
+        ok = request_rate is None or request_rate <= self.capacity[target]
+        ttft, n = (0.1 if ok else 5.0), len(w)
+        vllm = {"output_lens": [4] * n, "errors": [""] * n, "ttfts": [ttft] * n, "latencies": [ttft + 0.03] * n}
+        return SimpleNamespace(vllm=vllm, ttft_ms_p50=ttft * 1e3, tpot_ms_p50=10.0, vllm_json=lambda: "{}",
+                               duration_s=n / (request_rate or 1.0), to_dict=lambda: {"ttft_ms_p50": ttft * 1e3})
+
+
+def _side_by_side(tmp_path, monkeypatch, idle, beside=True, engine="local"):
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    t = loaded.topology
+    pd = build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
+    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py")
+    fake = SideBySide({"pd": 3.0, "baseline": 1.5}, idle)
+    for name, fn in (("up", fake.up), ("down", fake.down)):
+        monkeypatch.setattr(goodput_run.run_mod, name, fn)
+    monkeypatch.setattr(goodput_run, "_idle_cores", fake.idle_cores)
+    monkeypatch.setattr(goodput_run.load, "run_load", fake.run_load)
+    monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
+    phases = []
+    o = BenchOptions(goodput=True, rates=(1.0, 2.0, 4.0), repeat=2, requests=10).resolved()
+    out = goodput_run.run_goodput(loaded, pd, base, SimpleNamespace(name=engine), tmp_path, o, phases.append,
+                                  beside=beside)
+    return out, [e[:3] for e in fake.timeline], phases
+
+
+def test_up_at_once_both_sides_take_turns_rate_by_rate_once_their_idle_cpu_is_measured(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from pdctl import render
+
+    out, timeline, phases = _side_by_side(tmp_path, monkeypatch, idle=0.02)
+    rep0 = timeline[:[i for i, e in enumerate(timeline) if e[0] == "up"][2]]
+    assert rep0[:3] == [("up", "baseline"), ("up", "pd"), ("load", "unloaded", None)]  # the SLO before any P/D load
+    assert rep0[-2:] == [("down", "baseline"), ("down", "pd")]
+    loads = [(target, rate) for _, target, rate in rep0[3:-2]]
+    # rate by rate, the side that goes first alternating: a slow minute falls on both sides of a rate
+    assert loads == [("baseline", 1.0), ("pd", 1.0), ("pd", 2.0), ("baseline", 2.0), ("baseline", 4.0),
+                     ("pd", 4.0)]
+    assert [e for e in timeline if e[0] == "up"] == [("up", "baseline"), ("up", "pd"), ("up", "pd"),
+                                                    ("up", "baseline")]  # the order flips every repetition
+    # the same results as each alone: the same prompts, the same arithmetic
+    assert out["pd"]["sustained_req_s"] == 2.0 and out["baseline"]["sustained_req_s"] == 1.0
+    assert out["beside"]["repetitions_up_at_once"] == 2 and out["beside"]["why_not"] is None
+    assert all(v == 0.02 for rep in out["beside"]["idle_cores"] for v in rep.values())
+    assert any("all up at once; idle, the busiest process used 0.020 cores" in p for p in phases)
+    c = Console(record=True, width=200)
+    render.goodput(c, out)
+    assert "both up at once, taking turns rate by rate; idle, the busiest process used 0.020 cores" in \
+        c.export_text()
+
+
+@pytest.mark.parametrize("idle, beside, engine, why", [
+    (0.08, True, "local", "an idle process used 0.080 cores (> 0.05)"),  # an idle side that spins is not idle
+    (0.02, True, "ray", "the ray engine's processes are not measured here"),
+    (0.02, False, "local", "not asked"),
+])
+def test_each_deployment_comes_up_alone_when_up_at_once_is_refused(tmp_path, monkeypatch, idle, beside, engine, why):
+    from rich.console import Console
+
+    from pdctl import render
+
+    out, timeline, phases = _side_by_side(tmp_path, monkeypatch, idle, beside, engine)
+    ups = [i for i, e in enumerate(timeline) if e[0] == "up"]
+    assert len(ups) == (6 if why.startswith("an idle") else 4)  # refused once both were up: down, then alone
+    up_now = set()
+    for e in timeline[ups[-4]:]:  # the two repetitions' four bring-ups: one deployment up at a time
+        if e[0] == "up":
+            assert not up_now
+            up_now.add(e[1])
+        elif e[0] == "down":
+            up_now.remove(e[1])
+        else:
+            assert e[1] in up_now | {"unloaded"}
+    assert out["beside"]["why_not"] == why and out["beside"]["repetitions_up_at_once"] == 0
+    assert out["pd"]["sustained_req_s"] == 2.0 and out["baseline"]["sustained_req_s"] == 1.0
+    c = Console(record=True, width=200)
+    render.goodput(c, out)
+    said = "each brought up alone in turn: " + why
+    assert (said in c.export_text()) == (why != "not asked")
+
+
+def test_deployments_may_be_up_at_once_only_on_this_hosts_cpus_and_their_own_ports(tmp_path):
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    t = loaded.topology
+    pd = build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
+    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py")
+    assert goodput_run.beside_refusal([base, pd], "local") is None  # the baseline sits on its own ports
+    # Negative controls: the same ports twice, another engine, accelerators sharing device memory.
+    assert goodput_run.beside_refusal([pd, pd], "local") == \
+        "prefill-0 (cpu-demo) and prefill-0 (cpu-demo) both listen on 127.0.0.1:8100"
+    assert goodput_run.beside_refusal([base, pd], "slurm") == "the slurm engine's processes are not measured here"
+    gpu = load_topology(CONFIGS / "cuda-to-gaudi.yaml")
+    g = gpu.topology
+    plans = [baseline_plan(g, base_dir=gpu.base_dir, state_dir=tmp_path / "gb", python="py"),
+             build_plan(g, base_dir=gpu.base_dir, state_dir=tmp_path / "gs", python="py")]
+    assert goodput_run.beside_refusal(plans, "local") == "cuda, hpu servers would share device memory"

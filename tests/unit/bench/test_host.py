@@ -25,3 +25,24 @@ def test_a_host_without_proc_stat_reports_no_steal(tmp_path):
     assert host.cpu_times(tmp_path / "absent") is None
     (tmp_path / "stat").write_text(STAT)
     assert host.cpu_times(tmp_path / "stat").steal == 120
+
+
+def test_a_process_groups_cpu_time_sums_its_members_user_and_system_ticks(tmp_path):
+    import os
+
+    hz = os.sysconf("SC_CLK_TCK")
+
+    def proc(pid, pgid, utime, stime, comm="python3 (x)"):
+        # /proc/<pid>/stat: pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        (tmp_path / str(pid)).mkdir()
+        fields = f"S 1 {pgid} {pgid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0"
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) {fields}\n")
+
+    proc(10, 10, 3 * hz, hz)
+    proc(11, 10, hz, 0, comm="VLLM::EngineCore)")  # a ')' in the name does not shift the fields
+    proc(12, 99, 50 * hz, 0)  # another group: not counted
+    (tmp_path / "self").mkdir()
+    assert host.group_cpu_seconds(10, tmp_path) == 5.0
+    assert host.group_cpu_seconds(99, tmp_path) == 50.0
+    assert host.group_cpu_seconds(7, tmp_path) is None  # no such group: unknown, not zero
+    assert host.group_cpu_seconds(10, tmp_path / "absent") is None
