@@ -13,7 +13,6 @@ Usage: python scripts/bench_kv.py [--tokens 1024] [--layers 28] [--idle] [--out 
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -114,22 +113,9 @@ def case(layout_name: str, pb: int, db: int, tokens: int, layers: int, nixl: Nix
     return row
 
 
-def cpu_seconds(pgid: int) -> float:
-    """CPU time (user + system, every thread) of every process in a process group so far."""
-    from pdctl.launch.local import group_members
-
-    ticks = 0
-    for pid in group_members(pgid):
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(f[11]) + int(f[12])  # utime + stime, all threads of the process
-        except OSError:
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cpu(seconds: float = 10.0) -> list[dict]:
     """Idle CPU (cores) of each real server under three NIXL progress settings."""
+    from pdctl.bench.host import group_cpu_seconds
     from pdctl.launch import run as run_mod
     from pdctl.launch.local import LocalEngine
     from pdctl.plan import build_plan
@@ -150,10 +136,11 @@ def idle_cpu(seconds: float = 10.0) -> list[dict]:
         try:
             time.sleep(5)
             groups = {n: r.pgid for n, r in state.processes.items() if n != "proxy"}
-            before = {n: cpu_seconds(g) for n, g in groups.items()}
+            before = {n: group_cpu_seconds(g) for n, g in groups.items()}
             time.sleep(seconds)
             for n, g in groups.items():
-                rows.append({"setting": name, "instance": n, "idle_cores": (cpu_seconds(g) - before[n]) / seconds})
+                used = group_cpu_seconds(g) - before[n]
+                rows.append({"setting": name, "instance": n, "idle_cores": used / seconds})
         finally:
             run_mod.down(state, engine)
     return rows

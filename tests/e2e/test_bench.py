@@ -3,7 +3,7 @@ load's requests followed stage by stage (--breakdown)."""
 
 import json
 
-from pdctl.bench import goodput
+from pdctl.bench import goodput, goodput_run
 from tests.conftest import CONFIGS, SHARED
 from tests.e2e.conftest import pdctl
 
@@ -35,10 +35,11 @@ def test_bench_p32_d128_end_to_end(tmp_path):
 
 
 def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
-    """`pdctl bench --goodput` on real servers: --slo auto measured on one unloaded baseline instance first, then
-    the baseline (two aggregated servers on the P/D pair's two cores behind pdctl's proxy) and the P/D topology at
-    the same offered rate with the same prompts. One rate, one repetition, few requests: the path, not a finding
-    (docs/benchmarks.md has the measured one)."""
+    """`pdctl bench --goodput` on real servers: the baseline (two aggregated servers on the P/D pair's two cores
+    behind pdctl's proxy, on ports + 1000) and the P/D topology up at once once their idle CPU is measured, --slo
+    auto measured on one unloaded baseline instance first, then both at the same offered rate with the same
+    prompts. One rate, one repetition, few requests: the path, not a finding (docs/benchmarks.md has the measured
+    one)."""
     r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", "--goodput", "--rates", "3",
               "--requests", "24", "--repeat", "1", "--prompt-len", "512", "--max-tokens", "16",
               "--results", tmp_path / "res", "--state-dir", tmp_path / "state", "--json", timeout=900)
@@ -47,6 +48,14 @@ def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
     g = json.loads(r.stdout)["goodput"]
     assert g["slo"]["origin"].startswith("auto") and g["unloaded"]["requests"] == 20
     assert g["slo"]["ttft_ms"] == round(5 * g["unloaded"]["ttft_ms_p50"], 1)
+    # Up at once only as the idle CPU of every server and proxy of both allows (0.002-0.026 cores measured on the
+    # AMX host): the decision follows the measurement, and is said.
+    (idle,) = g["beside"]["idle_cores"]
+    assert len(idle) == 6 and all(v >= 0 for v in idle.values()), idle
+    if max(idle.values()) <= goodput_run.IDLE_CORES_MAX:
+        assert g["beside"]["repetitions_up_at_once"] == 1 and "all up at once; idle" in r.stderr, g["beside"]
+    else:
+        assert g["beside"]["why_not"].startswith("an idle process used") and "up at once refused" in r.stderr
     out = tmp_path / "res" / "goodput"
     for side in ("pd", "baseline"):
         assert set(g[side]["attainment_median"]) == {"3"}
