@@ -420,7 +420,7 @@ def baseline_plan(t: Topology, *, base_dir: Path, state_dir: Path, python: str =
     treatment, host and ports), behind pdctl's proxy in aggregated mode (no --prefill) with the topology's routing
     policy and timeouts on the proxy's host. Every port is the topology's moved by BESIDE_PORTS, so the two can be
     up at once on one host (bench --goodput, once their idle CPU is measured): a client sends the same requests to
-    the proxy's port + 1000."""
+    the proxy's port + 1000 (- 1000 near the top of the port range)."""
     t = t.ports_moved(BESIDE_PORTS if max(_ports(t)) + BESIDE_PORTS <= 65535 else -BESIDE_PORTS)
     logs = state_dir / "logs"
     servers = _servers(t, base_dir, logs, python, baseline=True)
