@@ -30,10 +30,10 @@ DATA_ARGS=()
 [ -f "$DATA/test.jsonl" ] && DATA_ARGS=(--data-dir "$DATA")
 # Two operating points: one request at a time, P/D pays the hand-over (TTFT, TPOT against one aggregated
 # server); under load on the same two cores, which sustains the higher request rate within the SLOs (goodput,
-# against two aggregated servers on those cores): P/D on some hosts, the pair on others (docs/benchmarks.md). Its rates span where a 2-core host's aggregated pair
-# and P/D reach their limits (3-7 req/s measured on AMD and Intel hosts), the same rates for both sides; the run is
-# short (one repetition, 60 requests per rate): `pdctl bench --goodput` without the flags below is the measurement
-# to decide on.
+# against two aggregated servers on those cores): P/D on some hosts, the pair on others (docs/benchmarks.md).
+# Its rates span where a 2-core host's aggregated pair and P/D reach their limits (3-7 req/s measured on AMD and
+# Intel hosts), the same rates for both sides; the run is short (one repetition, 60 requests per rate):
+# `pdctl bench --goodput` without the flags below is the measurement to decide on.
 step "pdctl bench: up -> parity -> gsm8k accuracy (limit 10) -> P/D overhead at one request at a time -> down"
 $PDCTL bench "$TOPO" "${DATA_ARGS[@]}" --limit 10 --requests 16 --concurrency 1
 step "pdctl bench --goodput: P/D vs aggregated on the same two cores, 2048-token prompts, SLO from the unloaded baseline"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pdctl.bench import goodput, host, load
@@ -24,6 +24,8 @@ from pdctl.plan import Plan
 from pdctl.topology import Loaded, resolved_model
 
 UNLOADED_REQUESTS = 20  # --slo auto: one baseline instance at concurrency 1
+IDLE_CORES_MAX = 0.05  # the most one idle server may use while the deployment beside it is measured
+IDLE_SETTLE_S, IDLE_WINDOW_S = 2.0, 5.0  # after the last bring-up: wait, then read each process group's CPU time
 
 
 def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, out_dir: Path, o: BenchOptions,
@@ -40,10 +42,6 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, 
     out["plots"] = [str(x) for x in plots(out, out_dir / "goodput")]
     (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
     return out
-
-
-IDLE_CORES_MAX = 0.05  # the most one idle server may use while the deployment beside it is measured
-IDLE_SETTLE_S, IDLE_WINDOW_S = 2.0, 5.0  # after the last bring-up: wait, then read each process group's CPU time
 
 
 def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine, out_dir: Path,
@@ -167,12 +165,8 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                     phase(f"  all up at once; idle, the busiest process used {worst:.3f} cores "
                           f"(<= {IDLE_CORES_MAX})")
                     running = [ready(n, rep) for n in order]
-                    turn = 0
-                    while active := [leg for leg in running if leg.rate is not None]:
-                        k = turn % len(active)  # who goes first rotates from one round of rates to the next
-                        for leg in active[k:] + active[:k]:
-                            point(leg, rep)
-                        turn += 1
+                    for leg in _turns(running):
+                        point(leg, rep)
                     for leg in running:
                         legs[leg.name].append(leg.result())
                     at_once += 1
@@ -237,6 +231,16 @@ class _Leg:
     def result(self) -> dict:
         return {"points": {f"{r:g}": a for r, a in self.points.items()}, "stats": self.stats,
                 "sustained": goodput.sustained(self.points), "requests": self.requests}
+
+
+def _turns(legs: list[_Leg]) -> Iterator[_Leg]:
+    """Rounds of one point per deployment that still has a rate to run, until none has; who goes first rotates
+    from one round to the next."""
+    turn = 0
+    while active := [leg for leg in legs if leg.rate is not None]:
+        k = turn % len(active)
+        yield from active[k:] + active[:k]
+        turn += 1
 
 
 def beside_refusal(plans: list[Plan], engine_name: str) -> str | None:
