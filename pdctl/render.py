@@ -429,6 +429,7 @@ def goodput(out: Console, g: dict) -> None:
                                 *(fmt(st.get(f"tpot_ms_p{q}"), ".1f") for q in (50, 90, 99)),
                                 "-" if steal is None else f"{100 * steal:.0f}%")
         out.print(lat)
+    _cores_table(out, g, rates, stats)
     _steal_note(out, g, sides)
     cross = g.get("crossover") or {}
     if cross.get("winner") == "baseline":
@@ -481,15 +482,44 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
 
 
+CORE_KEYS = ("cores_busy", "cores_proxy", "cores_pdctl", "cores_idle_max")  # the rest of cores_*: servers by role
+
+
+def _cores_table(out: Console, g: dict, rates: list[float], stats: dict[str, dict]) -> None:
+    """Where the host's cores went at each rate: busy, each role's servers, the proxy, pdctl's load generator, and
+    the busiest idle process beside the side under load (both up at once)."""
+    if not any(v is not None for side in stats.values() for st in side.values() for k, v in st.items()
+               if k.startswith("cores_")):
+        return
+    cpus = g.get("host_cpus")
+    t = Table(box=boxed(out), title="CPU per offered rate (cores" + (f" of {cpus}" if cpus else "")
+              + ", median of the runs)")
+    for col in ("req/s", "side", "busy", "servers", "proxy", "pdctl", "idle beside"):
+        t.add_column(col, overflow="fold")
+    for r in rates:
+        for side, name in (("pd", "P/D"), ("baseline", "agg")):
+            st = stats[side].get(f"{r:g}")
+            if st:
+                servers = " + ".join(f"{k[6:]} {v:.2f}" for k, v in st.items()
+                                     if k.startswith("cores_") and k not in CORE_KEYS and v is not None)
+                t.add_row(f"{r:g}", name, fmt(st.get("cores_busy"), ".2f"), servers or "-",
+                          *(fmt(st.get(k), ".2f") for k in ("cores_proxy", "cores_pdctl")),
+                          fmt(st.get("cores_idle_max"), ".3f"))
+    out.print(t)
+
+
 def _beside_note(out: Console, g: dict) -> None:
-    """How the two were run: up at once (with the idle CPU that allowed it) or in turn (and why)."""
+    """How the two were run: up at once (with the idle CPU that allowed it, before and during the other's load)
+    or in turn (and why)."""
     b = g.get("beside") or {}
     n = b.get("repetitions_up_at_once", 0)
     idle = [x for rep in b.get("idle_cores", [])[:n] for x in rep.values()]  # a refusal ends the at-once runs
     if n:
         which = "" if n == g["repeat"] else f" in {n} of {g['repeat']} repetitions"
+        during = goodput_math.max_idle_beside(g, ("pd", "baseline"))
+        said = "" if during is None else f"; while the other ran its load, at most {during:.3f}"
         out.print(f"both up at once{which}, taking turns rate by rate; idle, the busiest process used "
-                  f"{max(idle):.3f} cores (at most {b['idle_cores_max']:g} allowed)", highlight=False)
+                  f"{max(idle):.3f} cores (at most {b['idle_cores_max']:g} allowed){said}", highlight=False)
     if b.get("why_not") not in (None, "not asked"):
         out.print(f"{'then each' if n else 'each'} brought up alone in turn: {b['why_not']}", highlight=False)
 

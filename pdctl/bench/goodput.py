@@ -157,13 +157,21 @@ def point_stats(requests: Sequence[RequestTimes], slo: Slo, duration_s: float) -
     return out
 
 
+def _most(g: dict, sides: tuple[str, ...], key: str, *more: float | None) -> float | None:
+    """The highest value of one statistic over every point these deployments ran (and `more`), None if unknown."""
+    seen = [st.get(key) for side in sides for run in g[side].get("runs", ()) for st in run.get("stats", {}).values()]
+    known = [x for x in (*seen, *more) if x is not None]
+    return max(known) if known else None
+
+
 def max_steal(g: dict, sides: tuple[str, ...]) -> float | None:
     """The highest CPU steal any point of these deployments (or the unloaded SLO measurement) ran under."""
-    seen = [st.get("cpu_steal") for side in sides for run in g[side].get("runs", ())
-            for st in run.get("stats", {}).values()]
-    seen.append((g.get("unloaded") or {}).get("cpu_steal"))
-    known = [x for x in seen if x is not None]
-    return max(known) if known else None
+    return _most(g, sides, "cpu_steal", (g.get("unloaded") or {}).get("cpu_steal"))
+
+
+def max_idle_beside(g: dict, sides: tuple[str, ...]) -> float | None:
+    """The most CPU any idle process used while a deployment beside it ran a point (both up at once)."""
+    return _most(g, sides, "cores_idle_max")
 
 
 def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:

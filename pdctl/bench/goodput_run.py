@@ -4,11 +4,13 @@ vLLM's serving benchmark; the share of requests within the SLOs per rate, and th
 interleaved (baseline first, so `--slo auto` is fixed before any P/D number exists; then the order flips every
 repetition), medians reported. On this host's CPUs both are up at once and take turns rate by rate, once each idle
 process is measured using at most IDLE_CORES_MAX cores (a slow minute of a shared host then falls on both sides of
-a rate); otherwise each is brought up alone in turn."""
+a rate); otherwise each is brought up alone in turn. Every point also records where this host's cores went: busy
+cores, each role's servers and proxy, pdctl's own load generator, and the busiest idle process beside it."""
 
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -97,7 +99,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     def failed(name: str, why: str) -> None:
         legs[name].append({"points": {}, "stats": {}, "sustained": None, "requests": {}, "failed": why})
 
-    def ready(name: str, rep: int) -> _Leg:
+    def ready(name: str, rep: int, st: LaunchState) -> _Leg:
         """The SLO (on the baseline's first instance, before any other number), on_up, then the deployment's rates."""
         nonlocal slo, unloaded
         plan = deployments[name]
@@ -114,24 +116,27 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
             phase(f"SLO: {slo}{_steal_said(steal)}")
         if on_up is not None:
             on_up(name, rep, plan)
-        return _Leg(name, plan.by_role("proxy")[0].http_url, (rates_for or {}).get(name, o.rates), until_miss)
+        return _Leg(name, plan.by_role("proxy")[0].http_url, (rates_for or {}).get(name, o.rates), until_miss,
+                    _groups(st))
 
-    def point(leg: _Leg, rep: int) -> None:
+    def point(leg: _Leg, rep: int, beside_it: dict[str, int] | None = None) -> None:
+        """One rate on one deployment; beside_it: the process groups of the deployments up and idle meanwhile."""
         assert slo is not None
         rate = leg.rate
         assert rate is not None
         w, arrivals = prompts((rep, rate), o.requests)
-        before = host.cpu_times()
+        before = _cpu_reading(leg.groups, beside_it or {})
         r = load.run_load(leg.name, leg.url, model, w, o.max_tokens, 1, request_rate=rate, seed=arrivals,
                           headers=headers)
-        steal = host.steal_share(before, host.cpu_times())
+        cpu = _cpu_used(before, _cpu_reading(leg.groups, beside_it or {}))
         times = goodput.request_times(r.vllm)
         leg.record(rate, goodput.attainment(times, slo),
-                   goodput.point_stats(times, slo, r.duration_s) | {"cpu_steal": steal},
+                   goodput.point_stats(times, slo, r.duration_s) | cpu,
                    [[x.ttft_ms, x.tpot_ms] for x in times])
         (out_dir / "goodput" / f"{leg.name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
         phase(f"  {leg.name} at {rate:g} req/s: {leg.points[rate]:.0%} of {o.requests} within the SLO "
-              f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms){_steal_said(steal)}")
+              f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms{_busy_said(cpu)})"
+              f"{_steal_said(cpu['cpu_steal'])}")
 
     (out_dir / "goodput").mkdir(parents=True, exist_ok=True)
     legs: dict[str, list[dict]] = {n: [] for n in names}
@@ -164,9 +169,11 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                 else:
                     phase(f"  all up at once; idle, the busiest process used {worst:.3f} cores "
                           f"(<= {IDLE_CORES_MAX})")
-                    running = [ready(n, rep) for n in order]
+                    running = [ready(n, rep, states[n]) for n in order]
+                    everyone = {n: _groups(st) for n, st in states.items()}
                     for leg in _turns(running):
-                        point(leg, rep)
+                        point(leg, rep, {f"{n}/{p}": g for n, gs in everyone.items() if n != leg.name
+                                         for p, (_, g) in gs.items()})
                     for leg in running:
                         legs[leg.name].append(leg.result())
                     at_once += 1
@@ -180,7 +187,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                 failed(name, st)
                 continue
             try:
-                leg = ready(name, rep)
+                leg = ready(name, rep, st)
                 while leg.rate is not None:
                     point(leg, rep)
             finally:
@@ -190,7 +197,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     out: dict = {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "origin": slo.origin},
                  "unloaded": unloaded, "requests_per_rate": o.requests, "repeat": o.repeat,
                  "dataset": o.dataset, "prompt_len": o.prompt_len, "max_tokens": o.max_tokens, "seed": seed,
-                 "attainment_target": goodput.ATTAINMENT, "deployments": names,
+                 "attainment_target": goodput.ATTAINMENT, "deployments": names, "host_cpus": host.cpu_count(),
                  "beside": {"repetitions_up_at_once": at_once, "why_not": why_apart, "idle_cores": idle_seen,
                             "idle_cores_max": IDLE_CORES_MAX}}
     for name, runs in legs.items():
@@ -208,8 +215,10 @@ class _Leg:
     """One deployment's rates in one repetition: its explicit rates in order (stopping at its first miss when
     until_miss), or the search (goodput.next_rate) when it has none."""
 
-    def __init__(self, name: str, url: str, rates: tuple[float, ...] | None, until_miss: bool):
+    def __init__(self, name: str, url: str, rates: tuple[float, ...] | None, until_miss: bool,
+                 groups: dict[str, tuple[str, int]] | None = None):
         self.name, self.url, self.rates, self.until_miss = name, url, rates, until_miss
+        self.groups = groups or {}  # process name -> (role, process group): whose CPU a point reads
         self.points: dict[float, float] = {}
         self.stats: dict[str, dict] = {}
         self.requests: dict[str, list] = {}
@@ -260,6 +269,46 @@ def beside_refusal(plans: list[Plan], engine_name: str) -> str | None:
                     return f"{seen[key][1]} and {s.name} ({p.name}) both listen on {s.host}:{port}"
                 seen[key] = (k, f"{s.name} ({p.name})")
     return None
+
+
+def _busy_said(cpu: dict) -> str:
+    busy, cpus = cpu.get("cores_busy"), host.cpu_count()
+    return "" if busy is None or not cpus else f", {busy:.2f} of {cpus} cores busy"
+
+
+def _groups(st: LaunchState) -> dict[str, tuple[str, int]]:
+    """Each process of a launched deployment: its role (prefill, decode, baseline, proxy) and process group."""
+    roles = {p.name: p.role for p in st.plan.processes}
+    return {name: (roles.get(name, name), rec.pgid) for name, rec in st.processes.items()}
+
+
+def _cpu_reading(groups: dict[str, tuple[str, int]], idle: dict[str, int]) -> dict:
+    """CPU seconds so far: the host's ticks, each process group of the deployment under load and of those idle
+    beside it, and pdctl's own process (the load generator's client)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return {"at": time.monotonic(), "host": host.cpu_times(), "own": own.ru_utime + own.ru_stime,
+            "groups": {name: (role, host.group_cpu_seconds(g)) for name, (role, g) in groups.items()},
+            "idle": {name: host.group_cpu_seconds(g) for name, g in idle.items()}}
+
+
+def _cpu_used(before: dict, after: dict) -> dict:
+    """A point's CPU between two readings, as stats keys: steal, busy cores, cores per role (summed over its
+    processes; a group /proc could not read both times is left out), pdctl's own, and the busiest idle process."""
+    span = after["at"] - before["at"]
+    out: dict[str, float | None] = {"cpu_steal": host.steal_share(before["host"], after["host"]),
+                                    "cores_busy": host.busy_cores(before["host"], after["host"])}
+    if span <= 0:
+        return out
+    for name, (role, used) in after["groups"].items():
+        was = before["groups"].get(name, (role, None))[1]
+        if used is not None and was is not None:
+            out[f"cores_{role}"] = (out.get(f"cores_{role}") or 0.0) + max(0.0, used - was) / span
+    out["cores_pdctl"] = max(0.0, after["own"] - before["own"]) / span
+    idle = [(used - before["idle"][n]) / span for n, used in after["idle"].items()
+            if used is not None and before["idle"].get(n) is not None]
+    if idle:
+        out["cores_idle_max"] = max(idle)
+    return out
 
 
 def _idle_cores(states: dict[str, LaunchState]) -> dict[str, float]:

@@ -63,9 +63,11 @@ class FakeServers:
         self.current = None
 
     def up(self, plan, engine, attached, timeout_s):
+        from pdctl.launch.state import LaunchState
+
         self.current = "pd" if plan.by_role("decode") else "baseline"
         self.legs.append(self.current)
-        return plan
+        return LaunchState(plan)  # no processes: no CPU to read
 
     def down(self, state, engine):
         self.current = None
@@ -168,10 +170,10 @@ def test_each_point_records_this_hosts_cpu_steal_and_the_report_says_when_neighb
 
     def readings(steal_per_run):
         # two readings per run (before, after), 1000 ticks apart; the steal in between as given
-        ticks = host.CpuTimes(0, 0)
+        ticks = host.CpuTimes(0, 0, 0, 2)
         for s in steal_per_run:
             yield ticks
-            ticks = host.CpuTimes(ticks.steal + int(1000 * s), ticks.total + 1000)
+            ticks = host.CpuTimes(ticks.steal + int(1000 * s), ticks.total + 1000, ticks.idle, 2)
             yield ticks
 
     def report(steal_per_run):
@@ -237,6 +239,7 @@ def test_the_goodput_report_shows_latency_percentiles_goodput_and_where_pd_pays(
     assert "P/D pays from 4 req/s offered" in flat and "plots: g/a.png" in flat
     assert "4 P/D 220 440 660 4.1 8.2 12.3" in flat and "4 agg 160 320 480 7.3 14.6 21.9" in flat
     assert "3.80" in flat and "1.92" in flat  # goodput per side
+    assert "CPU per offered rate" not in flat  # no CPU read (another engine's processes): no table of zeros
     c = Console(record=True, width=100)
     render.goodput(c, {**g, "crossover": {"from_req_s": None, "winner": "baseline"}})
     assert "P/D does not pay here" in " ".join(c.export_text().split())
@@ -278,7 +281,9 @@ def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], fail: tuple = (), 
 
             raise LaunchFailed("decode-0", "warm-up probe of pair prefill-0 -> decode-0: read timed out", None)
         fake.capacity[fake.current] = capacity[fake.current]
-        return plan
+        from pdctl.launch.state import LaunchState
+
+        return LaunchState(plan)
 
     monkeypatch.setattr(goodput_run.run_mod, "up", up)
     monkeypatch.setattr(goodput_run.run_mod, "down", fake.down)
@@ -472,3 +477,108 @@ def test_deployments_may_be_up_at_once_only_on_this_hosts_cpus_and_their_own_por
     plans = [baseline_plan(g, base_dir=gpu.base_dir, state_dir=tmp_path / "gb", python="py"),
              build_plan(g, base_dir=gpu.base_dir, state_dir=tmp_path / "gs", python="py")]
     assert goodput_run.beside_refusal(plans, "local") == "cuda, hpu servers would share device memory"
+
+
+# -- where the cores went at each point ---------------------------------------------------------------------------
+
+
+def _reading(at, busy_ticks, groups, idle, own):
+    from pdctl.bench import host
+
+    # 2 CPUs, 1000 ticks (both together) per second of wall time; busy_ticks of them not idle
+    return {"at": at, "host": host.CpuTimes(steal=0, total=1000 * at, idle=1000 * at - busy_ticks, cpus=2),
+            "own": own, "groups": groups, "idle": idle}
+
+
+def test_a_points_cores_are_each_roles_processes_summed_over_the_wall_time_between_two_readings():
+    before = _reading(10, 0, {"prefill-0": ("prefill", 5.0), "decode-0": ("decode", 7.0), "proxy": ("proxy", 1.0)},
+                      {"baseline/baseline-prefill-0": 3.0, "baseline/baseline-proxy": 0.5}, own=2.0)
+    after = _reading(20, 8000, {"prefill-0": ("prefill", 9.0), "decode-0": ("decode", 16.0),
+                                 "proxy": ("proxy", 1.5)},
+                     {"baseline/baseline-prefill-0": 3.2, "baseline/baseline-proxy": 0.6}, own=3.0)
+    cpu = goodput_run._cpu_used(before, after)
+    assert cpu == pytest.approx({"cpu_steal": 0.0, "cores_busy": 1.6, "cores_prefill": 0.4, "cores_decode": 0.9,
+                                 "cores_proxy": 0.05, "cores_pdctl": 0.1, "cores_idle_max": 0.02})
+    # two servers of one role add up (the baseline's two aggregated servers)
+    before["groups"] = {"a": ("baseline", 1.0), "b": ("baseline", 2.0)}
+    after["groups"] = {"a": ("baseline", 4.0), "b": ("baseline", 7.0)}
+    assert goodput_run._cpu_used(before, after)["cores_baseline"] == pytest.approx(0.8)
+    # Negative controls: a group /proc could not read (another engine's, or exited) is left out, not zero; with
+    # nothing beside it there is no idle figure.
+    after["groups"] = {"a": ("baseline", None), "b": ("baseline", 7.0)}
+    after["idle"] = {}
+    cpu = goodput_run._cpu_used(before, after)
+    assert cpu["cores_baseline"] == pytest.approx(0.5) and "cores_idle_max" not in cpu
+
+
+def test_each_point_says_where_the_cores_went_and_how_little_the_idle_side_used_meanwhile(tmp_path, monkeypatch):
+    """Up at once: the side under load's servers by role, its proxy, pdctl's own process and the busiest idle
+    process beside it, per point, in the summary, the report and the progress lines."""
+    from rich.console import Console
+
+    from pdctl import render
+    from pdctl.bench import host
+
+    clock = iter(range(0, 10**6, 10))  # every reading 10 s after the one before
+    seconds: dict[int, float] = {}  # CPU seconds so far per process group, advanced by each load below
+
+    def group_cpu(pgid):
+        return seconds.setdefault(pgid, 0.0)
+
+    fake_time = SimpleNamespace(monotonic=lambda: next(clock), time=lambda: 0.0, sleep=lambda s: None)
+    monkeypatch.setattr(goodput_run, "time", fake_time)
+    monkeypatch.setattr(goodput_run.host, "group_cpu_seconds", group_cpu)
+    ticks = iter(range(0, 10**9, 2000))  # 10 s on 2 CPUs between readings, 40 % of it idle: 1.2 cores busy
+    monkeypatch.setattr(goodput_run.host, "cpu_times", lambda: host.CpuTimes(0, k := next(ticks), k * 2 // 5, 2))
+    monkeypatch.setattr(goodput_run.host, "cpu_count", lambda: 2)
+    pgids = {}
+
+    class Counted(SideBySide):
+        def up(self, plan, engine, attached, timeout_s):
+            st = super().up(plan, engine, attached, timeout_s)
+            for name, rec in st.processes.items():
+                rec.pgid = pgids.setdefault((self.timeline[-1][1], name), 1000 + len(pgids))
+            return st
+
+        def run_load(self, target, url, model, w, max_tokens, concurrency, request_rate=None, seed=0, headers=None):
+            # between two readings (10 s): the side under load's servers use 0.5 cores each and its proxy 0.05,
+            # every process of the idle side 0.001
+            for (side, name), g in pgids.items():
+                busy = side == target and request_rate is not None
+                per = (0.05 if "proxy" in name else 0.5) if busy else 0.001
+                seconds[g] = seconds.get(g, 0.0) + 10 * per
+            return super().run_load(target, url, model, w, max_tokens, concurrency, request_rate, seed, headers)
+
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    t = loaded.topology
+    pd = build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
+    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py")
+    fake = Counted({"pd": 3.0, "baseline": 1.5}, 0.02)
+    for name, fn in (("up", fake.up), ("down", fake.down)):
+        monkeypatch.setattr(goodput_run.run_mod, name, fn)
+    monkeypatch.setattr(goodput_run, "_idle_cores", fake.idle_cores)
+    monkeypatch.setattr(goodput_run.load, "run_load", fake.run_load)
+    monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
+    phases = []
+    o = BenchOptions(goodput=True, rates=(1.0, 2.0), repeat=1, requests=10).resolved()
+    out = goodput_run.run_goodput(loaded, pd, base, SimpleNamespace(name="local"), tmp_path, o, phases.append,
+                                  beside=True)
+    pd_at_1, base_at_1 = out["pd"]["runs"][0]["stats"]["1"], out["baseline"]["runs"][0]["stats"]["1"]
+    assert pd_at_1["cores_prefill"] == pytest.approx(0.5) and pd_at_1["cores_decode"] == pytest.approx(0.5)
+    assert pd_at_1["cores_proxy"] == pytest.approx(0.05) and "cores_baseline" not in pd_at_1
+    assert base_at_1["cores_baseline"] == pytest.approx(1.0)  # its two aggregated servers
+    assert pd_at_1["cores_idle_max"] == pytest.approx(0.001) == base_at_1["cores_idle_max"]
+    assert out["host_cpus"] == 2 and out["pd"]["stats_median"]["2"]["cores_decode"] == pytest.approx(0.5)
+    c = Console(record=True, width=120)
+    render.goodput(c, out)
+    text = " ".join(c.export_text().split())
+    assert "CPU per offered rate (cores of 2" in text and "1.20" in text
+    assert any(p.startswith("  pd at 1 req/s") and "1.20 of 2 cores busy" in p for p in phases)
+    assert "prefill 0.50 + decode 0.50" in text and "baseline 1.00" in text
+    assert "while the other ran its load, at most 0.001" in text
+    # Negative control: a point whose idle side got busy says so, not the measurement before the load.
+    out["pd"]["runs"][0]["stats"]["2"]["cores_idle_max"] = 0.3
+    c = Console(record=True, width=200)
+    render.goodput(c, out)
+    assert "while the other ran its load, at most 0.300" in " ".join(c.export_text().split())
