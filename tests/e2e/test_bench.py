@@ -56,6 +56,15 @@ def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
         assert g["beside"]["repetitions_up_at_once"] == 1 and "all up at once; idle" in r.stderr, g["beside"]
     else:
         assert g["beside"]["why_not"].startswith("an idle process used") and "up at once refused" in r.stderr
+    # Where the cores went, read from /proc for the real processes: each side's servers by role and its proxy did
+    # the work; with both up, the other side's busiest process used less than the loaded side's servers.
+    cores = {side: g[side]["runs"][0]["stats"]["3"] for side in ("pd", "baseline")}
+    assert 0 < cores["pd"]["cores_busy"] <= g["host_cpus"], cores
+    assert cores["pd"]["cores_prefill"] > 0 and cores["pd"]["cores_decode"] > 0 and cores["pd"]["cores_proxy"] > 0
+    assert cores["baseline"]["cores_baseline"] > 0 and "cores_decode" not in cores["baseline"], cores
+    if g["beside"]["repetitions_up_at_once"]:
+        assert cores["pd"]["cores_idle_max"] < cores["pd"]["cores_prefill"] + cores["pd"]["cores_decode"]
+    assert f" of {g['host_cpus']} cores busy" in r.stderr  # each point's progress line says it
     out = tmp_path / "res" / "goodput"
     for side in ("pd", "baseline"):
         assert set(g[side]["attainment_median"]) == {"3"}
