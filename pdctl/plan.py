@@ -37,6 +37,7 @@ KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # How each platform is told which devices an instance owns.
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # CPU: the cores of each TP rank's threads, '0|1' (vLLM also takes 0-3)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,22 @@ class ProcessSpec:
     @property
     def http_url(self) -> str:
         return f"http://{connect_host(self.host)}:{self.ports['http']}"
+
+    @property
+    def bound_cores(self) -> int | None:
+        """How many CPU cores a CPU server's worker threads are bound to (its pool's devices; a pool's own env may
+        name them too); None when unbound or not a CPU server."""
+        spec = self.env.get(CPU_BIND_ENV) if self.platform == "cpu" else None
+        if not spec or spec in ("auto", "all", "nobind"):
+            return None
+        cores: set[int] = set()
+        try:
+            for part in spec.replace("|", ",").split(","):
+                lo, _, hi = part.strip().partition("-")
+                cores.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            return None
+        return len(cores)
 
     @property
     def side_channel(self) -> tuple[str, int] | None:
@@ -267,7 +284,7 @@ def _server_env(t: Topology, pool: Pool, index: int, queue_spin: float | None = 
         # One OpenMP thread group per TP rank, each on its own cores ('0|1' for TP 2); without a list vLLM
         # binds automatically and two instances on one host fight over the same cores.
         if devices:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(d) for d in devices)
+            env[CPU_BIND_ENV] = "|".join(str(d) for d in devices)
     elif devices is not None:
         env[DEVICE_ENV[pool.platform]] = ",".join(str(d) for d in devices)
     if pool.net_devices:

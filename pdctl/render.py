@@ -506,6 +506,13 @@ def _cores_table(out: Console, g: dict, rates: list[float], stats: dict[str, dic
                           *(fmt(st.get(k), ".2f") for k in ("cores_proxy", "cores_pdctl")),
                           fmt(st.get("cores_idle_max"), ".3f"))
     out.print(t)
+    for side, role, rate, used, bound in goodput_math.beyond_bound_cores(g, ("pd", "baseline")):
+        who = "P/D's" if side == "pd" else "the aggregated deployment's"
+        out.print(f"{who} {role} servers used {used:.2f} cores at {rate:g} req/s, more than the {bound} their "
+                  f"workers are bound to: at least {used - bound:.2f} of it (API servers, engine cores) ran on other "
+                  "servers' cores"
+                  + (f" (a layout with more {role} cores: pdctl sweep --goodput)" if side == "pd" else ""),
+                  highlight=False)
 
 
 def _beside_note(out: Console, g: dict) -> None:

@@ -174,6 +174,23 @@ def max_idle_beside(g: dict, sides: tuple[str, ...]) -> float | None:
     return _most(g, sides, "cores_idle_max")
 
 
+def beyond_bound_cores(g: dict, sides: tuple[str, ...]) -> list[tuple[str, str, float, float, int]]:
+    """Per deployment and server role: the lowest offered rate at which its servers used more cores (median of the
+    repetitions) than their workers are bound to: (side, role, rate, cores used, cores bound). Their unbound
+    processes (API servers, engine cores) then take time from the cores of other roles' servers."""
+    found = []
+    for side in sides:
+        bound = (g.get("bound_cores") or {}).get(side, {})
+        by_rate = sorted(g[side].get("stats_median", {}).items(), key=lambda kv: float(kv[0]))
+        for role, n in bound.items():
+            for rate, st in by_rate:
+                used = st.get(f"cores_{role}")
+                if used is not None and used > n:
+                    found.append((side, role, float(rate), used, n))
+                    break
+    return found
+
+
 def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:
     """Where P/D starts to pay, from the attainment per offered rate of each side (rates tried on both only).
     `winner`: the side that sustains the higher rate (goodput's verdict; "tie" when equal). `from_req_s`: among

@@ -198,6 +198,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                  "unloaded": unloaded, "requests_per_rate": o.requests, "repeat": o.repeat,
                  "dataset": o.dataset, "prompt_len": o.prompt_len, "max_tokens": o.max_tokens, "seed": seed,
                  "attainment_target": goodput.ATTAINMENT, "deployments": names, "host_cpus": host.cpu_count(),
+                 "bound_cores": {name: _bound_cores(plan) for name, plan in deployments.items()},
                  "beside": {"repetitions_up_at_once": at_once, "why_not": why_apart, "idle_cores": idle_seen,
                             "idle_cores_max": IDLE_CORES_MAX}}
     for name, runs in legs.items():
@@ -274,6 +275,21 @@ def beside_refusal(plans: list[Plan], engine_name: str) -> str | None:
 def _busy_said(cpu: dict) -> str:
     busy, cpus = cpu.get("cores_busy"), host.cpu_count()
     return "" if busy is None or not cpus else f", {busy:.2f} of {cpus} cores busy"
+
+
+def _bound_cores(plan: Plan) -> dict[str, int]:
+    """Per server role, the CPU cores its servers' workers are bound to; a role with an unbound server is left
+    out (it may use any core)."""
+    out: dict[str, int] = {}
+    unbound: set[str] = set()
+    for p in plan.processes:
+        if p.model is None:  # the proxy, monitoring: not servers
+            continue
+        n = p.bound_cores
+        if n is None:
+            unbound.add(p.role)
+        out[p.role] = out.get(p.role, 0) + (n or 0)
+    return {role: n for role, n in out.items() if role not in unbound}
 
 
 def _groups(st: LaunchState) -> dict[str, tuple[str, int]]:

@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import PurePosixPath
 
-from pdctl.plan import DEVICE_ENV, Plan, ProcessSpec
+from pdctl.plan import CPU_BIND_ENV, DEVICE_ENV, Plan, ProcessSpec
 from pdctl.proxy.config import spec_of, upstream, with_spec
 from pdctl.topology import DEFAULT_POOL, ROLES, Pool, Topology, is_local_path
 from pdctl.topology.transport import UCX_ACROSS_HOSTS, UCX_ONE_HOST
@@ -28,7 +28,7 @@ DEFAULT_IMAGE = "vllm/vllm-openai:v0.11.0"
 MODELS_MOUNT = "/models"
 MODELS_CLAIM = "pdctl-models"
 # Set by the plan for one host; in a pod the device plugin and the kubelet decide these.
-HOST_ONLY_ENV = {"VLLM_CPU_OMP_THREADS_BIND", "UCX_NET_DEVICES", *DEVICE_ENV.values()}
+HOST_ONLY_ENV = {CPU_BIND_ENV, "UCX_NET_DEVICES", *DEVICE_ENV.values()}
 SECRET_KEY = "api-key"  # the key within the topology's Secret (secret_name) that holds the API key
 
 

@@ -129,6 +129,22 @@ def test_platform_device_env():
     assert p.get("prefill-0").env["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+def test_a_cpu_servers_bound_cores_are_counted_from_the_binding_the_plan_gives_it():
+    from dataclasses import replace
+
+    p = _plan("cpu-demo")
+    assert p.get("prefill-0").env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and p.get("prefill-0").bound_cores == 1
+    one = p.get("decode-0")
+    for bind, n in (("0|1", 2), ("0-3|4-7", 8), ("2,3|2", 2)):  # TP ranks' groups; vLLM's ranges; counted once
+        assert replace(one, env={**one.env, "VLLM_CPU_OMP_THREADS_BIND": bind}).bound_cores == n, bind
+    # Negative controls: unbound, vLLM's own choice, a value that names no cores, a proxy, an accelerator server.
+    for bind in (None, "auto", "nobind", "0-x"):
+        env = {k: v for k, v in one.env.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+        assert replace(one, env=env if bind is None else {**env, "VLLM_CPU_OMP_THREADS_BIND": bind}).bound_cores \
+            is None, bind
+    assert p.get("proxy").bound_cores is None and _plan("cuda-to-gaudi").get("prefill-0").bound_cores is None
+
+
 def test_plan_human_output(run_cli):
     code, out, _ = run_cli("plan", CONFIGS / "cpu-demo.yaml")
     assert code == 0

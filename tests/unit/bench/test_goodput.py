@@ -125,3 +125,21 @@ def test_where_both_miss_the_target_who_misses_less_decides_nothing():
     pd = {1: 1.0, 2: 0.98, 3: 0.98, 4: 0.96, 5: 0.82, 6: 0.81, 8: 0.28}
     base = {1: 1.0, 2: 0.96, 3: 0.92, 4: 0.85, 5: 0.75, 6: 0.78, 8: 0.49}
     assert g.crossover(pd, base) == {"from_req_s": None, "winner": "pd"}
+
+
+def test_a_role_beyond_its_bound_cores_is_named_at_the_lowest_rate_where_it_was():
+    def side(**per_rate):
+        return {"stats_median": {rate.lstrip("r"): {f"cores_{k}": v for k, v in used.items()}
+                                 for rate, used in per_rate.items()}}
+
+    run = {"bound_cores": {"pd": {"prefill": 1, "decode": 1}, "baseline": {"baseline": 2}},
+           "pd": side(r4={"prefill": 0.3, "decode": 0.8}, r10={"prefill": 0.6, "decode": 1.04},
+                      r7={"prefill": 0.4, "decode": 1.01}),
+           "baseline": side(r4={"baseline": 1.1}, r14={"baseline": 1.8})}
+    assert g.beyond_bound_cores(run, ("pd", "baseline")) == [("pd", "decode", 7.0, 1.01, 1)]
+    # Negative controls: within the bound everywhere, or a role with no bound (an unbound server may use any core).
+    run["pd"] = side(r4={"prefill": 0.3, "decode": 1.0})
+    assert g.beyond_bound_cores(run, ("pd", "baseline")) == []
+    run["pd"] = side(r4={"prefill": 0.3, "decode": 1.5})
+    run["bound_cores"]["pd"] = {"prefill": 1}
+    assert g.beyond_bound_cores(run, ("pd", "baseline")) == []

@@ -577,6 +577,16 @@ def test_each_point_says_where_the_cores_went_and_how_little_the_idle_side_used_
     assert any(p.startswith("  pd at 1 req/s") and "1.20 of 2 cores busy" in p for p in phases)
     assert "prefill 0.50 + decode 0.50" in text and "baseline 1.00" in text
     assert "while the other ran its load, at most 0.001" in text
+    # 0.5 cores per role within 1 bound core each: nothing said; a role over its bound cores is named at the lowest
+    # rate where it was.
+    assert out["bound_cores"] == {"baseline": {"baseline": 2}, "pd": {"prefill": 1, "decode": 1}}
+    assert "more than the" not in text
+    for rate, used in (("1", 0.9), ("2", 1.3)):
+        out["pd"]["stats_median"][rate]["cores_decode"] = used
+    c = Console(record=True, width=200)
+    render.goodput(c, out)
+    assert "P/D's decode servers used 1.30 cores at 2 req/s, more than the 1 their workers are bound to: at least " \
+        "0.30 of it" in " ".join(c.export_text().split())
     # Negative control: a point whose idle side got busy says so, not the measurement before the load.
     out["pd"]["runs"][0]["stats"]["2"]["cores_idle_max"] = 0.3
     c = Console(record=True, width=200)
