@@ -477,6 +477,7 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
     out.print(f"recommended at this SLO: {rec['best']} ({g['layouts'][rec['best']]}); "
               + (f"the answer changes at {changes} the SLO" if changes else "the same answer at every SLO scaling "
                  "tried"), highlight=False)
+    _beyond_bound_note(out, g, {name: f"layout {name}:" for name in g["deployments"]})
     _steal_note(out, g, tuple(g["deployments"]))
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
@@ -506,12 +507,15 @@ def _cores_table(out: Console, g: dict, rates: list[float], stats: dict[str, dic
                           *(fmt(st.get(k), ".2f") for k in ("cores_proxy", "cores_pdctl")),
                           fmt(st.get("cores_idle_max"), ".3f"))
     out.print(t)
-    for side, role, rate, used, bound in goodput_math.beyond_bound_cores(g, ("pd", "baseline")):
-        who = "P/D's" if side == "pd" else "the aggregated deployment's"
-        out.print(f"{who} {role} servers used {used:.2f} cores at {rate:g} req/s, more than the {bound} their "
+    _beyond_bound_note(out, g, {"pd": "P/D's", "baseline": "the aggregated deployment's"})
+
+
+def _beyond_bound_note(out: Console, g: dict, whose: dict[str, str]) -> None:
+    """A role whose servers used more cores than their workers are bound to, at the lowest rate where it did."""
+    for side, role, rate, used, bound in goodput_math.beyond_bound_cores(g, tuple(whose)):
+        out.print(f"{whose[side]} {role} servers used {used:.2f} cores at {rate:g} req/s, more than the {bound} their "
                   f"workers are bound to: at least {used - bound:.2f} of it (API servers, engine cores) ran on other "
-                  "servers' cores"
-                  + (f" (a layout with more {role} cores: pdctl sweep --goodput)" if side == "pd" else ""),
+                  "servers' cores" + ("" if role == "baseline" else f" (a layout with more {role} cores may pay)"),
                   highlight=False)
 
 

@@ -346,7 +346,13 @@ def test_sweep_goodput_needs_rates_and_renders_the_recommendation(tmp_path, monk
     render.goodput_sweep(c, g.summary, g.refused)
     text = " ".join(c.export_text().split())
     assert "p32-d64 (recommended)" in text and "the answer changes at 0.5x the SLO" in text
-    assert "elsewhere REFUSED" in text
+    assert "elsewhere REFUSED" in text and "more than the" not in text  # no cores read: nothing said of them
+    # a layout's role over its bound cores is named with the layout
+    assert g.summary["bound_cores"]["p64-d64"] == {"prefill": 1, "decode": 1}
+    g.summary["p64-d64"]["stats_median"]["2"]["cores_decode"] = 1.2
+    c = Console(record=True, width=200)
+    render.goodput_sweep(c, g.summary, g.refused)
+    assert "layout p64-d64: decode servers used 1.20 cores at 2 req/s, more than the 1" in c.export_text()
 
 
 def test_a_layout_that_does_not_come_up_is_its_result_and_the_sweep_goes_on(tmp_path, monkeypatch):
