@@ -393,12 +393,13 @@ class SideBySide:
                                duration_s=n / (request_rate or 1.0), to_dict=lambda: {"ttft_ms_p50": ttft * 1e3})
 
 
-def _side_by_side(tmp_path, monkeypatch, idle, beside=True, engine="local"):
+def _side_by_side(tmp_path, monkeypatch, idle, beside=True, engine="local", fake_servers=SideBySide,
+                  rates=(1.0, 2.0, 4.0), repeat=2):
     loaded = load_topology(CONFIGS / "cpu-demo.yaml")
     t = loaded.topology
     pd = build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
     base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py")
-    fake = SideBySide({"pd": 3.0, "baseline": 1.5}, idle)
+    fake = fake_servers({"pd": 3.0, "baseline": 1.5}, idle)
     for name, fn in (("up", fake.up), ("down", fake.down)):
         monkeypatch.setattr(goodput_run.run_mod, name, fn)
     monkeypatch.setattr(goodput_run, "_idle_cores", fake.idle_cores)
@@ -406,7 +407,7 @@ def _side_by_side(tmp_path, monkeypatch, idle, beside=True, engine="local"):
     monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
     phases = []
-    o = BenchOptions(goodput=True, rates=(1.0, 2.0, 4.0), repeat=2, requests=10).resolved()
+    o = BenchOptions(goodput=True, rates=rates, repeat=repeat, requests=10).resolved()
     out = goodput_run.run_goodput(loaded, pd, base, SimpleNamespace(name=engine), tmp_path, o, phases.append,
                                   beside=beside)
     return out, [e[:3] for e in fake.timeline], phases
@@ -555,21 +556,7 @@ def test_each_point_says_where_the_cores_went_and_how_little_the_idle_side_used_
                 seconds[g] = seconds.get(g, 0.0) + 10 * per
             return super().run_load(target, url, model, w, max_tokens, concurrency, request_rate, seed, headers)
 
-    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
-    t = loaded.topology
-    pd = build_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "s", python="py")
-    base = baseline_plan(t, base_dir=loaded.base_dir, state_dir=tmp_path / "b", python="py")
-    fake = Counted({"pd": 3.0, "baseline": 1.5}, 0.02)
-    for name, fn in (("up", fake.up), ("down", fake.down)):
-        monkeypatch.setattr(goodput_run.run_mod, name, fn)
-    monkeypatch.setattr(goodput_run, "_idle_cores", fake.idle_cores)
-    monkeypatch.setattr(goodput_run.load, "run_load", fake.run_load)
-    monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
-    monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
-    phases = []
-    o = BenchOptions(goodput=True, rates=(1.0, 2.0), repeat=1, requests=10).resolved()
-    out = goodput_run.run_goodput(loaded, pd, base, SimpleNamespace(name="local"), tmp_path, o, phases.append,
-                                  beside=True)
+    out, _, phases = _side_by_side(tmp_path, monkeypatch, 0.02, fake_servers=Counted, rates=(1.0, 2.0), repeat=1)
     pd_at_1, base_at_1 = out["pd"]["runs"][0]["stats"]["1"], out["baseline"]["runs"][0]["stats"]["1"]
     assert pd_at_1["cores_prefill"] == pytest.approx(0.5) and pd_at_1["cores_decode"] == pytest.approx(0.5)
     assert pd_at_1["cores_proxy"] == pytest.approx(0.05) and "cores_baseline" not in pd_at_1
