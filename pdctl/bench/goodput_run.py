@@ -293,9 +293,10 @@ def _bound_cores(plan: Plan) -> dict[str, int]:
 
 
 def _groups(st: LaunchState) -> dict[str, tuple[str, int]]:
-    """Each process of a launched deployment: its role (prefill, decode, baseline, proxy) and process group."""
+    """Each process of a launched deployment that runs on this host: its role (prefill, decode, baseline, proxy)
+    and process group (a cluster node's process group id means nothing in this host's /proc)."""
     roles = {p.name: p.role for p in st.plan.processes}
-    return {name: (roles.get(name, name), rec.pgid) for name, rec in st.processes.items()}
+    return {name: (roles.get(name, name), rec.pgid) for name, rec in st.processes.items() if rec.where == "local"}
 
 
 def _cpu_reading(groups: dict[str, tuple[str, int]], idle: dict[str, int]) -> dict:

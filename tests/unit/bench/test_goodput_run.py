@@ -518,6 +518,17 @@ def test_a_points_cores_are_each_roles_processes_summed_over_the_wall_time_betwe
     assert cpu["cores_baseline"] == pytest.approx(0.5) and "cores_idle_max" not in cpu
 
 
+def test_only_this_hosts_processes_are_read_for_cpu():
+    from pdctl.launch.state import LaunchState, ProcessRecord
+
+    loaded = load_topology(CONFIGS / "cpu-demo.yaml")
+    plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/tmp/x"), python="py")
+    st = LaunchState(plan, processes={"prefill-0": ProcessRecord("prefill-0", 11, 11, 0, 0.0),
+                                      "decode-0": ProcessRecord("decode-0", 12, 12, 0, 0.0, where="slurm:node2"),
+                                      "proxy": ProcessRecord("proxy", 13, 13, 0, 0.0)})
+    assert goodput_run._groups(st) == {"prefill-0": ("prefill", 11), "proxy": ("proxy", 13)}
+
+
 def test_each_point_says_where_the_cores_went_and_how_little_the_idle_side_used_meanwhile(tmp_path, monkeypatch):
     """Up at once: the side under load's servers by role, its proxy, pdctl's own process and the busiest idle
     process beside it, per point, in the summary, the report and the progress lines."""
