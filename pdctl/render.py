@@ -431,6 +431,7 @@ def goodput(out: Console, g: dict) -> None:
         out.print(lat)
     _cores_table(out, g, rates, stats)
     _steal_note(out, g, sides)
+    _speed_note(out, g)
     cross = g.get("crossover") or {}
     if cross.get("winner") == "baseline":
         out.print("the aggregated deployment sustains the higher rate at this SLO and workload: P/D does not pay "
@@ -479,6 +480,7 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
                  "tried"), highlight=False)
     _beyond_bound_note(out, g, {name: f"layout {name}:" for name in g["deployments"]})
     _steal_note(out, g, tuple(g["deployments"]))
+    _speed_note(out, g)
     out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
 
@@ -533,6 +535,17 @@ def _beside_note(out: Console, g: dict) -> None:
                   f"{max(idle):.3f} cores (at most {b['idle_cores_max']:g} allowed){said}", highlight=False)
     if b.get("why_not") not in (None, "not asked"):
         out.print(f"{'then each' if n else 'each'} brought up alone in turn: {b['why_not']}", highlight=False)
+
+
+def _speed_note(out: Console, g: dict) -> None:
+    """A host whose speed moved between repetitions (with or without steal) makes them incomparable: say so."""
+    speed = g.get("host_speed") or {}
+    if (speed.get("ttft_spread") or 0) < goodput_math.SPEED_NOTE:
+        return
+    ttfts = ", ".join(f"{x['ttft_ms_p50']:.1f}" for x in speed["unloaded"])
+    out.print(f"this host's speed moved during the run: one unloaded baseline instance's TTFT p50 was {ttfts} ms at "
+              f"the start of each repetition ({speed['ttft_spread']:.2f}x apart; the SLO came from the first): "
+              "compare deployments within a repetition, not across", highlight=False)
 
 
 def _steal_note(out: Console, g: dict, sides: tuple[str, ...]) -> None:

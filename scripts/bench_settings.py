@@ -122,6 +122,11 @@ def main() -> int:
                         if r["deployment"].startswith("baseline") else
                         "make it the default" if better else "take it out of the schema")
     print(f"\nSLO: {g['slo']['origin']}; rates {a.rates}; {a.requests} requests per rate; median of {a.repeat}")
+    speed = g["host_speed"]
+    if (speed["ttft_spread"] or 0) >= goodput.SPEED_NOTE:
+        print("this host's speed moved: the unloaded baseline's TTFT p50 per repetition was "
+              + ", ".join(f"{x['ttft_ms_p50']:.1f}" for x in speed["unloaded"])
+              + f" ms ({speed['ttft_spread']:.2f}x apart): read each repetition on its own")
     print(f"{'deployment':44}{'req/s':>7}{'x dflt':>8}{'TTFT c1':>9}{'x':>6}{'TPOT c1':>9}{'x':>6}  verdict")
     for r in rows:
         gx = "-" if r["goodput_x"] is None else f"{r['goodput_x']:.2f}"

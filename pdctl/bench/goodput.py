@@ -16,6 +16,7 @@ ATTAINMENT = 0.90  # of the requests sent at a rate, the share that must meet bo
 AUTO_TTFT_X = 5.0  # --slo auto: the unloaded baseline instance's TTFT p50 times this
 AUTO_TPOT_X = 3.0  # ... and its TPOT p50 times this
 RESOLUTION = 1.05  # the rate search stops when the first miss is within 5 % of the last pass
+SPEED_NOTE = 1.2  # a report says the host's speed moved once the unloaded baseline's TTFT p50 spread this much
 MIN_REQUESTS = 200  # per rate: below it one request moves the attainment by more than 0.5 %
 START_RATE = 1.0  # req/s: the search's first rate (it doubles from here, or halves when even this misses)
 MAX_RATE = 64.0  # req/s: the search's ceiling
@@ -189,6 +190,12 @@ def beyond_bound_cores(g: dict, sides: tuple[str, ...]) -> list[tuple[str, str, 
                     found.append((side, role, float(rate), used, n))
                     break
     return found
+
+
+def spread(values: Sequence[float | None]) -> float | None:
+    """The largest over the smallest of the known values (1.0: all alike); None with fewer than two."""
+    known = [v for v in values if v is not None and v > 0]
+    return max(known) / min(known) if len(known) > 1 else None
 
 
 def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:

@@ -73,6 +73,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     seed = int(time.time())
     works: dict[tuple, tuple[load.Workload, int]] = {}
     unloaded: dict | None = None
+    speeds: list[dict] = []  # the unloaded baseline instance at the start of each repetition
 
     def prompts(key: tuple, n: int) -> tuple[load.Workload, int]:
         # One workload and arrival seed per (repetition, offered rate): every deployment sent a rate gets the
@@ -100,20 +101,28 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
         legs[name].append({"points": {}, "stats": {}, "sustained": None, "requests": {}, "failed": why})
 
     def ready(name: str, rep: int, st: LaunchState) -> _Leg:
-        """The SLO (on the baseline's first instance, before any other number), on_up, then the deployment's rates."""
+        """The baseline's unloaded measurement (every repetition: the SLO from the first, before any other number;
+        then whether this host's speed moved), on_up, then the deployment's rates."""
         nonlocal slo, unloaded
         plan = deployments[name]
-        if slo is None:
+        if name == names[0]:
+            # Fresh servers every repetition and the same prompts: the same work, so its time is the host's speed.
             one = plan.by_role("baseline")[0]
             before = host.cpu_times()
             r = load.run_load("unloaded", one.http_url, model, prompts(("unloaded",), UNLOADED_REQUESTS)[0],
                               o.max_tokens, 1, seed=seed, headers=headers)
             steal = host.steal_share(before, host.cpu_times())
-            times = goodput.request_times(r.vllm)
-            slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
-                                   [x.tpot_ms for x in times if x.tpot_ms is not None])
-            unloaded = r.to_dict() | {"cpu_steal": steal}
-            phase(f"SLO: {slo}{_steal_said(steal)}")
+            speeds.append({"repetition": rep, "ttft_ms_p50": r.ttft_ms_p50, "tpot_ms_p50": r.tpot_ms_p50,
+                           "cpu_steal": steal})
+            if slo is None:
+                times = goodput.request_times(r.vllm)
+                slo = goodput.auto_slo([x.ttft_ms for x in times if x.ttft_ms is not None],
+                                       [x.tpot_ms for x in times if x.tpot_ms is not None])
+                unloaded = r.to_dict() | {"cpu_steal": steal}
+                phase(f"SLO: {slo}{_steal_said(steal)}")
+            elif len(speeds) > 1:
+                phase(f"  unloaded baseline instance: TTFT p50 {r.ttft_ms_p50:.1f} ms, "
+                      f"{r.ttft_ms_p50 / speeds[0]['ttft_ms_p50']:.2f}x repetition 1's{_steal_said(steal)}")
         if on_up is not None:
             on_up(name, rep, plan)
         return _Leg(name, plan.by_role("proxy")[0].http_url, (rates_for or {}).get(name, o.rates), until_miss,
@@ -200,7 +209,8 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                  "attainment_target": goodput.ATTAINMENT, "deployments": names, "host_cpus": host.cpu_count(),
                  "bound_cores": {name: _bound_cores(plan) for name, plan in deployments.items()},
                  "beside": {"repetitions_up_at_once": at_once, "why_not": why_apart, "idle_cores": idle_seen,
-                            "idle_cores_max": IDLE_CORES_MAX}}
+                            "idle_cores_max": IDLE_CORES_MAX},
+                 "host_speed": {"unloaded": speeds, "ttft_spread": goodput.spread([x["ttft_ms_p50"] for x in speeds])}}
     for name, runs in legs.items():
         sustained = [r["sustained"] or 0.0 for r in runs]
         rates = sorted({float(x) for r in runs for x in r["points"]})

@@ -48,6 +48,7 @@ def test_goodput_pd_against_aggregated_servers_on_the_same_devices(tmp_path):
     g = json.loads(r.stdout)["goodput"]
     assert g["slo"]["origin"].startswith("auto") and g["unloaded"]["requests"] == 20
     assert g["slo"]["ttft_ms"] == round(5 * g["unloaded"]["ttft_ms_p50"], 1)
+    assert [x["ttft_ms_p50"] for x in g["host_speed"]["unloaded"]] == [g["unloaded"]["ttft_ms_p50"]]
     # Up at once only as the idle CPU of every server and proxy of both allows (0.002-0.026 cores measured on the
     # AMX host): the decision follows the measurement, and is said.
     (idle,) = g["beside"]["idle_cores"]

@@ -109,9 +109,16 @@ def test_auto_slo_comes_from_the_unloaded_baseline_first_then_legs_interleave(tm
     assert any(p.startswith("SLO: TTFT <= 500 ms") for p in phases)
     # The same prompts and arrivals for both at each (repetition, rate).
     by = {}
-    for dep, _, rate, w, seed in fake.loads[1:]:
-        by.setdefault((rate, seed), set()).add((dep, w))
+    for dep, target, rate, w, seed in fake.loads:
+        if target != "unloaded":
+            by.setdefault((rate, seed), set()).add((dep, w))
     assert all(len({w for _, w in v}) == 1 and {d for d, _ in v} == {"pd", "baseline"} for v in by.values())
+    # The unloaded baseline instance again at the start of every repetition, on fresh servers with the same prompts:
+    # the host's speed, repetition by repetition (the same here: no note).
+    unloaded = [(dep, w) for dep, target, _, w, _ in fake.loads if target == "unloaded"]
+    assert len(unloaded) == 3 and {dep for dep, _ in unloaded} == {"baseline"} and len({w for _, w in unloaded}) == 1
+    assert [x["ttft_ms_p50"] for x in out["host_speed"]["unloaded"]] == [100.0] * 3
+    assert out["host_speed"]["ttft_spread"] == 1.0
     assert out["pd"]["sustained_req_s"] == 2.0 and out["baseline"]["sustained_req_s"] == 1.0
     assert out["ratio_pd_over_baseline"] == 2.0 and out["pd"]["attainment_median"] == {"1": 1.0, "2": 1.0, "4": 0.0}
     assert (tmp_path / "goodput" / "summary.json").is_file()
@@ -195,6 +202,43 @@ def test_each_point_records_this_hosts_cpu_steal_and_the_report_says_when_neighb
     # Negative control: neighbours that took under 5 % are not worth a warning.
     _, phases, text = report([0.0, 0.02, 0.01, 0.04, 0.0])
     assert "other guests" not in text and not any("stolen" in p for p in phases)
+
+
+def test_a_host_whose_speed_moved_between_repetitions_is_said_to_have(tmp_path, monkeypatch):
+    """The same unloaded work at the start of each repetition took 1.6x as long in the second: the report says the
+    repetitions are not comparable, even at 0 % steal (a shared host's CPU can slow without steal)."""
+    from rich.console import Console
+
+    from pdctl import render
+
+    slow = iter([1.0, 1.6, 1.2])
+    steady = FakeServers.run_load
+
+    def run_load(self, target, url, model, w, *a, **k):
+        r = steady(self, target, url, model, w, *a, **k)
+        if target == "unloaded":
+            x = next(slow)
+            r.ttft_ms_p50 *= x
+            r.vllm["ttfts"] = [t * x for t in r.vllm["ttfts"]]
+        return r
+
+    monkeypatch.setattr(FakeServers, "run_load", run_load)
+    o = BenchOptions(goodput=True, rates=(1.0,), repeat=3, requests=10)
+    out, _, phases = _run(tmp_path, monkeypatch, o, {"pd": 3.0, "baseline": 1.5})
+    assert [x["ttft_ms_p50"] for x in out["host_speed"]["unloaded"]] == pytest.approx([100.0, 160.0, 120.0])
+    assert out["host_speed"]["ttft_spread"] == pytest.approx(1.6)
+    assert out["slo"]["ttft_ms"] == pytest.approx(500)  # from the first: fixed before any P/D number
+    assert any("unloaded baseline instance: TTFT p50 160.0 ms, 1.60x repetition 1's" in p for p in phases)
+    c = Console(record=True, width=200)
+    render.goodput(c, out)
+    text = " ".join(c.export_text().split())
+    assert "this host's speed moved during the run" in text and "100.0, 160.0, 120.0 ms" in text
+    assert "(1.60x apart; the SLO came from the first)" in text
+    # Negative control: within 20 % is a steady host, and nothing is said.
+    out["host_speed"] = {"unloaded": out["host_speed"]["unloaded"][:1], "ttft_spread": 1.15}
+    c = Console(record=True, width=200)
+    render.goodput(c, out)
+    assert "speed moved" not in c.export_text()
 
 
 def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
