@@ -485,9 +485,6 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
               f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
 
 
-CORE_KEYS = ("cores_busy", "cores_proxy", "cores_pdctl", "cores_idle_max")  # the rest of cores_*: servers by role
-
-
 def _cores_table(out: Console, g: dict, rates: list[float], stats: dict[str, dict]) -> None:
     """Where the host's cores went at each rate: busy, each role's servers, the proxy, pdctl's load generator, and
     the busiest idle process beside the side under load (both up at once)."""
@@ -503,8 +500,7 @@ def _cores_table(out: Console, g: dict, rates: list[float], stats: dict[str, dic
         for side, name in (("pd", "P/D"), ("baseline", "agg")):
             st = stats[side].get(f"{r:g}")
             if st:
-                servers = " + ".join(f"{k[6:]} {v:.2f}" for k, v in st.items()
-                                     if k.startswith("cores_") and k not in CORE_KEYS and v is not None)
+                servers = " + ".join(f"{role} {v:.2f}" for role, v in goodput_math.server_cores(st).items())
                 t.add_row(f"{r:g}", name, fmt(st.get("cores_busy"), ".2f"), servers or "-",
                           *(fmt(st.get(k), ".2f") for k in ("cores_proxy", "cores_pdctl")),
                           fmt(st.get("cores_idle_max"), ".3f"))

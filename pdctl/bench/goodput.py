@@ -175,6 +175,15 @@ def max_idle_beside(g: dict, sides: tuple[str, ...]) -> float | None:
     return _most(g, sides, "cores_idle_max")
 
 
+NOT_SERVERS = ("busy", "proxy", "pdctl", "idle_max")  # a point's cores_<name> keys that are not a server role
+
+
+def server_cores(point: dict) -> dict[str, float]:
+    """A point's cores per server role (prefill, decode, baseline), from its cores_<role> keys."""
+    return {k[len("cores_"):]: v for k, v in point.items()
+            if k.startswith("cores_") and k[len("cores_"):] not in NOT_SERVERS and v is not None}
+
+
 def beyond_bound_cores(g: dict, sides: tuple[str, ...]) -> list[tuple[str, str, float, float, int]]:
     """Per deployment and server role: the lowest offered rate at which its servers used more cores (median of the
     repetitions) than their workers are bound to: (side, role, rate, cores used, cores bound). Their unbound
@@ -185,7 +194,7 @@ def beyond_bound_cores(g: dict, sides: tuple[str, ...]) -> list[tuple[str, str, 
         by_rate = sorted(g[side].get("stats_median", {}).items(), key=lambda kv: float(kv[0]))
         for role, n in bound.items():
             for rate, st in by_rate:
-                used = st.get(f"cores_{role}")
+                used = server_cores(st).get(role)
                 if used is not None and used > n:
                     found.append((side, role, float(rate), used, n))
                     break
