@@ -257,6 +257,12 @@ def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
     assert "TTFT <= 500 ms, TPOT <= 9.6 ms" in text and "29%" in text and "75%" in text
     assert "P/D sustains 4 req/s, aggregated 2 (2.00x)" in text
     assert "latency per offered rate" not in text  # no per-rate statistics: no latency table
+    # A side that missed even the lowest rate tried sustains less than it, not "0 req/s".
+    g["pd"] = {"attainment_median": {"2": 0.5, "4": 0.3}, "sustained_req_s": 0.0}
+    c = Console(record=True, width=160)
+    render.bench(c, c, {"goodput": g, "pools": "P32 -> D64", "status": "PASS"}, None, Path("r"))
+    text = " ".join(c.export_text().split())
+    assert "P/D sustains < 2 req/s, aggregated 2" in text and "< 2 req/s 2 req/s" in text
 
 
 def test_the_goodput_report_shows_latency_percentiles_goodput_and_where_pd_pays():
