@@ -313,9 +313,10 @@ def _cpu_reading(groups: dict[str, tuple[str, int]], idle: dict[str, int]) -> di
     """CPU seconds so far: the host's ticks, each process group of the deployment under load and of those idle
     beside it, and pdctl's own process (the load generator's client)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
+    used = host.groups_cpu_seconds([g for _, g in groups.values()] + list(idle.values()))
     return {"at": time.monotonic(), "host": host.cpu_times(), "own": own.ru_utime + own.ru_stime,
-            "groups": {name: (role, host.group_cpu_seconds(g)) for name, (role, g) in groups.items()},
-            "idle": {name: host.group_cpu_seconds(g) for name, g in idle.items()}}
+            "groups": {name: (role, used[g]) for name, (role, g) in groups.items()},
+            "idle": {name: used[g] for name, g in idle.items()}}
 
 
 def _cpu_used(before: dict, after: dict) -> dict:
@@ -343,10 +344,12 @@ def _idle_cores(states: dict[str, LaunchState]) -> dict[str, float]:
     IDLE_SETTLE_S; a process group /proc cannot read is left out."""
     groups = {f"{name}/{p}": rec.pgid for name, st in states.items() for p, rec in st.processes.items()}
     time.sleep(IDLE_SETTLE_S)
-    before = {k: host.group_cpu_seconds(g) for k, g in groups.items()}
+    was = host.groups_cpu_seconds(groups.values())
+    before = {k: was[g] for k, g in groups.items()}
     t0 = time.monotonic()
     time.sleep(IDLE_WINDOW_S)
-    after = {k: host.group_cpu_seconds(g) for k, g in groups.items()}
+    now = host.groups_cpu_seconds(groups.values())
+    after = {k: now[g] for k, g in groups.items()}
     dt = time.monotonic() - t0
     return {k: round((after[k] - b) / dt, 4) for k, b in before.items() if b is not None and after[k] is not None}
 

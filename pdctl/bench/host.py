@@ -8,6 +8,7 @@ and where they went says why a deployment stopped meeting its SLO. Linux only (/
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,17 +79,24 @@ def busy_cores(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
 def group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float | None:
     """CPU time (user + system, every thread) used so far by the live processes of one process group; None when
     /proc cannot be read."""
-    ticks, seen = 0, False
+    return groups_cpu_seconds([pgid], proc)[pgid]
+
+
+def groups_cpu_seconds(pgids: Iterable[int], proc: Path = Path("/proc")) -> dict[int, float | None]:
+    """group_cpu_seconds for several process groups from one pass over /proc (a point reads every group of every
+    deployment up, twice): None for a group with no live process, or when /proc cannot be read."""
+    ticks: dict[int, int | None] = dict.fromkeys(pgids)
     try:
         entries = [d for d in proc.iterdir() if d.name.isdigit()]
     except OSError:
-        return None
+        return dict.fromkeys(ticks)
     for d in entries:
         try:
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited meanwhile
-        if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-            seen = True
-    return ticks / os.sysconf("SC_CLK_TCK") if seen else None
+        group = int(fields[2])
+        if group in ticks:
+            ticks[group] = (ticks[group] or 0) + int(fields[11]) + int(fields[12])
+    hz = os.sysconf("SC_CLK_TCK")
+    return {g: None if t is None else t / hz for g, t in ticks.items()}

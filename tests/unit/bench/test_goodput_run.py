@@ -595,7 +595,7 @@ def test_each_point_says_where_the_cores_went_and_how_little_the_idle_side_used_
 
     fake_time = SimpleNamespace(monotonic=lambda: next(clock), time=lambda: 0.0, sleep=lambda s: None)
     monkeypatch.setattr(goodput_run, "time", fake_time)
-    monkeypatch.setattr(goodput_run.host, "group_cpu_seconds", group_cpu)
+    monkeypatch.setattr(goodput_run.host, "groups_cpu_seconds", lambda pgids: {g: group_cpu(g) for g in pgids})
     ticks = iter(range(0, 10**9, 2000))  # 10 s on 2 CPUs between readings, 40 % of it idle: 1.2 cores busy
     monkeypatch.setattr(goodput_run.host, "cpu_times", lambda: host.CpuTimes(0, k := next(ticks), k * 2 // 5, 2))
     monkeypatch.setattr(goodput_run.host, "cpu_count", lambda: 2)

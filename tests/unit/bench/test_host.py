@@ -60,3 +60,6 @@ def test_a_process_groups_cpu_time_sums_its_members_user_and_system_ticks(tmp_pa
     assert host.group_cpu_seconds(99, tmp_path) == 50.0
     assert host.group_cpu_seconds(7, tmp_path) is None  # no such group: unknown, not zero
     assert host.group_cpu_seconds(10, tmp_path / "absent") is None
+    # several groups from one pass: the same numbers
+    assert host.groups_cpu_seconds([10, 99, 7], tmp_path) == {10: 5.0, 99: 50.0, 7: None}
+    assert host.groups_cpu_seconds([10], tmp_path / "absent") == {10: None}
