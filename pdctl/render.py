@@ -241,7 +241,7 @@ def watch(out: Console, view: Callable[[], RenderableType], interval_s: float) -
 
 def parity(out: Console, report) -> None:
     table = Table(box=boxed(out), title="parity: P/D vs aggregated reference (greedy, token ids)")
-    for col in ("prompt", "tokens", "result", "first divergent token"):
+    for col in ("prompt", "tokens", "result", "first divergence"):
         table.add_column(col, overflow="fold")
     for r in report.results:
         table.add_row(r.label, str(r.prompt_tokens), "[red]FAIL[/]" if not r.passed else

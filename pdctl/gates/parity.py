@@ -67,13 +67,17 @@ def shared_prefix_prompts(base: Prompt, extra: list[int], vocab: int, seed: int)
 
 def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int, timeout: float = 300,
              headers: dict[str, str] | None = None, seen: dict[str, str] | None = None,
-             stream: bool = False) -> dict:
+             stream: bool = False, pieces: bool = False) -> dict:
     """One greedy completion; `headers` go with the request, the answer's headers land in `seen`. `stream`:
     streamed, asking pdctl's proxy for the prefill's token first (its most involved path: the prefill's token,
     then the decode's stream without it; other servers ignore the header), and answered as the text a client reads
-    (its events' text joined; no token ids: asking for them changes what a stream's events carry)."""
+    (its events' text joined). `pieces` (the reference's stream): each event's token ids too, kept as the
+    choice's "pieces" [[text, ids], ...]; never asked of P/D: token ids change what a stream's events carry, and
+    the proxy streams such a request the ordinary way."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": True, "stream_options": {"include_usage": True}} if stream else {"return_token_ids": True}
+    body |= ({"stream": True, "stream_options": {"include_usage": True}} | ({"return_token_ids": True} if pieces
+                                                                             else {})
+             if stream else {"return_token_ids": True})
     sent = {"Content-Type": "application/json", **({FIRST_HEADER: "on"} if stream else {}), **(headers or {})}
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), sent)
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -83,8 +87,9 @@ def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int
 
 
 def _streamed(r) -> dict:
-    """A completion stream read whole, as one answer: the events' text joined, the usage event's counts."""
-    text, usage, rid = [], None, None
+    """A completion stream read whole, as one answer: the events' text joined (and, where the events carry token
+    ids, each event's text with its ids: "pieces"), the usage event's counts."""
+    text, pieces, usage, rid = [], [], None, None
     for line in r:
         line = line.strip()
         if not line.startswith(b"data: {"):
@@ -94,10 +99,14 @@ def _streamed(r) -> dict:
             raise RuntimeError(f"the stream ended with an error: {json.dumps(ev['error'])[:300]}")
         rid = rid or ev.get("id")
         usage = ev.get("usage") or usage
-        text += [c.get("text") or "" for c in ev.get("choices") or []]
+        for c in ev.get("choices") or []:
+            text.append(c.get("text") or "")
+            if c.get("token_ids") is not None:
+                pieces.append([text[-1], list(c["token_ids"])])
     if usage is None:
         raise RuntimeError("the stream ended without its usage event")
-    return {"id": rid, "choices": [{"text": "".join(text)}], "usage": usage}
+    return {"id": rid, "choices": [{"text": "".join(text)} | ({"pieces": pieces} if pieces else {})],
+            "usage": usage}
 
 
 def _token_ids(resp: dict) -> list[int] | str:
@@ -154,7 +163,9 @@ class PromptResult:
         """What happened at the first divergent token, in one line ("" when there was none)."""
         if self.first_divergence is None:
             return ""
-        return (f"first divergent token {self.first_divergence}" + (f" ({self.error})" if self.error else "")
+        unit = "character" if isinstance(self.pd, str) else "token"  # streamed answers are compared as text
+        at = f" (token {self.divergence.token})" if unit == "character" and self.divergence else ""
+        return (f"first divergent {unit} {self.first_divergence}{at}" + (f" ({self.error})" if self.error else "")
                 + (f": {self.divergence.summary}" if self.divergence else ""))
 
 
@@ -176,6 +187,7 @@ class Divergence:
     gap: float | None = None  # the reference's logprob of its token minus of P/D's (None: absent from the top)
     spread: float | None = None  # the most P/D's logprob differs from the reference's over the reference's top
     # TIE_TOKENS (inf: one of them absent from P/D's top; None: not asked)
+    token: int | None = None  # the divergent token's index in the answer (streamed: found from the character)
 
     @property
     def tie(self) -> bool:
@@ -370,6 +382,7 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     before = decode_counters(decode_urls, headers=key)
     fallbacks_before = proxy_fallbacks(proxy_url, key)
     routes = route if isinstance(route, list) else [route] * len(prompts)
+    pieces: dict[int, list] = {}  # streamed: the reference's answer per prompt as [[text, token ids], ...]
 
     def one(i: int) -> PromptResult:
         p = prompts[i]
@@ -383,8 +396,11 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
             return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e} {detail}",
                                 rid)
         pd = _token_ids(resp)
-        ref = reference[i] if isinstance(reference, list) else _token_ids(
-            complete(reference, model, p.body, max_tokens, headers=key, stream=stream))
+        if isinstance(reference, list):
+            ref = reference[i]
+        else:
+            answer = complete(reference, model, p.body, max_tokens, headers=key, stream=stream, pieces=stream)
+            ref, pieces[i] = _token_ids(answer), answer["choices"][0].get("pieces")
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
                             seen.get(PREFILL_SERVED_HEADER), seen.get(DECODE_SERVED_HEADER), resp.get("id"))
@@ -400,35 +416,84 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
         for r, i in zip(results, order, strict=True):
             if not r.passed and r.error is None:
                 r.divergence = diagnose(r, prompts[i], proxy_url, reference, model,
-                                        {**({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}, stream, tie)
+                                        {**({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}, tie,
+                                        pieces.get(i))
                 r.passed = bool(r.divergence and r.divergence.tie)
     return ParityReport(results, transfer_proof(results, before, after, missing, fallbacks_before, fallbacks_after))
 
 
 def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, model: str,
-             headers: dict[str, str], stream: bool = False, tie: float = TIE_NATS["half"]) -> Divergence | None:
+             headers: dict[str, str], tie: float = TIE_NATS["half"], pieces: list | None = None) -> Divergence | None:
     """A divergent answer's Divergence: the reference's and P/D's (same pair) top logprobs at the first divergent
-    token, each asked with the prompt and the tokens both agreed on. None where token ids are not known
-    (streamed text, an answer cut short) or the logprobs cannot be had: the failure then stands as it is."""
+    token, each asked with the prompt and the tokens both agreed on. Streamed answers are text: the divergent
+    token is found through the reference's stream `pieces` (each event's text and token ids), and P/D's token
+    there by its text (stream_token). None where the tokens cannot be told (an answer cut short, a divergence
+    inside one character several tokens make) or the logprobs cannot be had: the failure then stands as it is."""
     k = r.first_divergence
-    if stream or not isinstance(r.pd, list) or not isinstance(r.reference, list) or k is None \
-            or k >= min(len(r.pd), len(r.reference)):
+    if k is None:
         return None
     key = {x: v for x, v in headers.items() if x != ROUTE_HEADER}
     try:
+        if isinstance(r.pd, str):
+            at = stream_position(pieces or [], k)
+            if at is None or not isinstance(r.reference, str):
+                return None
+            agreed, ref_token, start = at
+        elif isinstance(r.reference, list) and k < min(len(r.pd), len(r.reference)):
+            agreed, ref_token, start = r.reference[:k], r.reference[k], None
+        else:
+            return None
         ids = prompt.ids if prompt.ids is not None else _tokenize(reference, model, prompt.text or "", key)
-        ref = _top_logprobs(reference, model, ids + r.reference[:k], key)
-        d = Divergence(r.reference[k], r.pd[k], tie)
+        ref = _top_logprobs(reference, model, ids + agreed, key)
+        pd = _top_logprobs(proxy_url, model, ids + agreed,
+                           {**headers, "X-Request-Id": f"pdctl-check-logprobs-{uuid.uuid4().hex[:16]}"})
+        pd_token = r.pd[k] if start is None else stream_token(
+            r.pd[start:], agreed, ref_token, ref, pd, lambda t: _detokenize(reference, model, t, key))
+        if pd_token is None:
+            return None
+        d = Divergence(ref_token, pd_token, tie, token=len(agreed))
         ranked = sorted(ref, key=lambda t: -ref[t])
         if d.pd_token in ref:
             d.rank = ranked.index(d.pd_token) + 1
             d.gap = ref.get(d.reference_token, ref[ranked[0]]) - ref[d.pd_token]
-        pd = _top_logprobs(proxy_url, model, ids + r.reference[:k],
-                           {**headers, "X-Request-Id": f"pdctl-check-logprobs-{uuid.uuid4().hex[:16]}"})
         d.spread = max(abs(pd[t] - ref[t]) if t in pd else math.inf for t in ranked[:TIE_TOKENS])
         return d
     except Exception:  # noqa: BLE001 - a diagnosis that cannot be made leaves the failure as it is
         return None
+
+
+def stream_position(pieces: list, k: int) -> tuple[list[int], int, int] | None:
+    """Where the streamed reference's text, given as its events' [text, token ids], holds character k: the
+    tokens before the token that wrote it, that token, and the character its text starts at. None where k is
+    past the text or its event's text came from several tokens (one character of several bytes, held back until
+    whole: which of them the other side left cannot be told from text)."""
+    pos, agreed, held = 0, [], []
+    for text, ids in pieces:
+        if not text:  # an incomplete character: vLLM sends its tokens with no text, the text comes with the next
+            held += ids
+            continue
+        ids = held + list(ids)
+        held = []
+        if k < pos + len(text):
+            return (agreed, ids[0], pos) if len(ids) == 1 else None
+        agreed, pos = agreed + ids, pos + len(text)
+    return None
+
+
+def stream_token(rest: str, agreed: list[int], ref_token: int, ref: dict[int, float], pd: dict[int, float],
+                 detokenize) -> int | None:
+    """P/D's token where its streamed text `rest` leaves the reference's token: among both sides' top tokens
+    there, those whose text, written after the agreed tokens, starts `rest`; P/D's likeliest of them (its own
+    choice, as it was greedy). None where none does: P/D's token ranked by neither side (not a tie), or a token
+    of part of a character, which has no text of its own."""
+    base = detokenize(agreed)
+    fits = []
+    for t in sorted((set(ref) | set(pd)) - {ref_token}):
+        whole = detokenize(agreed + [t])
+        text = whole[len(base):] if whole.startswith(base) else ""
+        if text and "\ufffd" not in text and rest.startswith(text):
+            fits.append(t)
+    return max(fits, key=lambda t: (pd.get(t, -math.inf), -t)) if fits else None
 
 
 def _top_logprobs(base_url: str, model: str, ids: list[int], headers: dict[str, str]) -> dict[int, float]:
@@ -444,6 +509,11 @@ def _post(base_url: str, path: str, body: dict, headers: dict[str, str]) -> dict
     if status != 200:
         raise RuntimeError(f"{path}: HTTP {status or 'no answer'}")
     return json.loads(text)
+
+
+def _detokenize(base_url: str, model: str, ids: list[int], headers: dict[str, str]) -> str:
+    """The text of token ids as the reference writes them (vLLM's /detokenize)."""
+    return _post(base_url, "/detokenize", {"model": model, "tokens": ids}, headers)["prompt"] if ids else ""
 
 
 def _tokenize(base_url: str, model: str, text: str, headers: dict[str, str]) -> list[int]:

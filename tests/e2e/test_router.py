@@ -91,6 +91,47 @@ def test_first_token_from_the_prefill_streams_the_aggregated_text(routed, tmp_pa
     assert "first token from the prefill, but" not in text  # no mismatch
 
 
+def test_a_streamed_divergence_is_traced_to_its_token_and_judged(routed, tmp_path):
+    """`check --stream` compares text, and a near tie may break the other way under load (bf16, several in
+    flight): the divergent character is traced to its token through the reference's stream (vLLM's
+    `return_token_ids` on each event), P/D's token there found by its text (the reference's /detokenize), and
+    judged by the near-tie rule with both sides' logprobs (P/D's through a pdctl proxy over this module's pair).
+    P/D's answer is written here as if it had taken the reference's runner-up at a real near tie (it passes) and,
+    the negative control, a choice the reference ranks fifth or lower there (it fails)."""
+    from pdctl.gates import parity as P
+
+    prompt = P.random_prompts([129], 2048, seed=23)[0]
+    answer = P.complete(routed.ref, "tiny", prompt.body, 16, stream=True, pieces=True)["choices"][0]
+    text, pieces = answer["text"], answer["pieces"]
+    ids = P.complete(routed.ref, "tiny", prompt.body, 16)["choices"][0]["token_ids"]
+    assert "".join(t for t, _ in pieces) == text and [i for _, got in pieces for i in got] == ids
+    pos, agreed, found = 0, [], None
+    for piece, got in pieces:  # the first token written alone whose runner-up is within the tie bound
+        top = P._top_logprobs(routed.ref, "tiny", prompt.ids + agreed, {})
+        ranked = sorted(top, key=lambda t: -top[t])
+        if piece and len(got) == 1 and top[ranked[0]] - top[ranked[1]] <= P.TIE_NATS["half"]:
+            found = (pos, list(agreed), ranked)
+            break
+        pos, agreed = pos + len(piece), agreed + got
+    assert found, "no near tie in this answer: choose another seed"
+    start, agreed, ranked = found
+    base = P._detokenize(routed.ref, "tiny", agreed, {})
+    log = tmp_path / "proxy.log"
+    with ExtraProxy(log, 8087, "--prefill", "http://127.0.0.1:8185", "--decode", "http://127.0.0.1:8285") as px:
+        texts = [P._detokenize(routed.ref, "tiny", agreed + [t], {})[len(base):] for t in ranked]
+        far = next(i + 1 for i in range(4, len(ranked)) if texts[i] and "\ufffd" not in texts[i])  # a whole token
+        for rank in (2, far):
+            alt = texts[rank - 1]
+            pd = text[:start] + alt + "\x00"  # what P/D streams had it taken that token
+            k = P.first_divergence(pd, text)
+            r = P.PromptResult("random-129", 129, False, k, pd, text)
+            d = P.diagnose(r, prompt, px.url, routed.ref, "tiny", {}, pieces=pieces)
+            assert d is not None and (d.token, d.reference_token, d.pd_token, d.rank) == (
+                len(agreed), ranked[0], ranked[rank - 1], rank), (rank, d)
+            assert d.spread < P.TIE_NATS["half"], d  # P/D's KV is right: its logprobs are the reference's
+            assert d.tie is (rank == 2), d
+
+
 def test_the_supervisor_restarts_a_killed_router(routed):
     from tests.e2e.faults import kill_server, record, wait_restarted
 

@@ -102,6 +102,7 @@ class FakePD:
         # from the top); P/D's there: the reference's, its token `spread` nats lower (P/D's token then ahead).
         self.gap: float | None = None
         self.spread, self.logprobs_fail = 0.0, False
+        self.streams: list[tuple[str, dict]] = []  # (path, body) of each streamed request
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -109,6 +110,12 @@ class FakePD:
                 import json
 
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path.endswith("/detokenize"):  # each token's text is its id and a comma
+                    out = json.dumps({"prompt": "".join(f"{t}," for t in body["tokens"])}).encode()
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(out)
+                    return
                 prompt, n = body["prompt"], body["max_tokens"]
                 ids = [(sum(prompt) + i) % 997 for i in range(n)]
                 if body.get("logprobs"):  # the diagnosis asks both sides at token 5, given the 5 agreed on
@@ -119,6 +126,7 @@ class FakePD:
                         top = {ref: -0.5, 998: -4.0} | ({} if fake.gap is None else {ref + 1: -0.5 - fake.gap})
                         if self.path.startswith("/proxy"):
                             top[ref] -= fake.spread
+                            top.setdefault(ref + 1, -0.5)  # P/D's own token is in its own top
                         top = {f"token_id:{t}": lp for t, lp in top.items()}
                         self.wfile.write(json.dumps({"choices": [{"text": "", "logprobs": {
                             "top_logprobs": [top]}}]}).encode())
@@ -129,7 +137,9 @@ class FakePD:
                         ids[5] += 1
                 usage = {"prompt_tokens": len(prompt)}
                 if body.get("stream"):  # one event per token, its text the id; then usage, or an error
-                    evs = [{"choices": [{"text": f"{i},"}]} for i in ids]
+                    fake.streams.append((self.path, body))
+                    evs = [{"choices": [{"text": f"{i},"} | ({"token_ids": [i]} if body.get("return_token_ids")
+                                                             else {})]} for i in ids]
                     evs += [{"error": {"message": "boom"}}] if fake.stream_error else [{"choices": [],
                                                                                        "usage": usage}]
                     out = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in evs) + b"data: [DONE]\n\n"
@@ -259,6 +269,75 @@ def test_a_streamed_check_compares_the_text_a_client_reads():
     failed = FakePD("transfer", diverge_on=65).run(stream=True)  # negative control: token 5's text differs
     assert [(r.label, r.pd[:r.first_divergence] == r.reference[:r.first_divergence]) for r in failed.results
             if not r.passed] == [("random-65", True)]
+
+
+def test_a_streamed_near_tie_is_found_at_its_token_and_passes():
+    """Streamed answers are text: the divergent character is traced to its token through the reference's stream
+    (each event's token ids, asked of the reference only: P/D's stream stays the one a client gets), P/D's token
+    there by its text, and the same near-tie rule applies."""
+    from pdctl.gates.parity import TIE_NATS
+
+    bound = TIE_NATS["half"]
+    fake = FakePD("transfer", diverge_on=65)
+    fake.gap, fake.spread = bound / 10, bound / 2
+    report = fake.run(stream=True)
+    [r] = [r for r in report.results if r.first_divergence is not None]
+    ref5 = int(r.reference.split(",")[5])
+    start = len(",".join(r.reference.split(",")[:5])) + 1  # where token 5's text starts
+    assert report.passed and r.passed and start < r.first_divergence < start + len(f"{ref5},")  # "935," / "936,"
+    assert (r.divergence.token, r.divergence.reference_token, r.divergence.pd_token) == (5, ref5, ref5 + 1)
+    assert r.outcome.startswith(f"first divergent character {r.first_divergence} (token 5): a near tie: P/D's "
+                                "token is the reference's choice 2, ")
+    assert {(path.split("/")[1], "return_token_ids" in body) for path, body in fake.streams} == {
+        ("ref", True), ("proxy", False)}
+
+
+@pytest.mark.parametrize("gap, spread", [(None, 0.0), (0.3, 0.3), (1e-6, 1.0)],
+                         ids=["not-ranked", "past-the-bound", "near-tie-but-p/d-elsewhere"])
+def test_a_streamed_divergence_fails_unless_a_near_tie_on_both_sides(gap, spread):
+    """The negative controls of the streamed diagnosis: found at its token, then held to the same rule."""
+    fake = FakePD("transfer", diverge_on=65)
+    fake.gap, fake.spread = gap, spread
+    report = fake.run(stream=True)
+    [r] = [r for r in report.results if r.first_divergence is not None]
+    assert not report.passed and not r.passed and r.divergence.token == 5 and not r.divergence.tie
+    assert r.failure.startswith(f"first divergent character {r.first_divergence} (token 5): ")
+
+
+def test_a_streamed_divergence_that_cannot_be_traced_to_a_token_fails_as_it_is():
+    fake = FakePD("transfer", diverge_on=65)
+    fake.logprobs_fail = True
+    report = fake.run(stream=True)
+    [r] = [r for r in report.results if not r.passed]
+    assert r.divergence is None and r.failure == f"first divergent character {r.first_divergence}"
+
+
+def test_stream_position_finds_the_token_that_wrote_a_character():
+    from pdctl.gates.parity import stream_position
+
+    pieces = [["ab", [7]], ["", [8]], ["\u00e9", [9]], ["cd", [10]]]  # 8 and 9: one character of two bytes
+    assert stream_position(pieces, 0) == ([], 7, 0) and stream_position(pieces, 1) == ([], 7, 0)
+    assert stream_position(pieces, 2) is None  # inside a character two tokens wrote: which differed is unknown
+    assert stream_position(pieces, 4) == ([7, 8, 9], 10, 3)
+    assert stream_position(pieces, 5) is None  # past the text (P/D's answer longer)
+    assert stream_position([], 0) is None
+
+
+def test_stream_token_is_p_d_s_likeliest_top_token_whose_text_starts_its_rest():
+    from pdctl.gates.parity import stream_token
+
+    texts = {1: " 12", 2: " 123", 3: " 1", 4: "\ufffd", 5: " 9"}
+
+    def detok(ids):
+        return "".join(texts.get(t, "?") for t in ids)
+
+    ref, pd = {5: -0.1, 1: -0.2, 3: -3.0, 4: -4.0}, {1: -0.1, 2: -0.3, 5: -0.2}
+    assert stream_token(" 123 45", [5], 5, ref, pd, detok) == 1  # 1, 2 and 3 fit: P/D's likeliest
+    assert stream_token(" 123 45", [5], 5, ref, {2: -0.1, 1: -0.3}, detok) == 2
+    assert stream_token(" 1x", [5], 5, ref, {}, detok) == 3  # the only one that fits
+    assert stream_token(" 9", [5], 5, ref, pd, detok) is None  # the reference's own token never counts
+    assert stream_token("\u00e9", [5], 5, ref, pd, detok) is None  # part of a character: no text to tell it by
+    assert stream_token("x", [5], 5, ref, pd, detok) is None  # ranked by neither side
 
 
 def test_a_stream_that_ends_with_an_error_fails_its_prompt():
