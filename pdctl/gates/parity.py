@@ -192,9 +192,10 @@ class Divergence:
     @property
     def tie(self) -> bool:
         """A near tie rounding broke, not the KV: the reference holds P/D's token within tie_nats of its own
-        (first or second: asked with the agreed tokens as prompt it may order the two either way) and P/D's
-        logprobs there are the reference's, within tie_nats, for each of the reference's top TIE_TOKENS."""
-        return (self.rank in (1, 2) and self.gap is not None and abs(self.gap) <= self.tie_nats
+        (at any rank: several tokens may lie within one bf16 step, and asked with the agreed tokens as prompt the
+        reference may order them either way) and P/D's logprobs there are the reference's, within tie_nats, for
+        each of the reference's top TIE_TOKENS."""
+        return (self.rank is not None and self.gap is not None and abs(self.gap) <= self.tie_nats
                 and self.spread is not None and self.spread <= self.tie_nats)
 
     @property

@@ -408,3 +408,6 @@ def test_float32_is_held_to_a_tighter_tie_than_half_precision():
     assert not Divergence(**near, gap=0.0625, tie_nats=tie_nats("float32")).tie
     assert Divergence(**near, gap=-1e-5, tie_nats=tie_nats("float32")).tie  # ordered the other way asked again
     assert not Divergence(**{**near, "spread": math.inf}, gap=0.0).tie  # a top token missing on P/D's side
+    # Three tokens within one bf16 step (measured: P/D took the reference's third, 0.0625 below, spread 0.049).
+    assert Divergence(**{**near, "rank": 3, "spread": 0.049}, gap=0.0625, tie_nats=tie_nats("bfloat16")).tie
+    assert not Divergence(**{**near, "rank": None, "spread": 0.049}, gap=None).tie  # not in the reference's top
