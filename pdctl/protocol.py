@@ -12,6 +12,9 @@ REJECT_HEADER = "x-pdctl-on-prefill-down"  # "reject": this request may not fall
 # Per request: "on": the prefill's token first (when the request allows it), "auto": only while the decode is
 # busy, "off": the decode's stream as it is (the default, or `pdctl proxy --first-token`'s).
 FIRST_HEADER = "x-pdctl-first-token"
+# The error type that ends such a stream when the decode's first token is not the prefill's (a greedy near tie the
+# two sides broke differently, or broken KV): the gates tell which.
+FIRST_TOKEN_MISMATCH = "first_token_mismatch"
 # In the proxy's answers: the instances that served the request, and why a request was served decode-only.
 PREFILL_SERVED_HEADER = "x-pdctl-prefill"
 DECODE_SERVED_HEADER = "x-pdctl-decode"

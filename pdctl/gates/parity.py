@@ -18,7 +18,13 @@ from dataclasses import asdict, dataclass, field
 
 from pdctl import auth
 from pdctl.launch import probe
-from pdctl.protocol import DECODE_SERVED_HEADER, FIRST_HEADER, PREFILL_SERVED_HEADER, ROUTE_HEADER
+from pdctl.protocol import (
+    DECODE_SERVED_HEADER,
+    FIRST_HEADER,
+    FIRST_TOKEN_MISMATCH,
+    PREFILL_SERVED_HEADER,
+    ROUTE_HEADER,
+)
 
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
 
@@ -86,6 +92,15 @@ def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int
         return _streamed(r) if stream else json.loads(r.read())
 
 
+class StreamError(RuntimeError):
+    """A stream that ended with an error event: the error's type, and the text the client had read before it."""
+
+    def __init__(self, error: dict, text: str):
+        super().__init__(f"the stream ended with an error: {json.dumps(error)[:300]}")
+        self.kind = error.get("type") if isinstance(error, dict) else None
+        self.text = text
+
+
 def _streamed(r) -> dict:
     """A completion stream read whole, as one answer: the events' text joined (and, where the events carry token
     ids, each event's text with its ids: "pieces"), the usage event's counts."""
@@ -96,7 +111,7 @@ def _streamed(r) -> dict:
             continue
         ev = json.loads(line[6:])
         if ev.get("error"):
-            raise RuntimeError(f"the stream ended with an error: {json.dumps(ev['error'])[:300]}")
+            raise StreamError(ev["error"], "".join(text))
         rid = rid or ev.get("id")
         usage = ev.get("usage") or usage
         for c in ev.get("choices") or []:
@@ -143,6 +158,9 @@ class PromptResult:
     decode: str | None = None
     served_id: str | None = None  # the answer's id (vllm-router's names the instances it chose)
     divergence: Divergence | None = None  # a divergent answer's diagnosis (diagnose)
+    # The proxy ended the stream because the decode's first token was not the prefill's, which the client already
+    # had (x-pdctl-first-token; pd is then that token's text): diagnosed at token 0 like any divergence.
+    first_token_mismatch: bool = False
 
     def to_dict(self) -> dict:
         d = self.divergence
@@ -163,6 +181,10 @@ class PromptResult:
         """What happened at the first divergent token, in one line ("" when there was none)."""
         if self.first_divergence is None:
             return ""
+        if self.first_token_mismatch:
+            return ("first token: the decode's is not the prefill's, which the client already had (the proxy "
+                    f"ended the stream: {FIRST_TOKEN_MISMATCH})" + (f": {self.divergence.summary}"
+                                                                    if self.divergence else ""))
         unit = "character" if isinstance(self.pd, str) else "token"  # streamed answers are compared as text
         at = f" (token {self.divergence.token})" if unit == "character" and self.divergence else ""
         return (f"first divergent {unit} {self.first_divergence}{at}" + (f" ({self.error})" if self.error else "")
@@ -392,6 +414,14 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
         seen: dict[str, str] = {}
         try:
             resp = complete(proxy_url, model, p.body, max_tokens, headers=headers, seen=seen, stream=stream)
+        except StreamError as e:
+            if e.kind != FIRST_TOKEN_MISMATCH or isinstance(reference, list):
+                return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e}", rid)
+            answer = complete(reference, model, p.body, max_tokens, headers=key, stream=stream, pieces=stream)
+            pieces[i] = answer["choices"][0].get("pieces")
+            return PromptResult(p.label, len(p.ids or []), False, 0, e.text, _token_ids(answer),
+                                f"P/D request failed: {e}", rid, seen.get(PREFILL_SERVED_HEADER),
+                                seen.get(DECODE_SERVED_HEADER), first_token_mismatch=True)
         except Exception as e:  # noqa: BLE001 - any failure is a failed prompt, reported with its cause
             detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else ""
             return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e} {detail}",
@@ -415,7 +445,7 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     if isinstance(reference, str):  # after the counters: the proof is of the prompts, not of their diagnosis
         order = [i for wave in waves for i in wave]
         for r, i in zip(results, order, strict=True):
-            if not r.passed and r.error is None:
+            if not r.passed and (r.error is None or r.first_token_mismatch):
                 r.divergence = diagnose(r, prompts[i], proxy_url, reference, model,
                                         {**({ROUTE_HEADER: routes[i]} if routes[i] else {}), **key}, tie,
                                         pieces.get(i))
@@ -435,7 +465,9 @@ def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, mo
         return None
     key = {x: v for x, v in headers.items() if x != ROUTE_HEADER}
     try:
-        if isinstance(r.pd, str):
+        if r.first_token_mismatch:  # P/D's token: the prefill's, which the client read; the reference's: its top
+            agreed, ref_token, start = [], None, 0
+        elif isinstance(r.pd, str):
             at = stream_position(pieces or [], k)
             if at is None or not isinstance(r.reference, str):
                 return None
@@ -448,8 +480,11 @@ def diagnose(r: PromptResult, prompt: Prompt, proxy_url: str, reference: str, mo
         ref = _top_logprobs(reference, model, ids + agreed, key)
         pd = _top_logprobs(proxy_url, model, ids + agreed,
                            {**headers, "X-Request-Id": f"pdctl-check-logprobs-{uuid.uuid4().hex[:16]}"})
+        if ref_token is None:
+            ref_token = max(ref, key=lambda t: ref[t])
         pd_token = r.pd[k] if start is None else stream_token(
-            r.pd[start:], agreed, ref_token, ref, pd, lambda t: _detokenize(reference, model, t, key))
+            r.pd[start:], agreed, ref, pd, lambda t: _detokenize(reference, model, t, key),
+            exclude=None if r.first_token_mismatch else ref_token)
         if pd_token is None:
             return None
         d = Divergence(ref_token, pd_token, tie, token=len(agreed))
@@ -481,15 +516,15 @@ def stream_position(pieces: list, k: int) -> tuple[list[int], int, int] | None:
     return None
 
 
-def stream_token(rest: str, agreed: list[int], ref_token: int, ref: dict[int, float], pd: dict[int, float],
-                 detokenize) -> int | None:
-    """P/D's token where its streamed text `rest` leaves the reference's token: among both sides' top tokens
-    there, those whose text, written after the agreed tokens, starts `rest`; P/D's likeliest of them (its own
-    choice, as it was greedy). None where none does: P/D's token ranked by neither side (not a tie), or a token
-    of part of a character, which has no text of its own."""
+def stream_token(rest: str, agreed: list[int], ref: dict[int, float], pd: dict[int, float], detokenize,
+                 exclude: int | None = None) -> int | None:
+    """P/D's token where its streamed text `rest` leaves the reference's token (`exclude`: the reference's,
+    which it is not): among both sides' top tokens there, those whose text, written after the agreed tokens,
+    starts `rest`; P/D's likeliest of them (its own choice, as it was greedy). None where none does: P/D's token
+    ranked by neither side (not a tie), or a token of part of a character, which has no text of its own."""
     base = detokenize(agreed)
     fits = []
-    for t in sorted((set(ref) | set(pd)) - {ref_token}):
+    for t in sorted((set(ref) | set(pd)) - {exclude}):
         whole = detokenize(agreed + [t])
         text = whole[len(base):] if whole.startswith(base) else ""
         if text and "\ufffd" not in text and rest.startswith(text):

@@ -26,6 +26,7 @@ from pdctl.protocol import (
     DECODE_SERVED_HEADER,
     FALLBACK_HEADER,
     FIRST_HEADER,
+    FIRST_TOKEN_MISMATCH,
     HOLD_ROUTE,
     PREFILL_SERVED_HEADER,
     REJECT_HEADER,
@@ -451,7 +452,7 @@ class Proxy(AdminRoutes):
                             e)
                 err = error_body(f"decode {d.name} ({d.url}): {e} (first_token: the stream so far is not "
                                  "what the decode generated; retry with the header x-pdctl-first-token: off)",
-                                 "first_token_mismatch", 502)
+                                 FIRST_TOKEN_MISMATCH, 502)
                 await out.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             await out.write_eof()
             return out

@@ -6,8 +6,8 @@ after the decode got it (a fault drill kills the prefill in that gap, determinis
 PDCTL_TEST_READ_STALL_S / PDCTL_TEST_READ_STALL_MATCH: report each posted read of a request whose id holds MATCH as
 still in progress for that long (NIXL's own state is not touched: cancelling it then succeeds), as a read whose
 target never progresses looks to the decode.
-PDCTL_TEST_ADVERTISE_ISA: claim another CPU attention ISA than this host's at the handshake (the mismatch must be
-refused)."""
+PDCTL_TEST_ADVERTISE_ISA: claim this CPU attention ISA at the handshake ("other": the one this host's is not; the
+mismatch must be refused)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ if ADVERTISE_ISA:
     _advertised = nixl.PdctlNixlWorker._advertised_isa
 
     def _claimed_isa(self):
-        return _advertised(self) and ADVERTISE_ISA  # only where the host advertises one at all
+        real = _advertised(self)  # only where the host advertises one at all
+        if ADVERTISE_ISA == "other":  # whichever this host's is not: amx on an AVX-512 host, vec on an AMX one
+            return real and ("vec" if real == "amx" else "amx")
+        return real and ADVERTISE_ISA
 
     nixl.PdctlNixlWorker._advertised_isa = _claimed_isa

@@ -47,15 +47,18 @@ def test_decode_tp2_from_prefill_tp1(tmp_path):
 
 @pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
 def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
-    # The prefill says (through pdctl's handshake tag) that it packs KV for AMX; this host's decode uses vec.
-    # At equal block sizes nothing would convert it: refused at the warm-up, never misread.
+    # The prefill says (through pdctl's handshake tag) that it packs KV for the other CPU attention ISA than this
+    # host's (amx on an AVX-512 host, vec on an AMX one), the decode uses this host's. At equal block sizes
+    # nothing would convert it: refused at the warm-up, never misread.
     try:
         r = pdctl("up", "-d", CONFIGS / "cpu-demo.yaml", "--state-dir", tmp_path, "--set", "decode.block_size=32",
-                  *hooks_env("prefill", "decode", ADVERTISE_ISA="amx"), timeout=400)
+                  *hooks_env("prefill", ADVERTISE_ISA="other"), timeout=400)
     finally:
         pdctl("down", "--state-dir", tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "warm-up P/D request failed: pdctl connector: unsupported P/D pair" in r.stderr
+    # Each instance pair is probed at start (launch/warmup.py): the refusal names the pair and the cause.
+    assert "warm-up probe of pair prefill-0 -> decode-0" in r.stderr
+    assert "pdctl connector: unsupported P/D pair" in r.stderr
     assert "(ISA amx)" in r.stderr and "(ISA vec)" in r.stderr and "stores KV differently" in r.stderr
 
 
@@ -69,7 +72,9 @@ def test_unservable_pair_is_refused_at_start_with_both_sides_named(tmp_path):
     finally:
         pdctl("down", "--state-dir", tmp_path)  # should an unexpected success leave servers up
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "warm-up P/D request failed: pdctl connector: unsupported P/D pair" in r.stderr
+    # Each instance pair is probed at start (launch/warmup.py): the refusal names the pair and the cause.
+    assert "warm-up probe of pair prefill-0 -> decode-0" in r.stderr
+    assert "pdctl connector: unsupported P/D pair" in r.stderr
     assert "prefill: block 64" in r.stderr and "decode: block 32" in r.stderr and "CPU_ATTN" in r.stderr
     assert "staging blocks" in r.stderr
     assert not (tmp_path / "state.json").exists()

@@ -103,6 +103,10 @@ class FakePD:
         self.gap: float | None = None
         self.spread, self.logprobs_fail = 0.0, False
         self.streams: list[tuple[str, dict]] = []  # (path, body) of each streamed request
+        # x-pdctl-first-token's mismatch: for this prompt length the proxy streams the prefill's token (token 0,
+        # plus `first_offset`), then ends the stream with the error; the diagnosis then asks at token 0.
+        self.mismatch_on: int | None = None
+        self.first_offset, self.logprobs_at = 0, 5
         fake = self
 
         class H(BaseHTTPRequestHandler):
@@ -122,7 +126,8 @@ class FakePD:
                     self.send_response(500 if fake.logprobs_fail else 200)
                     self.end_headers()
                     if not fake.logprobs_fail:
-                        ref = (sum(prompt[:-5]) + 5) % 997
+                        at = fake.logprobs_at
+                        ref = (sum(prompt[:len(prompt) - at]) + at) % 997
                         top = {ref: -0.5, 998: -4.0} | ({} if fake.gap is None else {ref + 1: -0.5 - fake.gap})
                         if self.path.startswith("/proxy"):
                             top[ref] -= fake.spread
@@ -140,6 +145,10 @@ class FakePD:
                     fake.streams.append((self.path, body))
                     evs = [{"choices": [{"text": f"{i},"} | ({"token_ids": [i]} if body.get("return_token_ids")
                                                              else {})]} for i in ids]
+                    if self.path.startswith("/proxy") and len(prompt) == fake.mismatch_on:
+                        evs = [{"choices": [{"text": f"{ids[0] + fake.first_offset},"}]},
+                               {"error": {"message": "the decode's first text differs", "type":
+                                          "first_token_mismatch", "code": 502}}]
                     evs += [{"error": {"message": "boom"}}] if fake.stream_error else [{"choices": [],
                                                                                        "usage": usage}]
                     out = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in evs) + b"data: [DONE]\n\n"
@@ -332,12 +341,34 @@ def test_stream_token_is_p_d_s_likeliest_top_token_whose_text_starts_its_rest():
         return "".join(texts.get(t, "?") for t in ids)
 
     ref, pd = {5: -0.1, 1: -0.2, 3: -3.0, 4: -4.0}, {1: -0.1, 2: -0.3, 5: -0.2}
-    assert stream_token(" 123 45", [5], 5, ref, pd, detok) == 1  # 1, 2 and 3 fit: P/D's likeliest
-    assert stream_token(" 123 45", [5], 5, ref, {2: -0.1, 1: -0.3}, detok) == 2
-    assert stream_token(" 1x", [5], 5, ref, {}, detok) == 3  # the only one that fits
-    assert stream_token(" 9", [5], 5, ref, pd, detok) is None  # the reference's own token never counts
-    assert stream_token("\u00e9", [5], 5, ref, pd, detok) is None  # part of a character: no text to tell it by
-    assert stream_token("x", [5], 5, ref, pd, detok) is None  # ranked by neither side
+    assert stream_token(" 123 45", [5], ref, pd, detok, exclude=5) == 1  # 1, 2 and 3 fit: P/D's likeliest
+    assert stream_token(" 123 45", [5], ref, {2: -0.1, 1: -0.3}, detok, exclude=5) == 2
+    assert stream_token(" 1x", [5], ref, {}, detok, exclude=5) == 3  # the only one that fits
+    assert stream_token(" 9", [5], ref, pd, detok, exclude=5) is None  # the reference's token, where P/D left it
+    assert stream_token(" 9", [5], ref, pd, detok) == 5  # a first-token mismatch: the prefill's may be it
+    assert stream_token("\u00e9", [5], ref, pd, detok, exclude=5) is None  # part of a character: no text to tell it by
+    assert stream_token("x", [5], ref, pd, detok, exclude=5) is None  # ranked by neither side
+
+
+@pytest.mark.parametrize("offset, gap, spread, tie", [
+    (0, None, 0.1, True), (1, 0.1, 0.1, True), (0, None, 1.0, False), (1, None, 0.1, False)],
+    ids=["decode-odd-near-tie", "prefill-odd-near-tie", "decode-kv-moved", "prefill-token-not-ranked"])
+def test_a_first_token_mismatch_is_diagnosed_at_token_0(offset, gap, spread, tie):
+    """The proxy ends a stream whose decode's first token is not the prefill's (which the client already has):
+    a near tie the two sides broke differently passes as one (the prefill's token within the bound of the
+    reference's, the decode's logprobs the reference's); the decode's distribution moved (its KV), or a prefill
+    token the reference does not rank, fails."""
+    fake = FakePD("transfer")
+    fake.mismatch_on, fake.first_offset, fake.logprobs_at = 65, offset, 0
+    fake.gap, fake.spread = gap, spread
+    report = fake.run(stream=True)
+    [r] = [r for r in report.results if r.label == "random-65"]
+    assert r.first_token_mismatch and r.error and "first_token_mismatch" in r.error
+    assert r.pd == f"{int(r.reference.split(',')[0]) + offset},"  # the prefill's token, as the client read it
+    assert r.divergence.token == 0 and r.divergence.tie is tie and r.passed is tie and report.passed is tie
+    assert r.outcome.startswith("first token: the decode's is not the prefill's, which the client already had "
+                                "(the proxy ended the stream: first_token_mismatch): ")
+    assert report.proof.ok  # the other prompts' KV travelled; the ended stream is not counted as answered
 
 
 def test_a_stream_that_ends_with_an_error_fails_its_prompt():
