@@ -81,9 +81,10 @@ def complete(base_url: str, model: str, prompt: list[int] | str, max_tokens: int
     choice's "pieces" [[text, ids], ...]; never asked of P/D: token ids change what a stream's events carry, and
     the proxy streams such a request the ordinary way."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body |= ({"stream": True, "stream_options": {"include_usage": True}} | ({"return_token_ids": True} if pieces
-                                                                             else {})
-             if stream else {"return_token_ids": True})
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if pieces or not stream:
+        body["return_token_ids"] = True
     sent = {"Content-Type": "application/json", **({FIRST_HEADER: "on"} if stream else {}), **(headers or {})}
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), sent)
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -407,6 +408,13 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
     routes = route if isinstance(route, list) else [route] * len(prompts)
     pieces: dict[int, list] = {}  # streamed: the reference's answer per prompt as [[text, token ids], ...]
 
+    def reference_answer(i: int) -> list[int] | str:
+        if isinstance(reference, list):
+            return reference[i]
+        answer = complete(reference, model, prompts[i].body, max_tokens, headers=key, stream=stream, pieces=stream)
+        pieces[i] = answer["choices"][0].get("pieces")
+        return _token_ids(answer)
+
     def one(i: int) -> PromptResult:
         p = prompts[i]
         rid = f"pdctl-check-{uuid.uuid4().hex[:16]}"
@@ -415,23 +423,16 @@ def run_parity(proxy_url: str, reference: str | list, decode_urls: list[str], mo
         try:
             resp = complete(proxy_url, model, p.body, max_tokens, headers=headers, seen=seen, stream=stream)
         except StreamError as e:
-            if e.kind != FIRST_TOKEN_MISMATCH or isinstance(reference, list):
+            if e.kind != FIRST_TOKEN_MISMATCH:
                 return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e}", rid)
-            answer = complete(reference, model, p.body, max_tokens, headers=key, stream=stream, pieces=stream)
-            pieces[i] = answer["choices"][0].get("pieces")
-            return PromptResult(p.label, len(p.ids or []), False, 0, e.text, _token_ids(answer),
+            return PromptResult(p.label, len(p.ids or []), False, 0, e.text, reference_answer(i),
                                 f"P/D request failed: {e}", rid, seen.get(PREFILL_SERVED_HEADER),
                                 seen.get(DECODE_SERVED_HEADER), first_token_mismatch=True)
         except Exception as e:  # noqa: BLE001 - any failure is a failed prompt, reported with its cause
             detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else ""
             return PromptResult(p.label, len(p.ids or []), False, 0, [], [], f"P/D request failed: {e} {detail}",
                                 rid)
-        pd = _token_ids(resp)
-        if isinstance(reference, list):
-            ref = reference[i]
-        else:
-            answer = complete(reference, model, p.body, max_tokens, headers=key, stream=stream, pieces=stream)
-            ref, pieces[i] = _token_ids(answer), answer["choices"][0].get("pieces")
+        pd, ref = _token_ids(resp), reference_answer(i)
         div = first_divergence(pd, ref)
         return PromptResult(p.label, resp["usage"]["prompt_tokens"], div is None, div, pd, ref, None, rid,
                             seen.get(PREFILL_SERVED_HEADER), seen.get(DECODE_SERVED_HEADER), resp.get("id"))

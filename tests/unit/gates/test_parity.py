@@ -371,6 +371,24 @@ def test_a_first_token_mismatch_is_diagnosed_at_token_0(offset, gap, spread, tie
     assert report.proof.ok  # the other prompts' KV travelled; the ended stream is not counted as answered
 
 
+def test_a_first_token_mismatch_against_recorded_answers_fails_undiagnosed():
+    """`--reference-first`: the reference's answers were recorded and it is gone; nothing can tell a near tie."""
+    from pdctl.gates.parity import random_prompts, reference_answers, run_parity
+
+    fake = FakePD("transfer")
+    fake.mismatch_on, fake.logprobs_at = 65, 0
+    prompts = random_prompts([33, 65], 1000, seed=3)
+    try:
+        recorded = reference_answers(fake.url + "/ref", "tiny", prompts, 8, stream=True)
+        report = run_parity(fake.url + "/proxy", recorded, [fake.url + "/decode"], "tiny", prompts, max_tokens=8,
+                            stream=True)
+    finally:
+        fake.server.shutdown()
+    [r] = [r for r in report.results if not r.passed]
+    assert r.first_token_mismatch and r.divergence is None and not report.passed
+    assert r.outcome.endswith("(the proxy ended the stream: first_token_mismatch)")
+
+
 def test_a_stream_that_ends_with_an_error_fails_its_prompt():
     fake = FakePD("transfer")
     fake.stream_error = True
