@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from pdctl import auth
 from pdctl.api.common import Say, UserError, _quiet
 from pdctl.api.deploy import _interruptible, _local_engine, _preflight
 from pdctl.api.gates import expected_table, gsm8k_source
-from pdctl.api.topology import _gate_note, _gated, load, origin, plan
+from pdctl.api.topology import _gate_note, _gated, as_overrides, load, origin, plan
 from pdctl.bench.options import BenchOptions, phases
 from pdctl.launch.errors import LaunchFailed
 from pdctl.plan import Plan
-from pdctl.topology import Topology, TopologyError
+from pdctl.topology import Override, Topology, TopologyError
 
 
 @dataclass
@@ -210,10 +212,28 @@ class SweepResult:
         return {"cases": self.rows, "results": str(self.out_dir)}
 
 
+def _case_overrides(topology: str | Path, m, overrides) -> Callable[[Any], list[Override]]:
+    """Each case's overrides under the command line's (`overrides`: --set and the role flags, in every case); a
+    case that sets what the command line sets is an OverrideConflict before any case runs."""
+    from pdctl.topology import OverrideConflict
+
+    base = [replace(o, exclusive=True) for o in as_overrides(overrides)]
+    for case in m.cases:
+        try:
+            load(topology, base + case.overrides())
+        except OverrideConflict as e:
+            e.problems = [replace(p, message=f"case {case.name!r}: {p.message}") for p in e.problems]
+            raise
+        except TopologyError:
+            pass  # the case's own problem: its row says REFUSED
+    return lambda case: base + case.overrides()
+
+
 def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None = None, *,
-          results: str | Path | None = None, say: Say = _quiet) -> SweepResult:
+          results: str | Path | None = None, say: Say = _quiet, overrides=None) -> SweepResult:
     """`bench` for every case of a matrix (resumable: a case with a summary under `results` is kept); writes
-    sweep.json, sweep.md and plots. A case the topology rules refuse is REFUSED, one that fails to start FAIL."""
+    sweep.json, sweep.md and plots. A case the topology rules refuse is REFUSED, one that fails to start FAIL.
+    `overrides` (as `load` takes them) change the topology under every case; one a case also sets is refused."""
     from pydantic import ValidationError
 
     from pdctl.bench import sweep as sweep_mod
@@ -223,10 +243,11 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
         m = sweep_mod.load_matrix(matrix)
     except (OSError, ValidationError, ValueError) as e:
         raise UserError(f"{matrix}: {e}") from None
+    case_overrides = _case_overrides(topology, m, overrides)
     out_dir = Path(results) if results else Path("results") / f"sweep-{matrix.stem}"
     o = options or BenchOptions()
     if o.goodput:
-        return _sweep_goodput(topology, m, o, out_dir, say)
+        return _sweep_goodput(topology, m, o, out_dir, say, case_overrides, overrides)
     table = expected_table(o.expected)
     o = _bench_data(o, say)
     say(_gate_note() + " in every case")
@@ -235,7 +256,7 @@ def sweep(topology: str | Path, matrix: str | Path, options: BenchOptions | None
         base = {k: case.value(path) for k, path in (("prefill_block", "prefill.block_size"), ("decode_block",
                 "decode.block_size"), ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp"))}
         try:
-            t = load(topology, case.overrides(), gated=True)
+            t = load(topology, case_overrides(case), gated=True)
         except TopologyError as e:
             return {**base, "status": "REFUSED", "error": e.render()}
         try:
@@ -270,7 +291,8 @@ class GoodputSweepResult:
         return {**self.summary, "refused": self.refused}
 
 
-def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say: Say) -> GoodputSweepResult:
+def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say: Say, case_overrides,
+                   overrides) -> GoodputSweepResult:
     """Goodput of each layout of the matrix and of the baseline (the topology's devices aggregated), every one on
     the topology's devices, at the same offered rates; the layout with the highest goodput for the SLO, and the
     SLO tightness at which the answer changes (recomputed from the measured requests)."""
@@ -287,7 +309,7 @@ def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say:
         check_dataset(o.dataset, o.dataset_path)
     except ValueError as e:
         raise UserError(str(e)) from None
-    t = _gated(load(topology, gated=True), say)
+    t = _gated(load(topology, overrides, gated=True), say)
     _goodput_options(t, o, say)
     _local_engine(t)
     want = devices_used(t)
@@ -299,7 +321,7 @@ def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say:
             refused[case.name] = "the name 'baseline' is the aggregated deployment every sweep includes"
             continue
         try:
-            tc = load(topology, case.overrides(), gated=True)
+            tc = load(topology, case_overrides(case), gated=True)
         except TopologyError as e:
             refused[case.name] = e.render()
             continue

@@ -23,8 +23,8 @@ DASHBOARD = "configs/grafana/pdctl-fleet.json"  # over its Prometheus (docs/oper
 # the gates' aggregated server), refused with their new name for one release.
 RENAMED_FLAGS = {"check": {"--gsm8k-dir": "--data-dir"}, "eval": {"--url": "--proxy", "--baseline": "--reference"}}
 
-# Flags removed in 0.2 (no command keeps more than about 20 options), refused with what replaces each for one
-# release: the typed topology overrides (--set is the one way), the reference's port (reference.port),
+# Flags removed in 0.2, refused with what replaces each for one release: the typed topology overrides other than
+# the role flags (each a --set of its own), the reference's port (reference.port),
 # bench's three skips (one --skip list), its accuracy gate's concurrency (1: per-sample agreement stays exact),
 # the load's one open-loop rate (--rates) and dataset file (--dataset KIND:FILE).
 _OVERRIDES = {flag: f"--set {s}" for flag, s in REMOVED_OVERRIDE_FLAGS.items()}
@@ -35,7 +35,7 @@ _BENCH = {"--skip-check": "--skip check", "--skip-eval": "--skip eval", "--skip-
           "--dataset-path": "--dataset sharegpt:FILE or --dataset custom:FILE"}
 REMOVED_FLAGS = {"validate": _OVERRIDES, "plan": _OVERRIDES, "render k8s": _OVERRIDES, "up": _OVERRIDES,
                  "check": {**_OVERRIDES, **_REFERENCE}, "eval": {**_OVERRIDES, **_REFERENCE},
-                 "bench": {**_OVERRIDES, **_REFERENCE, **_BENCH}, "sweep": {**_REFERENCE, **_BENCH}}
+                 "bench": {**_OVERRIDES, **_REFERENCE, **_BENCH}, "sweep": {**_OVERRIDES, **_REFERENCE, **_BENCH}}
 
 
 def refuse_renamed(argv: list[str]) -> None:

@@ -9,11 +9,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdctl.topology import REMOVED_OVERRIDE_FLAGS, Override, TopologyError
+from pdctl.topology import REMOVED_OVERRIDE_FLAGS, ROLE_FLAGS, Override, TopologyError
 
-# A case's keys that became `set:` paths (the command line's removed override flags, snake_case): refused with the
-# `set:` that replaces them.
-REMOVED_CASE_KEYS = {flag[2:].replace("-", "_"): s.partition("=")[0] for flag, s in REMOVED_OVERRIDE_FLAGS.items()}
+# A case's keys that became `set:` paths (the command line's override flags, snake_case): refused with the `set:`
+# that replaces them; a case changes the topology one way.
+REMOVED_CASE_KEYS = {**{flag[2:].replace("-", "_"): ".".join(path) for flag, path in ROLE_FLAGS.items()},
+                     **{flag[2:].replace("-", "_"): s.partition("=")[0] for flag, s in REMOVED_OVERRIDE_FLAGS.items()}}
 
 
 class Case(BaseModel):

@@ -70,9 +70,9 @@ def bench(
 
     Examples:
 
-      pdctl bench configs/cpu-demo.yaml --set decode.block_size=128 --data-dir ../shared/data/gsm8k
+      pdctl bench configs/cpu-demo.yaml --decode-block-size 64 --data-dir ../shared/data/gsm8k
 
-      pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --set decode.block_size=64 --limit 256
+      pdctl bench configs/qwen3-0.6b-cuda-d64.yaml --prefill-block-size 16 --decode-block-size 64 --limit 256
 
       pdctl bench configs/cpu-demo.yaml --skip check,eval --breakdown   # where P/D's TTFT goes
 
@@ -91,6 +91,7 @@ def bench(
 
 
 @app.command()
+@topology_command
 def sweep(
     topology: TopologyArg,
     matrix: Annotated[Path, typer.Option(help="YAML with `cases:`, each a name and the fields it `set:`s")],
@@ -104,11 +105,13 @@ def sweep(
     skip: SkipOpt = None, timeout: TimeoutOpt = 300.0,
     goodput: Annotated[bool, typer.Option(help="cases are layouts of the same devices: goodput per layout")] = False,
     slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, json_: JsonOpt = False,
+    overrides: list = (),
 ) -> None:
     """`pdctl bench` for every case of a matrix: one table, sweep.json, sweep.md and PNG plots.
 
     Resumable: a case whose summary.json exists under --results is kept, so rerunning an interrupted sweep with
     the same --results continues where it stopped. A case the topology rules refuse is reported as REFUSED.
+    --set and the role flags change the topology under every case; one a case also sets is refused before any runs.
 
     --goodput: the layout of the topology's devices (each case one) with the highest goodput for the SLO, against
     the baseline, and the SLO at which the answer changes (docs/benchmarks.md).
@@ -119,11 +122,13 @@ def sweep(
 
       pdctl sweep configs/qwen3-0.6b-cuda-d64.yaml --matrix configs/upstream-matrix.yaml --results results/pr26759
 
+      pdctl sweep configs/cpu-demo.yaml --matrix configs/cpu-matrix.yaml --decode-tp 2 --set "decode.devices=[0,1]"
+
       pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layout-matrix.yaml --goodput --rates 1,2,3,4,6
     """
     opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
                         **api.load_rates(rates, goodput), **api.dataset_option(dataset))
-    r = api.sweep(topology, matrix, opts, results=results, say=say)
+    r = api.sweep(topology, matrix, opts, results=results, say=say, overrides=overrides)
     print(json.dumps(r.to_dict(), indent=2)) if json_ else render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)
 

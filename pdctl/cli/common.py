@@ -18,7 +18,8 @@ app = typer.Typer(
     "Quick tour:\n\n"
     "  pdctl model tiny .pdctl/models/tiny\n\n"
     "  pdctl validate configs/cpu-demo.yaml\n\n"
-    "  pdctl plan configs/cpu-demo.yaml --set decode.block_size=128 --json",
+    "  pdctl plan configs/cpu-demo.yaml --decode-block-size 128 --json\n\n"
+    "  pdctl bench configs/cpu-demo.yaml --decode-block-size 64 --data-dir ../shared/data/gsm8k",
     no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -48,22 +49,39 @@ def options_from(cls, values: dict, **extra):
 
 
 SetOpt = Annotated[list[str], typer.Option("--set", help="override any field: dotted.path=value (repeatable), e.g. "
-                                           "--set decode.block_size=128")]
+                                           "--set decode.block_size=128", rich_help_panel="Topology")]
+
+# The role flags (pdctl.topology.ROLE_FLAGS), each exactly its --set: parameter name -> (flag, help).
+_ROLE_OPTS = {
+    "prefill_block_size": ("--prefill-block-size", "= --set prefill.block_size=N: the prefill's KV block size"),
+    "decode_block_size": ("--decode-block-size", "= --set decode.block_size=N: the decode's KV block size"),
+    "prefill_tp": ("--prefill-tp", "= --set prefill.tp=N: tensor-parallel size of each prefill instance"),
+    "decode_tp": ("--decode-tp", "= --set decode.tp=N: tensor-parallel size of each decode instance"),
+}
+assert {f for f, _ in _ROLE_OPTS.values()} == set(topo_mod.ROLE_FLAGS)
 
 
 def topology_command(fn):
-    """Give a command --set; it receives the overrides as `overrides: list[Override]`."""
+    """Give a command --set and the role flags; it receives them as `overrides: list[Override]` (the role flags
+    first, in ROLE_FLAGS order, then the --sets in the order given)."""
     sig = inspect.signature(fn)
-    set_ = inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=[], annotation=SetOpt)
+    extra = [inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=[], annotation=SetOpt)]
+    extra += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        int | None, typer.Option(flag, help=text + " (every pool of the role)", metavar="N",
+                                 rich_help_panel="Topology", show_default=False)])
+        for name, (flag, text) in _ROLE_OPTS.items()]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        kwargs["overrides"] = [topo_mod.Override.parse_set(s) for s in kwargs.pop("set_")]
+        roles = [topo_mod.Override.from_role_flag(flag, kwargs.pop(name)) for name, (flag, _) in _ROLE_OPTS.items()
+                 if kwargs.get(name) is not None]
+        kwargs = {k: v for k, v in kwargs.items() if k not in _ROLE_OPTS}
+        kwargs["overrides"] = roles + [topo_mod.Override.parse_set(s) for s in kwargs.pop("set_")]
         return fn(*args, **kwargs)
 
     params = [p for p in sig.parameters.values() if p.name != "overrides"]
-    wrapper.__signature__ = sig.replace(parameters=[*params, set_])
-    wrapper.__annotations__ = {**{p.name: p.annotation for p in [*params, set_]}, "return": None}
+    wrapper.__signature__ = sig.replace(parameters=[*params, *extra])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in [*params, *extra]}, "return": None}
     return wrapper
 
 
@@ -88,3 +106,14 @@ def load_topology(path: Path, overrides: list, gated: bool = False):
     for w in api.warnings(t):
         err.print(w, markup=False, highlight=False, style="yellow")
     return t
+
+
+def gate_target(topology: Path | None, overrides: list, state_dir: Path | None):
+    """What a gate runs against: the TOPOLOGY brought up (loaded as a gate runs it), else the topology up in
+    --state-dir, else None (running servers by URL). Overrides change a topology to bring up, never a running one."""
+    if topology is not None:
+        return load_topology(topology, overrides, gated=True)
+    if overrides:
+        raise api.UserError(f"{overrides[0].flag}: changes a TOPOLOGY to bring up; a running system (--proxy, "
+                            "--state-dir) is gated as it runs")
+    return api.attach(state_dir=state_dir) if state_dir is not None else None

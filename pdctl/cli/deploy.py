@@ -48,7 +48,7 @@ def up(
 
       pdctl up -d configs/cpu-homog.yaml --timeout 180 && pdctl status cpu-homog
 
-      pdctl up -d configs/cpu-demo.yaml --set decode.block_size=128 --state-dir /tmp/demo128
+      pdctl up -d configs/cpu-demo.yaml --decode-block-size 128 --state-dir /tmp/demo128
     """
     t = load_topology(topology, [*overrides, topo_mod.MONITORING_ON] if monitoring else overrides)
     d = None

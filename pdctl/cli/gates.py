@@ -17,7 +17,7 @@ from pdctl.cli.common import (
     TimeoutOpt,
     app,
     err,
-    load_topology,
+    gate_target,
     options_from,
     out,
     say,
@@ -71,9 +71,11 @@ def check(
 
       pdctl check configs/cpu-demo.yaml
 
-      pdctl check configs/cpu-demo.yaml --set decode.block_size=128 --junit results/parity.xml
+      pdctl check configs/cpu-demo.yaml --prefill-block-size 128 --decode-block-size 32   # either direction
 
-      pdctl check configs/cpu-demo.yaml --set decode.tp=2 --set "decode.devices=[0,1]" --reference-first
+      pdctl check configs/cpu-demo.yaml --decode-block-size 128 --junit results/parity.xml
+
+      pdctl check configs/cpu-demo.yaml --decode-tp 2 --set "decode.devices=[0,1]" --reference-first
 
       pdctl check configs/cpu-demo.yaml --stream   # as a streaming client reads it
 
@@ -88,10 +90,8 @@ def check(
     except ValueError:
         raise UserError(f"--lengths {lengths}: expected token counts separated by commas, e.g. 65,129,300") from None
     opts = options_from(api.CheckOptions, locals(), timeout_s=timeout, lengths=only)
-    if topology is not None:
-        target = load_topology(topology, overrides, gated=True)
-    else:  # a topology that is up (`pdctl up -d`), or running servers
-        target = api.attach(state_dir=state_dir) if state_dir is not None else None
+    target = gate_target(topology, overrides, state_dir)
+    if topology is None:  # the state dir is the running topology's, not one to bring up
         opts.state_dir = None
     with err.status("checking ...") as st:
         report = api.check(target, proxy=proxy_url, reference=reference_url, decodes=decode_url, model=model,
@@ -149,13 +149,12 @@ def eval_(
 
       pdctl eval configs/cpu-demo.yaml --data-dir ../shared/data/gsm8k --limit 20 --reference auto
 
+      pdctl eval configs/cpu-demo.yaml --decode-block-size 64 --data-dir ../shared/data/gsm8k --limit 20
+
       pdctl eval --proxy http://127.0.0.1:8000 --model Qwen/Qwen3-0.6B --tokenizer Qwen/Qwen3-0.6B
     """
     opts = options_from(api.EvalOptions, locals(), timeout_s=timeout)
-    if topology is not None:
-        target = load_topology(topology, overrides, gated=True)
-    else:
-        target = api.attach(state_dir=state_dir) if state_dir is not None else None
+    target = gate_target(topology, overrides, state_dir)
     with err.status("evaluating ...") as st:
         r = api.evaluate(target, proxy=proxy, reference=reference, model=model, options=opts, say=say,
                          progress=lambda text: st.update(f"{text} ..."))

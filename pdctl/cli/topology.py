@@ -36,7 +36,7 @@ def validate(topology: TopologyArg, json_: JsonOpt = False, overrides: list = ()
 
       pdctl validate configs/cpu-demo.yaml
 
-      pdctl validate configs/cpu-demo.yaml --set prefill.block_size=64 --set decode.block_size=32
+      pdctl validate configs/cpu-demo.yaml --prefill-block-size 64 --decode-block-size 32
 
       pdctl validate configs/cpu-demo.yaml --set connector.kind=nixl --json
     """
@@ -66,7 +66,7 @@ def plan(topology: TopologyArg, json_: JsonOpt = False, output: OutputOpt = rend
 
       pdctl plan configs/cpu-demo.yaml
 
-      pdctl plan configs/qwen3-0.6b-cuda.yaml --set decode.tp=2 --json
+      pdctl plan configs/qwen3-0.6b-cuda-d64.yaml --decode-tp 2 --json
 
       pdctl plan configs/cpu-slurm.yaml --set engine.kind=slurm -o wide
     """
@@ -95,7 +95,7 @@ def render_k8s(
 
       pdctl render k8s configs/cuda-to-gaudi.yaml -o k8s/ --image registry.example/pdctl-vllm:0.11
 
-      pdctl render k8s configs/cpu-demo.yaml -o /tmp/k8s --namespace pd
+      pdctl render k8s configs/cpu-demo.yaml -o /tmp/k8s --namespace pd --decode-block-size 128
     """
     written = api.render_k8s(load_topology(topology, overrides), out_dir, image=image or None, namespace=namespace,
                              validate=validate_)

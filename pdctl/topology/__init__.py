@@ -10,7 +10,7 @@ One module per concern; this package hands their names on:
   describe.py    a topology in one line
   rules_*.py     the compatibility rules by subject (hybrid, pairs, pool, capacity, engine, proxy, exposure,
                  collisions), run in order by rules.py
-  overrides.py   command-line changes (--set, --monitoring) and the removed override flags' replacements
+  overrides.py   command-line changes (--set, the role flags, --monitoring), the removed flags' replacements
   load.py        the YAML read, overridden, validated and checked
 """
 
@@ -30,7 +30,14 @@ from pdctl.topology.facts import (
     resolved_model,
 )
 from pdctl.topology.load import Loaded, load_topology, validate_data
-from pdctl.topology.overrides import MONITORING_ON, REMOVED_OVERRIDE_FLAGS, Override, apply_overrides
+from pdctl.topology.overrides import (
+    MONITORING_ON,
+    REMOVED_OVERRIDE_FLAGS,
+    ROLE_FLAGS,
+    Override,
+    OverrideConflict,
+    apply_overrides,
+)
 from pdctl.topology.problems import Loc, Problem, Source, TopologyError, pool_field, pool_loc, user_loc
 from pdctl.topology.rules import compatibility_problems
 from pdctl.topology.rules_capacity import kv_bytes_per_token
@@ -77,8 +84,9 @@ from pdctl.topology.schema import (
 __all__ = [
     "attention_summary", "summary", "HMA_OFF_FLAG", "HMA_ON_FLAG", "KNOWN_MODEL_KV_HEADS", "ModelInfo",
     "hma_enabled", "is_local_path", "model_attention", "read_model_info", "resolve_path", "resolved_model",
-    "Loaded", "load_topology", "validate_data", "MONITORING_ON", "REMOVED_OVERRIDE_FLAGS", "Override",
-    "apply_overrides", "Loc", "Problem", "Source", "TopologyError", "pool_field", "pool_loc", "user_loc",
+    "Loaded", "load_topology", "validate_data", "MONITORING_ON", "REMOVED_OVERRIDE_FLAGS", "ROLE_FLAGS", "Override",
+    "OverrideConflict", "apply_overrides", "Loc", "Problem", "Source", "TopologyError", "pool_field", "pool_loc",
+    "user_loc",
     "compatibility_problems", "kv_bytes_per_token", "is_loopback", "ROUTER_UNSUPPORTED",
     "CPU_BLOCK_MULTIPLE", "DEFAULT_BLOCK_SIZE", "DEFAULT_POOL", "MAX_POOLS", "POOL_NAME_PATTERN", "RAY_PLACEMENT",
     "ROLE_PORTS", "ROLES", "ROUTER_POLICY", "SLURM_PLACEMENT", "AuthSpec", "BufferDevice", "ByteSize",

@@ -9,7 +9,7 @@ from tests.e2e.conftest import pdctl
 
 
 def test_bench_p32_d128_end_to_end(tmp_path):
-    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--set", "decode.block_size=128", "--data-dir",
+    r = pdctl("bench", CONFIGS / "cpu-demo.yaml", "--decode-block-size", "128", "--data-dir",
               SHARED / "data" / "gsm8k", "--limit", "10", "--requests", "12", "--results", tmp_path / "res",
               "--state-dir", tmp_path / "state", "--breakdown", "--json", timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

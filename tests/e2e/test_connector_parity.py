@@ -34,7 +34,7 @@ def test_decode_tp2_from_prefill_tp1(tmp_path):
     merges it. The reference (TP 2, like the decode) runs alone first: 2 cores hold P, D's two ranks or the
     reference, not all. float32, because the prefill's TP-1 KV and a TP-2 reference's differ by rounding: in bf16
     that flipped near-tie tokens late (tokens 6-14) in 4 of 19 prompts; in float32, none."""
-    code, doc = _check(tmp_path, "cpu-demo.yaml", "--set", "decode.tp=2", "--set", "decode.devices=[0,1]", "--set",
+    code, doc = _check(tmp_path, "cpu-demo.yaml", "--decode-tp", "2", "--set", "decode.devices=[0,1]", "--set",
                        "model.dtype=float32", "--reference-first")
     failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
     assert code == 0 and doc["passed"], (failed, doc["proof"])
@@ -51,7 +51,7 @@ def test_prefill_on_another_cpu_isa_is_refused_at_start(tmp_path):
     # host's (amx on an AVX-512 host, vec on an AMX one), the decode uses this host's. At equal block sizes
     # nothing would convert it: refused at the warm-up, never misread.
     try:
-        r = pdctl("up", "-d", CONFIGS / "cpu-demo.yaml", "--state-dir", tmp_path, "--set", "decode.block_size=32",
+        r = pdctl("up", "-d", CONFIGS / "cpu-demo.yaml", "--state-dir", tmp_path, "--decode-block-size", "32",
                   *hooks_env("prefill", ADVERTISE_ISA="other"), timeout=400)
     finally:
         pdctl("down", "--state-dir", tmp_path)

@@ -124,7 +124,8 @@ def test_removed_flags_say_what_replaces_them_for_one_release(run_cli, command, 
 
 
 def test_the_removed_flags_table_names_every_replacement():
-    assert api.REMOVED_FLAGS["check"]["--decode-block-size"] == "--set decode.block_size=N"
+    assert api.REMOVED_FLAGS["check"]["--decode-layout"] == "--set decode.kv_layout=HND|NHD"
+    assert "--decode-block-size" not in api.REMOVED_FLAGS["bench"]  # a role flag: = --set decode.block_size=N
     assert api.REMOVED_FLAGS["bench"]["--skip-perf"] == "--skip perf"
     assert {"--reference-port", "--eval-concurrency", "--skip-check"} <= set(api.REMOVED_FLAGS["sweep"])
     assert "--engine" in api.REMOVED_FLAGS["render k8s"] and "--reference-port" not in api.REMOVED_FLAGS["plan"]
