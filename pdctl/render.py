@@ -389,12 +389,31 @@ def bench(out: Console, err: Console, s: dict, expected_file: str | Path | None,
                         "of aggregated (p50)")
     if "goodput" in s:
         g = s["goodput"]
-        ratio = g["ratio_pd_over_baseline"]
-        summary.add_row("goodput", g["status"], f"P/D sustains {_sustained(g['pd'])} req/s, aggregated "
-                        f"{_sustained(g['baseline'])}" + (f" ({ratio:.2f}x)" if ratio else ""))
+        summary.add_row("goodput", g["status"].lower(), _goodput_answer(g))
     ready = f"time to ready {s['time_to_ready_s']:.0f} s; " if "time_to_ready_s" in s else ""
     summary.add_row("overall", s["status"], f"{ready}results {out_dir}")
     out.print(summary)
+
+
+def _goodput_answer(g: dict) -> str:
+    """The goodput measurement in one sentence (goodput.answer_line), with P/D's ratio where both sustained a rate."""
+    from pdctl.bench import goodput
+
+    a = g.get("answer") or goodput.answer([float(r) for side in ("pd", "baseline")
+                                           for r in g[side].get("attainment_median", {})],
+                                          g["pd"]["sustained_req_s"], g["baseline"]["sustained_req_s"])
+    ratio = g.get("ratio_pd_over_baseline")
+    return goodput.answer_line(a) + (f"; P/D {ratio:.2f}x" if ratio and a["kind"] == "compared" else "")
+
+
+def _load_said(g: dict) -> str:
+    """The goodput run's load: SLO, requests per rate, where the rates came from, the workload."""
+    per_rate = (f"{g['duration_s']:g} s of arrivals per rate" if g.get("duration_s") is not None
+                else f"{g['requests_per_rate']} requests per rate")
+    rates = g.get("rates") or {}
+    if rates.get("from") == "capacity":
+        per_rate += f"; rates from this host's capacity ({rates['capacity']['said']})"
+    return f"SLO: {g['slo']['origin']}; {per_rate}, {g['dataset']} {g['prompt_len']}/{g['max_tokens']} tokens"
 
 
 def _sustained(side: dict) -> str:
@@ -439,6 +458,7 @@ def goodput(out: Console, g: dict) -> None:
     _cores_table(out, g, rates, stats)
     _steal_note(out, g, sides)
     _speed_note(out, g)
+    out.print(_goodput_answer(g), highlight=False)
     cross = g.get("crossover") or {}
     if cross.get("winner") == "baseline":
         out.print("the aggregated deployment sustains the higher rate at this SLO and workload: P/D does not pay "
@@ -451,8 +471,7 @@ def goodput(out: Console, g: dict) -> None:
         out.print("P/D meets the SLOs for at least as many requests as the aggregated deployment at every rate where "
                   "either meets the target", highlight=False)
     _beside_note(out, g)
-    out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
-              f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
+    out.print(_load_said(g), highlight=False)
     if g.get("plots"):
         out.print("plots: " + ", ".join(g["plots"]), highlight=False)
 
@@ -488,8 +507,7 @@ def goodput_sweep(out: Console, g: dict, refused: dict[str, str]) -> None:
     _beyond_bound_note(out, g, {name: f"layout {name}:" for name in g["deployments"]})
     _steal_note(out, g, tuple(g["deployments"]))
     _speed_note(out, g)
-    out.print(f"SLO: {g['slo']['origin']}; {g['requests_per_rate']} requests per rate, {g['dataset']} "
-              f"{g['prompt_len']}/{g['max_tokens']} tokens", highlight=False)
+    out.print(_load_said(g), highlight=False)
 
 
 def _cores_table(out: Console, g: dict, rates: list[float], stats: dict[str, dict]) -> None:

@@ -74,8 +74,9 @@ def _bench(t: Topology, o: BenchOptions, table: dict, out_dir: Path, say: Say, p
         t = _traced(t, o)
     if o.goodput:
         _goodput_options(t, o, say)
-    elif o.alone:
-        raise UserError("--alone: how --goodput brings up P/D and its baseline; add --goodput")
+    elif o.alone or o.duration_s is not None:
+        raise UserError(f"{'--alone' if o.alone else '--duration'}: how --goodput runs P/D and its baseline; add "
+                        "--goodput")
     p = plan(t, state_dir=o.state_dir, reference_port=t.reference.port)
     engine = _preflight(p, t)
     t0 = time.monotonic()
@@ -145,9 +146,18 @@ def _goodput_options(t: Topology, o: BenchOptions, say: Say) -> None:
     except goodput.SloError as e:
         raise UserError(str(e)) from None
     if o.breakdown or o.request_rate is not None:
-        raise UserError("--goodput runs its own rates (--rates, or a search): without --breakdown or a request_rate")
+        raise UserError("--goodput runs its own rates (--rates, or from this host's capacity): without --breakdown "
+                        "or a request_rate")
     if o.rates is not None and (not o.rates or any(not r > 0 for r in o.rates)):
         raise UserError(f"rates {o.rates}: offered request rates must be positive")
+    if o.duration_s is not None:
+        if o.requests is not None:
+            raise UserError(f"--requests {o.requests} and --duration {o.duration_s:g}: give one (the requests per "
+                            "rate, or the seconds of arrivals per rate)")
+        if not 0 < o.duration_s < float("inf") or o.repeat < 1:
+            raise UserError(f"--repeat {o.repeat}, --duration {o.duration_s:g}: at least 1 repetition and a "
+                            "positive number of seconds")
+        return
     if o.repeat < 1 or o.requests < 1:
         raise UserError(f"--repeat {o.repeat}, --requests {o.requests}: at least 1 each")
     if o.requests < goodput.MIN_REQUESTS:
@@ -298,10 +308,6 @@ def _sweep_goodput(topology: str | Path, m, o: BenchOptions, out_dir: Path, say:
     SLO tightness at which the answer changes (recomputed from the measured requests)."""
     from pdctl.bench import goodput
     from pdctl.bench.goodput_run import run_deployments
-
-    if not o.rates:
-        raise UserError("sweep --goodput compares layouts at the same offered rates: give --rates, e.g. "
-                        "--rates 1,2,3,4,6,8 (pdctl bench --goodput searches one topology's rate)")
     from pdctl.bench.load import check_dataset
 
     o = replace(o, skip=o.skip | {"perf"}).resolved()

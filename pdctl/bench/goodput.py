@@ -15,11 +15,17 @@ from dataclasses import dataclass
 ATTAINMENT = 0.90  # of the requests sent at a rate, the share that must meet both SLOs
 AUTO_TTFT_X = 5.0  # --slo auto: the unloaded baseline instance's TTFT p50 times this
 AUTO_TPOT_X = 3.0  # ... and its TPOT p50 times this
-RESOLUTION = 1.05  # the rate search stops when the first miss is within 5 % of the last pass
 SPEED_NOTE = 1.2  # a report says the host's speed moved once the unloaded baseline's TTFT p50 spread this much
 MIN_REQUESTS = 200  # per rate: below it one request moves the attainment by more than 0.5 %
-START_RATE = 1.0  # req/s: the search's first rate (it doubles from here, or halves when even this misses)
-MAX_RATE = 64.0  # req/s: the search's ceiling
+# The rates tried when none are given, from the unloaded baseline instance (rates_from_capacity): a geometric grid
+# from GRID_LOW x the lowest deployment's saturation estimate to GRID_HIGH x the highest's. Measured on 2-core hosts
+# (docs/benchmarks.md): each side sustained 0.4-0.85x its estimate, so the grid starts where most should pass (one
+# that misses is tried STEPS_DOWN below it) and ends where both should miss; a side stops at its first miss, so
+# the top is rarely sent.
+GRID_LOW = 0.45
+GRID_HIGH = 1.5
+GRID_STEP = 1.25  # between neighbouring rates: the answer's resolution
+STEPS_DOWN = 2  # a side that misses even the grid's lowest rate is tried this many GRID_STEP^1.5 steps below it
 
 
 @dataclass(frozen=True)
@@ -108,23 +114,100 @@ def sustained(points: dict[float, float]) -> float | None:
     return best
 
 
-def next_rate(points: dict[float, float], start: float, ceiling: float) -> float | None:
-    """The rate search's next rate to try, or None when it is done: double from `start` until the first miss
-    (or `ceiling`), then bisect (geometrically) between the highest sustained rate and the first miss above it
-    until they are within RESOLUTION."""
-    if not points:
-        return start
-    ok = sustained(points)
-    if ok is None:
-        low = min(points)
-        return None if low <= start / 8 else low / 2  # even the start missed: look below, up to 3 halvings
-    above = [r for r in points if r > ok]
-    if not above:
-        return None if ok >= ceiling else min(ok * 2, ceiling)
-    miss = min(above)
-    if miss / ok <= RESOLUTION:
-        return None
-    return round(math.sqrt(ok * miss), 4)
+@dataclass(frozen=True)
+class Capacity:
+    """One request's work as the unloaded baseline instance did it alone (concurrency 1): its prefill (TTFT p50)
+    and its decode at batch 1 (max_tokens - 1 steps of TPOT p50), in seconds of that instance."""
+
+    prefill_s: float
+    decode_s: float
+
+    @classmethod
+    def measured(cls, ttft_ms_p50: float, tpot_ms_p50: float | None, max_tokens: int) -> Capacity:
+        return cls(ttft_ms_p50 / 1e3, (tpot_ms_p50 or 0.0) * max(0, max_tokens - 1) / 1e3)
+
+    def saturation(self, units: dict[str, float]) -> float:
+        """The offered req/s at which a deployment's busiest role runs out at batch 1. units: per server role, how
+        many of the measured instance it has (its cores over the instance's); "baseline" servers do both halves,
+        "prefill" and "decode" one each. Batching makes decode cheaper under load: an estimate to place the rates
+        around, never a result."""
+        if "baseline" in units:
+            return units["baseline"] / (self.prefill_s + self.decode_s)
+        limits = [units.get("prefill", 0.0) / self.prefill_s]
+        if self.decode_s > 0:
+            limits.append(units.get("decode", 0.0) / self.decode_s)
+        return min(limits)
+
+
+def _two_digits(x: float) -> float:
+    """x rounded to two significant digits (rates a person can read and pass back with --rates)."""
+    return float(f"{x:.2g}")
+
+
+def rates_from_capacity(estimates: Iterable[float]) -> tuple[float, ...]:
+    """The offered rates to try, given each deployment's saturation estimate (req/s): from GRID_LOW x the lowest
+    to GRID_HIGH x the highest, GRID_STEP apart, every deployment the same rates."""
+    est = [e for e in estimates if e > 0 and math.isfinite(e)]
+    if not est:
+        raise ValueError("no deployment has a capacity to derive rates from")
+    lo, hi = GRID_LOW * min(est), GRID_HIGH * max(est)
+    n = math.ceil(math.log(hi / lo) / math.log(GRID_STEP))
+    return tuple(dict.fromkeys(_two_digits(lo * GRID_STEP ** k) for k in range(n + 1)))
+
+
+def rates_below(lowest: float) -> tuple[float, ...]:
+    """Rates to try next when nothing met the target at `lowest`: four steps down to a quarter of it."""
+    return tuple(_two_digits(lowest / 4 * GRID_STEP ** (1.5 * k)) for k in range(4))
+
+
+def steps_down(lowest: float) -> tuple[float, ...]:
+    """Rates below the grid, highest first, for a side that missed its lowest rate (a slow minute, a tight SLO):
+    its bracket's lower end is then found too."""
+    return tuple(_two_digits(lowest / GRID_STEP ** (1.5 * (k + 1))) for k in range(STEPS_DOWN))
+
+
+def rates_above(highest: float) -> tuple[float, ...]:
+    """Rates to try next when both sides met the target at `highest`: four steps up to about three times it."""
+    return tuple(_two_digits(highest * GRID_STEP ** (1.5 * (k + 1))) for k in range(4))
+
+
+def answer(tried: Iterable[float], pd: float | None, baseline: float | None) -> dict:
+    """What the run measured, from the rates tried and each side's sustained rate (None or 0: not even the lowest
+    tried): `kind` "compared" (each side's sustained rate), "below" (neither met the target even at the lowest rate
+    tried: no answer; `next` the rates to try) or "above" (both sustained the highest rate tried: the limit not
+    found; `next` too)."""
+    rates = sorted(set(tried))
+    sp, sb = pd or None, baseline or None
+    out = {"pd": sp, "baseline": sb, "lowest": rates[0] if rates else None,
+           "highest": rates[-1] if rates else None, "next": ()}
+    if sp is None and sb is None:
+        return {**out, "kind": "below", "next": rates_below(rates[0]) if rates else ()}
+    if sp == sb == rates[-1]:
+        return {**out, "kind": "above", "next": rates_above(rates[-1])}
+    return {**out, "kind": "compared"}
+
+
+def _rates_text(rates: Iterable[float]) -> str:
+    return ",".join(f"{r:g}" for r in rates)
+
+
+def answer_line(a: dict) -> str:
+    """The measurement in one sentence: each side's sustained rate, or that the rates tried gave no answer and
+    which to try next. Never a comparison of two sides that both missed everything."""
+    target = f"at >= {ATTAINMENT:.0%} within the SLO"
+    if a["kind"] == "below":
+        if a["lowest"] is None:
+            return "no answer: no rate was run"
+        return (f"no answer: neither P/D nor the aggregated deployment kept {ATTAINMENT:.0%} of requests within "
+                f"the SLO even at the lowest rate tried, {a['lowest']:g} req/s; try --rates {_rates_text(a['next'])}")
+    if a["kind"] == "above":
+        return (f"no answer: P/D and the aggregated deployment both sustained every rate tried, up to "
+                f"{a['highest']:g} req/s ({target}); try --rates {_rates_text(a['next'])}")
+
+    def side(x: float | None) -> str:
+        return f"< {a['lowest']:g}" if x is None else f"{x:g}"
+
+    return f"P/D sustains {side(a['pd'])} req/s, aggregated {side(a['baseline'])} ({target})"
 
 
 # -- the report ----------------------------------------------------------------------------------------------------
@@ -212,13 +295,14 @@ def crossover(pd: dict[float, float], baseline: dict[float, float]) -> dict:
     `winner`: the side that sustains the higher rate (goodput's verdict; "tie" when equal). `from_req_s`: among
     the rates where either side still meets the target (above them both fail, and who fails less says nothing),
     the lowest from which P/D's attainment is at least the baseline's at every higher one, when the baseline did
-    better just below it; None when one side leads throughout. Both None when the sides share no rate."""
+    better just below it; None when one side leads throughout. Both None when the sides share no rate or neither
+    sustained any (nothing to compare)."""
     common = sorted(set(pd) & set(baseline))
     if not common:
         return {"from_req_s": None, "winner": None}
     sp = sustained({r: pd[r] for r in common}) or 0.0
     sb = sustained({r: baseline[r] for r in common}) or 0.0
-    winner = "pd" if sp > sb else "baseline" if sb > sp else "tie"
+    winner = "pd" if sp > sb else "baseline" if sb > sp else "tie" if sp else None  # None: neither sustained any
     live = [r for r in common if max(pd[r], baseline[r]) >= ATTAINMENT]
     start = None
     for r in reversed(live):

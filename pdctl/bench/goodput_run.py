@@ -26,6 +26,8 @@ from pdctl.plan import Plan
 from pdctl.topology import Loaded, resolved_model
 
 UNLOADED_REQUESTS = 20  # --slo auto: one baseline instance at concurrency 1
+MEASURED = "MEASURED"  # goodput's status: what it found, never PASS or FAIL
+MIN_POINT_REQUESTS = 10  # --duration: the fewest requests a rate is sent (attainment in steps of at most 10 %)
 IDLE_CORES_MAX = 0.05  # the most one idle server may use while the deployment beside it is measured
 IDLE_SETTLE_S, IDLE_WINDOW_S = 2.0, 5.0  # after the last bring-up: wait, then read each process group's CPU time
 
@@ -40,7 +42,9 @@ def run_goodput(loaded: Loaded, pd_plan: Plan, base_plan: Plan, engine: Engine, 
     out["ratio_pd_over_baseline"] = p / b if b else None
     out["crossover"] = goodput.crossover({float(x): a for x, a in out["pd"]["attainment_median"].items()},
                                          {float(x): a for x, a in out["baseline"]["attainment_median"].items()})
-    out["status"] = "PASS"  # a measurement: the ratio is the finding, whichever way it goes
+    tried = [float(x) for side in ("pd", "baseline") for x in out[side]["attainment_median"]]
+    out["answer"] = goodput.answer(tried, p, b)
+    out["status"] = MEASURED  # a measurement, not a gate: the sustained rates are the finding, whichever way
     out["plots"] = [str(x) for x in plots(out, out_dir / "goodput")]
     (out_dir / "goodput" / "summary.json").write_text(json.dumps(out, indent=2))
     return out
@@ -61,8 +65,10 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     up alone in turn and runs all its rates. Up at once needs this host's engine, CPU pools (accelerators would
     share device memory) and ports that differ (plan.baseline_plan moves its own).
     on_up(name, repetition, plan) runs once a deployment is up, before its load; until_miss stops a deployment's
-    explicit rates at its first miss (nothing above it counts towards the sustained rate); rates_for gives a
-    deployment its own explicit rates (one known to sustain the lowest of o.rates need not be sent it)."""
+    rates at its first miss (nothing above it counts towards the sustained rate); rates_for gives a deployment its
+    own rates (one known to sustain the lowest of o.rates need not be sent it). Without o.rates the rates come from
+    this host's capacity, read off the first unloaded measurement (chosen_rates), the same for every deployment,
+    each stopping at its first miss."""
     names = list(deployments)
     assert names[0] == "baseline", names
     t = loaded.topology
@@ -74,6 +80,8 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     works: dict[tuple, tuple[load.Workload, int]] = {}
     unloaded: dict | None = None
     speeds: list[dict] = []  # the unloaded baseline instance at the start of each repetition
+    rates, chosen = o.rates, None  # chosen: how rates were derived when o.rates gave none
+    until_miss = until_miss or o.rates is None
 
     def prompts(key: tuple, n: int) -> tuple[load.Workload, int]:
         # One workload and arrival seed per (repetition, offered rate): every deployment sent a rate gets the
@@ -92,7 +100,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
         try:
             return run_mod.up(plan, engine, attached=True, timeout_s=o.timeout_s)
         except LaunchFailed as e:
-            if slo is None:  # the baseline, whose first instance fixes the SLO: nothing to compare with
+            if slo is None or rates is None:  # the baseline, whose first instance fixes the SLO and the rates
                 raise
             phase(f"  {name} did not come up: {e}")
             return str(e)
@@ -103,7 +111,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     def ready(name: str, rep: int, st: LaunchState) -> _Leg:
         """The baseline's unloaded measurement (every repetition: the SLO from the first, before any other number;
         then whether this host's speed moved), on_up, then the deployment's rates."""
-        nonlocal slo, unloaded
+        nonlocal slo, unloaded, rates, chosen
         plan = deployments[name]
         if name == names[0]:
             # Fresh servers every repetition and the same prompts: the same work, so its time is the host's speed.
@@ -123,17 +131,25 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
             elif len(speeds) > 1:
                 phase(f"  unloaded baseline instance: TTFT p50 {r.ttft_ms_p50:.1f} ms, "
                       f"{r.ttft_ms_p50 / speeds[0]['ttft_ms_p50']:.2f}x repetition 1's{_steal_said(steal)}")
+            if rates is None:
+                chosen = chosen_rates(r.ttft_ms_p50, r.tpot_ms_p50, o.max_tokens, deployments, one)
+                rates = tuple(chosen["rates"])
+                phase(f"rates from this host's capacity: {', '.join(f'{x:g}' for x in rates)} req/s "
+                      f"({chosen['said']}); each side stops at its first miss")
         if on_up is not None:
             on_up(name, rep, plan)
-        return _Leg(name, plan.by_role("proxy")[0].http_url, (rates_for or {}).get(name, o.rates), until_miss,
-                    _groups(st))
+        assert rates is not None
+        own = (rates_for or {}).get(name, rates)
+        return _Leg(name, plan.by_role("proxy")[0].http_url, own, until_miss, _groups(st),
+                    down=goodput.steps_down(own[0]) if chosen is not None else ())
 
     def point(leg: _Leg, rep: int, beside_it: dict[str, int] | None = None) -> None:
         """One rate on one deployment; beside_it: the process groups of the deployments up and idle meanwhile."""
         assert slo is not None
         rate = leg.rate
         assert rate is not None
-        w, arrivals = prompts((rep, rate), o.requests)
+        n = point_requests(o, rate)
+        w, arrivals = prompts((rep, rate), n)
         before = _cpu_reading(leg.groups, beside_it or {})
         r = load.run_load(leg.name, leg.url, model, w, o.max_tokens, 1, request_rate=rate, seed=arrivals,
                           headers=headers)
@@ -143,7 +159,7 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
                    goodput.point_stats(times, slo, r.duration_s) | cpu,
                    [[x.ttft_ms, x.tpot_ms] for x in times])
         (out_dir / "goodput" / f"{leg.name}-{rep}-{rate:g}.vllm.json").write_text(r.vllm_json())
-        phase(f"  {leg.name} at {rate:g} req/s: {leg.points[rate]:.0%} of {o.requests} within the SLO "
+        phase(f"  {leg.name} at {rate:g} req/s: {leg.points[rate]:.0%} of {n} within the SLO "
               f"(TTFT p50 {r.ttft_ms_p50:.0f} ms, TPOT p50 {r.tpot_ms_p50:.1f} ms{_busy_said(cpu)})"
               f"{_steal_said(cpu['cpu_steal'])}")
 
@@ -204,7 +220,9 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
             legs[name].append(leg.result())
     assert slo is not None
     out: dict = {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "origin": slo.origin},
-                 "unloaded": unloaded, "requests_per_rate": o.requests, "repeat": o.repeat,
+                 "unloaded": unloaded, "requests_per_rate": o.requests, "duration_s": o.duration_s,
+                 "rates": {"tried": list(rates or ()), "from": "--rates" if chosen is None else "capacity",
+                           **({"capacity": chosen} if chosen else {})}, "repeat": o.repeat,
                  "dataset": o.dataset, "prompt_len": o.prompt_len, "max_tokens": o.max_tokens, "seed": seed,
                  "attainment_target": goodput.ATTAINMENT, "deployments": names, "host_cpus": host.cpu_count(),
                  "bound_cores": {name: _bound_cores(plan) for name, plan in deployments.items()},
@@ -222,31 +240,68 @@ def run_deployments(loaded: Loaded, deployments: dict[str, Plan], engine: Engine
     return out
 
 
-class _Leg:
-    """One deployment's rates in one repetition: its explicit rates in order (stopping at its first miss when
-    until_miss), or the search (goodput.next_rate) when it has none."""
+def point_requests(o: BenchOptions, rate: float) -> int:
+    """Requests sent at one rate: --requests, or --duration seconds of arrivals (at least MIN_POINT_REQUESTS)."""
+    if o.duration_s is None:
+        assert o.requests is not None
+        return o.requests
+    return max(MIN_POINT_REQUESTS, round(rate * o.duration_s))
 
-    def __init__(self, name: str, url: str, rates: tuple[float, ...] | None, until_miss: bool,
-                 groups: dict[str, tuple[str, int]] | None = None):
+
+def server_units(plan: Plan, one) -> dict[str, float]:
+    """Per server role, how many of the measured instance `one` the deployment has: its servers' bound cores over
+    the instance's (TP where a server is unbound: an accelerator's devices)."""
+    def size(p) -> int:
+        return p.bound_cores or p.tp or 1
+
+    out: dict[str, float] = {}
+    for p in plan.processes:
+        if p.model is not None:  # a server (the proxy and monitoring have no model)
+            out[p.role] = out.get(p.role, 0.0) + size(p) / size(one)
+    return out
+
+
+def chosen_rates(ttft_ms_p50: float, tpot_ms_p50: float | None, max_tokens: int, deployments: dict[str, Plan],
+                 one) -> dict:
+    """The rates every deployment is sent when none were given: around each one's saturation estimate from the
+    unloaded instance's prefill and decode times and the cores each deployment has (goodput.rates_from_capacity)."""
+    cap = goodput.Capacity.measured(ttft_ms_p50, tpot_ms_p50, max_tokens)
+    est = {name: round(cap.saturation(server_units(p, one)), 3) for name, p in deployments.items()}
+    said = (f"prefill {cap.prefill_s * 1e3:.0f} ms and decode {cap.decode_s * 1e3:.0f} ms per request unloaded; "
+            "saturation at batch 1 about " + ", ".join(f"{n} {e:g}" for n, e in est.items()) + " req/s")
+    return {"rates": list(goodput.rates_from_capacity(est.values())), "prefill_s": cap.prefill_s,
+            "decode_s": cap.decode_s, "saturation_req_s": est, "said": said}
+
+
+class _Leg:
+    """One deployment's rates in one repetition, in order (stopping at its first miss when until_miss); `down`:
+    rates below them, highest first, tried until one passes when the first rate misses."""
+
+    def __init__(self, name: str, url: str, rates: tuple[float, ...], until_miss: bool,
+                 groups: dict[str, tuple[str, int]] | None = None, down: tuple[float, ...] = ()):
         self.name, self.url, self.rates, self.until_miss = name, url, rates, until_miss
+        self.down, self.descending = down, False
         self.groups = groups or {}  # process name -> (role, process group): whose CPU a point reads
         self.points: dict[float, float] = {}
         self.stats: dict[str, dict] = {}
         self.requests: dict[str, list] = {}
-        self.rate: float | None = rates[0] if rates else goodput.next_rate({}, goodput.START_RATE,
-                                                                           goodput.MAX_RATE)
+        self.rate: float | None = rates[0] if rates else None
 
     def record(self, rate: float, attainment: float, stats: dict, requests: list) -> None:
         self.points[rate] = attainment
         self.stats[f"{rate:g}"] = stats
         self.requests[f"{rate:g}"] = requests
         k = len(self.points)
-        if self.until_miss and attainment < goodput.ATTAINMENT:
+        missed = attainment < goodput.ATTAINMENT
+        if missed and k == 1 and self.down:
+            self.descending = True
+        if self.descending:  # below the first rate: down until one passes
+            below = [r for r in self.down if r not in self.points]
+            self.rate = below[0] if missed and below else None
+        elif self.until_miss and missed:
             self.rate = None
-        elif self.rates:
-            self.rate = self.rates[k] if k < len(self.rates) else None
         else:
-            self.rate = goodput.next_rate(self.points, goodput.START_RATE, goodput.MAX_RATE)
+            self.rate = self.rates[k] if k < len(self.rates) else None
 
     def result(self) -> dict:
         return {"points": {f"{r:g}": a for r, a in self.points.items()}, "stats": self.stats,

@@ -44,7 +44,8 @@ class BenchOptions:
     # Goodput (pdctl.bench.goodput): the P/D topology against the baseline (aggregated, same devices) under SLOs.
     goodput: bool = False
     slo: str = "auto"  # "ttft=MS,tpot=MS", or auto: measured on one unloaded baseline instance first
-    rates: tuple[float, ...] | None = None  # offered req/s to run; None: search for the highest sustained one
+    rates: tuple[float, ...] | None = None  # offered req/s to run; None: from this host's measured capacity
+    duration_s: float | None = None  # seconds of arrivals per rate (requests = rate x this), instead of `requests`
     repeat: int = 3  # interleaved repetitions (median)
     alone: bool = False  # each deployment up alone in turn (default: up at once where goodput_run allows it)
 
@@ -54,4 +55,6 @@ class BenchOptions:
     def resolved(self) -> BenchOptions:
         """The options with the load's shape filled in from the defaults of its mode."""
         d = GOODPUT_DEFAULTS if self.goodput else LOAD_DEFAULTS
+        if self.goodput and self.duration_s is not None:  # the requests per rate follow from each rate
+            d = {k: v for k, v in d.items() if k != "requests"}
         return replace(self, **{k: v for k, v in d.items() if getattr(self, k) is None})

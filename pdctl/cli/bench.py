@@ -27,9 +27,10 @@ from pdctl.cli.common import (
 )
 
 SloOpt = Annotated[str, typer.Option(help="--goodput: ttft=MS,tpot=MS, or auto")]
-RatesOpt = Annotated[str | None, typer.Option(help="offered req/s: --goodput's rates, e.g. 2,4,8 [bench: a search]; "
-                                               "else one rate: the load in open loop (Poisson), not --concurrency")]
+RatesOpt = Annotated[str | None, typer.Option(help="offered req/s: --goodput's rates, e.g. 2,4,8 [from this host's "
+                                               "capacity]; else one rate: open-loop load (Poisson), not --concurrency")]
 RepeatOpt = Annotated[int, typer.Option(help="--goodput: interleaved repetitions (median)")]
+DurationOpt = Annotated[float | None, typer.Option(help="--goodput: seconds of arrivals per rate, not --requests")]
 
 
 @app.command()
@@ -48,11 +49,10 @@ def bench(
     dataset: DatasetOpt = "random",
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
     goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
-    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3,
+    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, duration: DurationOpt = None,
     alone: Annotated[bool, typer.Option(help="--goodput: bring P/D and the baseline up alone in turn (default: "
                                              "both up at once on this host's CPUs, idle CPU measured)")] = False,
-    timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False,
-    overrides: list = (),
+    timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False, overrides: list = (),
 ) -> None:
     """The whole job in one command: up -> parity check -> accuracy gate -> load benchmark -> down.
 
@@ -78,8 +78,8 @@ def bench(
 
       pdctl bench configs/cpu-demo.yaml --skip check,eval --goodput --slo auto   # does P/D pay here?
     """
-    opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
-                        **api.load_rates(rates, goodput), **api.dataset_option(dataset))
+    opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, duration_s=duration,
+                        skip=api.parse_skip(skip), **api.load_rates(rates, goodput), **api.dataset_option(dataset))
     t = load_topology(topology, overrides, gated=True)
     with err.status("bench ...") as st:
         r = api.bench(t, opts, results=results, say=say, progress=lambda text: st.update(f"{text} ..."))
@@ -104,8 +104,8 @@ def sweep(
     dataset: DatasetOpt = "random",
     skip: SkipOpt = None, timeout: TimeoutOpt = 300.0,
     goodput: Annotated[bool, typer.Option(help="cases are layouts of the same devices: goodput per layout")] = False,
-    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, json_: JsonOpt = False,
-    overrides: list = (),
+    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, duration: DurationOpt = None,
+    json_: JsonOpt = False, overrides: list = (),
 ) -> None:
     """`pdctl bench` for every case of a matrix: one table, sweep.json, sweep.md and PNG plots.
 
@@ -126,8 +126,8 @@ def sweep(
 
       pdctl sweep configs/cpu-fleet.yaml --matrix configs/cpu-fleet-layout-matrix.yaml --goodput --rates 1,2,3,4,6
     """
-    opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, skip=api.parse_skip(skip),
-                        **api.load_rates(rates, goodput), **api.dataset_option(dataset))
+    opts = options_from(api.BenchOptions, locals(), timeout_s=timeout, duration_s=duration,
+                        skip=api.parse_skip(skip), **api.load_rates(rates, goodput), **api.dataset_option(dataset))
     r = api.sweep(topology, matrix, opts, results=results, say=say, overrides=overrides)
     print(json.dumps(r.to_dict(), indent=2)) if json_ else render.sweep(out, r, matrix)
     raise typer.Exit(0 if r.passed else 1)

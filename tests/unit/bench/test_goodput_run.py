@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdctl.bench import goodput as gp
 from pdctl.bench import goodput_run
 from pdctl.bench.options import BenchOptions
 from pdctl.plan import baseline_plan, build_plan
@@ -32,7 +33,7 @@ def test_bad_goodput_flags_are_refused_before_anything_starts(run_cli, args, say
 @pytest.mark.parametrize("args, says", [
     (["--rates", "2,4"], "--rates 2,4: without --goodput the load benchmark runs at one offered rate"),
     (["--rates", "x"], "--rates x: expected offered request rates"),
-    (["--alone"], "--alone: how --goodput brings up P/D and its baseline; add --goodput"),
+    (["--alone"], "--alone: how --goodput runs P/D and its baseline; add --goodput"),
 ])
 def test_rates_without_goodput_are_one_open_loop_rate(run_cli, args, says, monkeypatch):
     monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
@@ -59,7 +60,7 @@ class FakeServers:
     """Deployments whose requests meet a TTFT SLO up to `capacity` req/s; records every leg and load."""
 
     def __init__(self, capacity: dict[str, float]):
-        self.capacity, self.legs, self.loads = capacity, [], []
+        self.capacity, self.legs, self.loads, self.sizes = capacity, [], [], {}
         self.current = None
 
     def up(self, plan, engine, attached, timeout_s):
@@ -75,7 +76,7 @@ class FakeServers:
     def run_load(self, target, url, model, w, max_tokens, concurrency, decode_urls=(), request_rate=None, seed=0,
                  headers=None):
         self.loads.append((self.current, target, request_rate, id(w), seed))
-        n = len(w)
+        n = self.sizes[request_rate] = len(w)
         ok = request_rate is None or request_rate <= self.capacity[self.current]
         ttft = 0.1 if ok else 5.0
         vllm = {"output_lens": [4] * n, "errors": [""] * n, "ttfts": [ttft] * n, "latencies": [ttft + 0.03] * n}
@@ -157,16 +158,66 @@ def test_a_deployment_stops_at_its_first_miss_and_may_start_at_its_own_rate(tmp_
     assert [r for d, t_, r, *_ in fake.loads if d == "baseline" and t_ != "unloaded"] == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-def test_the_search_finds_each_deployments_rate_and_a_tight_slo_sustains_nothing(tmp_path, monkeypatch):
+def test_without_rates_they_come_from_the_unloaded_baseline_and_each_side_stops_at_its_first_miss(tmp_path,
+                                                                                                   monkeypatch):
     o = BenchOptions(goodput=True, repeat=1, requests=10)
-    out, _, _ = _run(tmp_path, monkeypatch, o, {"pd": 5.3, "baseline": 2.2})
-    assert 5.3 / 1.05 <= out["pd"]["sustained_req_s"] <= 5.3
-    assert 2.2 / 1.05 <= out["baseline"]["sustained_req_s"] <= 2.2
-    # Negative control: an SLO nothing meets (TTFT 0.01 ms) sustains no rate on either side.
-    o = BenchOptions(goodput=True, repeat=1, requests=10, rates=(1.0,), slo="ttft=0.01,tpot=0.01")
-    out, _, _ = _run(tmp_path / "neg", monkeypatch, o, {"pd": 5.3, "baseline": 2.2})
+    out, fake, phases = _run(tmp_path, monkeypatch, o, {"pd": 1.3, "baseline": 2.0})
+    # the fake's unloaded instance: TTFT 100 ms, TPOT 10 ms; 64 output tokens; cpu-demo: a core per server
+    cap = out["rates"]["capacity"]
+    assert out["rates"]["from"] == "capacity" and cap["prefill_s"] == pytest.approx(0.1)
+    assert cap["decode_s"] == pytest.approx(0.63)
+    assert cap["saturation_req_s"] == {"baseline": pytest.approx(2 / 0.73, abs=1e-3),
+                                       "pd": pytest.approx(1 / 0.63, abs=1e-3)}
+    tried = out["rates"]["tried"]
+    assert tried == list(gp.rates_from_capacity(cap["saturation_req_s"].values()))
+    assert any(p.startswith("rates from this host's capacity: " + ", ".join(f"{x:g}" for x in tried)) for p in phases)
+    sent = {dep: [r for d, t_, r, *_ in fake.loads if d == dep and t_ != "unloaded"] for dep in ("pd", "baseline")}
+    for dep, capacity in (("pd", 1.3), ("baseline", 2.0)):
+        passed = [r for r in tried if r <= capacity]
+        assert sent[dep] == tried[:len(passed) + 1]  # up to and with its first miss, nothing above it
+        assert out[dep]["sustained_req_s"] == passed[-1]
+    assert out["answer"]["kind"] == "compared" and out["status"] == goodput_run.MEASURED
+    # Negative control: an SLO nothing meets (TTFT 0.01 ms) sustains no rate on either side: no answer.
+    o = BenchOptions(goodput=True, repeat=1, requests=10, slo="ttft=0.01,tpot=0.01")
+    out, fake, _ = _run(tmp_path / "neg", monkeypatch, o, {"pd": 5.3, "baseline": 2.2})
     assert out["pd"]["sustained_req_s"] == out["baseline"]["sustained_req_s"] == 0.0
     assert out["ratio_pd_over_baseline"] is None and out["slo"]["origin"].startswith("--slo")
+    down = gp.steps_down(out["rates"]["tried"][0])
+    assert out["answer"]["kind"] == "below" and out["answer"]["lowest"] == min(down)
+    sent = [x[2] for x in fake.loads if x[1] != "unloaded"]  # the grid's lowest, then the steps down, each side
+    assert sorted(sent) == sorted([out["rates"]["tried"][0], *down] * 2)
+
+
+def test_a_side_that_misses_the_grids_lowest_rate_is_tried_below_it_until_one_passes(tmp_path, monkeypatch):
+    """A slow minute, or a tight SLO: the grid's lowest rate is above what P/D sustains; the steps below find it."""
+    o = BenchOptions(goodput=True, repeat=1, requests=10)
+    out, fake, _ = _run(tmp_path, monkeypatch, o, {"pd": 0.4, "baseline": 2.0})
+    lowest = out["rates"]["tried"][0]
+    down = gp.steps_down(lowest)
+    assert down[0] > 0.4 >= down[1]  # the fake P/D passes at the second step down
+    sent = [r for d, t_, r, *_ in fake.loads if d == "pd" and t_ != "unloaded"]
+    assert sent == [lowest, *down] and out["pd"]["sustained_req_s"] == down[1]
+    assert out["answer"]["kind"] == "compared" and out["baseline"]["sustained_req_s"] >= lowest
+
+
+def test_duration_sends_each_rate_its_seconds_of_arrivals(tmp_path, monkeypatch):
+    o = BenchOptions(goodput=True, repeat=1, rates=(0.5, 4.0), duration_s=20)
+    assert o.resolved().requests is None
+    out, fake, _ = _run(tmp_path, monkeypatch, o, {"pd": 5.0, "baseline": 5.0})
+    assert {r: n for r, n in fake.sizes.items() if r is not None} == {0.5: 10, 4.0: 80}  # at least MIN_POINT_REQUESTS
+    assert out["duration_s"] == 20 and out["rates"] == {"tried": [0.5, 4.0], "from": "--rates"}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--duration", "20", "--requests", "50"], "--requests 50 and --duration 20: give one"),
+    (["--duration", "0"], "--duration 0: at least 1 repetition and a positive number of seconds"),
+])
+def test_duration_is_refused_with_requests_and_when_not_positive(run_cli, args, says, monkeypatch):
+    monkeypatch.setattr("pdctl.launch.run.up", lambda *a, **k: pytest.fail("started"))
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", "--goodput", *args)
+    assert code == 1 and says in err and "Traceback" not in err, err
+    code, _, err = run_cli("bench", CONFIGS / "cpu-demo.yaml", "--skip", "check,eval", "--duration", "20")
+    assert code == 1 and "--duration: how --goodput runs P/D and its baseline; add --goodput" in err, err
 
 
 def test_each_point_records_this_hosts_cpu_steal_and_the_report_says_when_neighbours_were_busy(tmp_path, monkeypatch):
@@ -247,7 +298,7 @@ def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
     from pdctl import render
 
     g = {"slo": {"ttft_ms": 500.0, "tpot_ms": 9.6, "origin": "auto: 5 x TTFT p50 100.0 ms"}, "repeat": 3,
-         "requests_per_rate": 200, "dataset": "random", "prompt_len": 2048, "max_tokens": 64, "status": "PASS",
+         "requests_per_rate": 200, "dataset": "random", "prompt_len": 2048, "max_tokens": 64, "status": "MEASURED",
          "pd": {"attainment_median": {"2": 1.0, "4": 0.95, "8": 0.29}, "sustained_req_s": 4.0},
          "baseline": {"attainment_median": {"2": 0.96, "4": 0.75}, "sustained_req_s": 2.0},
          "ratio_pd_over_baseline": 2.0}
@@ -255,14 +306,24 @@ def test_the_goodput_table_shows_each_rate_and_what_each_side_sustained():
     render.bench(c, c, {"goodput": g, "pools": "P32 -> D64", "status": "PASS"}, None, Path("r"))
     text = " ".join(c.export_text().split())  # a table's title wraps at the table's width
     assert "TTFT <= 500 ms, TPOT <= 9.6 ms" in text and "29%" in text and "75%" in text
-    assert "P/D sustains 4 req/s, aggregated 2 (2.00x)" in text
+    assert "goodput measured P/D sustains 4 req/s, aggregated 2 (at >= 90% within the SLO); P/D 2.00x" in text
+    assert "goodput pass" not in text.lower() and "goodput fail" not in text.lower()  # a measurement, not a gate
     assert "latency per offered rate" not in text  # no per-rate statistics: no latency table
     # A side that missed even the lowest rate tried sustains less than it, not "0 req/s".
     g["pd"] = {"attainment_median": {"2": 0.5, "4": 0.3}, "sustained_req_s": 0.0}
     c = Console(record=True, width=160)
     render.bench(c, c, {"goodput": g, "pools": "P32 -> D64", "status": "PASS"}, None, Path("r"))
     text = " ".join(c.export_text().split())
-    assert "P/D sustains < 2 req/s, aggregated 2" in text and "< 2 req/s 2 req/s" in text
+    assert "P/D sustains < 2 req/s, aggregated 2 (at >= 90% within the SLO)" in text and "< 2 req/s 2 req/s" in text
+    # Neither side within the target at any rate: no answer, never a comparison of two misses.
+    g["baseline"] = {"attainment_median": {"2": 0.0, "4": 0.02}, "sustained_req_s": 0.0}
+    g["ratio_pd_over_baseline"] = None
+    c = Console(record=True, width=160)
+    render.bench(c, c, {"goodput": g, "pools": "P32 -> D64", "status": "PASS"}, None, Path("r"))
+    text = " ".join(c.export_text().split())
+    assert "no answer: neither P/D nor the aggregated deployment kept 90% of requests within the SLO even at the " \
+           "lowest rate tried, 2 req/s; try --rates 0.5,0.7,0.98,1.4" in text
+    assert "P/D sustains" not in text
 
 
 def test_the_goodput_report_shows_latency_percentiles_goodput_and_where_pd_pays():
@@ -341,7 +402,7 @@ def _sweep(tmp_path, monkeypatch, capacity: dict[str, float], fail: tuple = (), 
     monkeypatch.setattr(goodput_run.load, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(goodput_run.load, "workload", lambda n, *a, **k: list(range(n)))
     monkeypatch.setattr(benchmarks, "_preflight", lambda p, t: None)
-    o = BenchOptions(goodput=True, rates=(1.0, 2.0, 3.0, 4.0), repeat=2, requests=10, **opts)
+    o = BenchOptions(goodput=True, **{"rates": (1.0, 2.0, 3.0, 4.0), "repeat": 2, "requests": 10, **opts})
     said: list[str] = []
     g = api.sweep(CONFIGS / "cpu-demo.yaml", matrix, o, results=tmp_path / "r", say=said.append)
     return g, legs, said
@@ -376,9 +437,21 @@ def test_sweep_goodput_recommends_the_baseline_when_it_serves_most(tmp_path, mon
     assert g.summary["slo_sensitivity"]["changes_at"] == []
 
 
-def test_sweep_goodput_needs_rates_and_renders_the_recommendation(tmp_path, monkeypatch, run_cli):
-    code, _, err = run_cli("sweep", CONFIGS / "cpu-demo.yaml", "--matrix", CONFIGS / "cpu-matrix.yaml", "--goodput")
-    assert code == 1 and "give --rates" in err
+def test_sweep_goodput_without_rates_sends_every_layout_the_rates_from_this_hosts_capacity(tmp_path, monkeypatch):
+    g, _, said = _sweep(tmp_path, monkeypatch, {"baseline": 2.0, "p32-d64": 1.3, "p64-d64": 1.0}, rates=None,
+                        repeat=1)
+    tried = g.summary["rates"]["tried"]
+    est = g.summary["rates"]["capacity"]["saturation_req_s"]
+    assert set(est) == {"baseline", "p32-d64", "p64-d64"} and tried == list(goodput_rates(est.values()))
+    assert any(s.startswith("[") and "rates from this host's capacity" in s for s in said)
+    assert g.summary["recommendation"]["best"] == "baseline"
+
+
+def goodput_rates(estimates):
+    return gp.rates_from_capacity(estimates)
+
+
+def test_sweep_goodput_renders_the_recommendation(tmp_path, monkeypatch, run_cli):
     from pdctl import api
 
     seen: list = []
