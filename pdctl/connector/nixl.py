@@ -45,14 +45,14 @@ from pdctl.connector.split import PrefillBlockSplit
 from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
 from pdctl.connector.windows import SlidingWindowReads
 from pdctl.kv import lease
-from pdctl.kv.convert import Side, merge_in_place, zero_mask
+from pdctl.kv.forms import CacheForm, form_of
 from pdctl.kv.index import (
     SplitPlan,
     StagingPool,
     merge_tail,
     pair_past_prefix_hit,
 )
-from pdctl.kv.layouts import BlockShape, layout
+from pdctl.kv.receive import merge_received
 from pdctl.kv.window import WindowFill, WindowMerge
 
 __all__ = ["NixlConnector"]
@@ -102,6 +102,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         self._posted_at: dict[str, float] = {}  # req -> when its read was posted (monotonic), until it ends
         self._gave_up: set[str] = set()  # reads given up (timed out or refused), until vLLM reports them
         self._peers = peers.PeerWatch()  # whether a prefill whose read is in progress is still there
+        self._forms: dict[str, CacheForm] = {}  # layer -> its cache's form, chosen when the caches are registered
         self.xfer_stats = PdctlKVConnectorStats()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
@@ -253,15 +254,25 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
 
     # -- receive ---------------------------------------------------------------------------------------------
 
-    def _side(self, cache: torch.Tensor, block_size: int, isa: str | None = None) -> Side:
-        """This cache's layout for blocks of block_size tokens (for CPU_ATTN the ISA depends on the block size;
-        received blocks use the ISA the prefill advertised at handshake)."""
-        _, heads, _, two_d = cache.shape
-        if self._cpu_attn:
-            name = isa or seam.attn_isa(cache.dtype, block_size, two_d // 2, self.vllm_config.cache_config.cache_dtype)
-        else:
-            name = "NHD" if self.kv_cache_layout in ("NHD", "LBNHC") else "HND"
-        return Side(layout(name), BlockShape(heads, block_size, two_d // 2))
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        # Each cache's form, once, from its shape and strides (pdctl.kv.forms): one the connector cannot convert
+        # stops the server here, naming the form, rather than misreading KV later.
+        self._forms = {name: self._form_of(cache) for name, cache in kv_caches.items()}
+        log.info("pdctl connector: KV cache form %s", ", ".join(sorted({f.name for f in self._forms.values()})))
+
+    def _form_of(self, cache: torch.Tensor) -> CacheForm:
+        if not self._cpu_attn:
+            return form_of(cache, self.backend_name)
+        cache_dtype = self.vllm_config.cache_config.cache_dtype
+        return form_of(cache, self.backend_name,
+                       lambda n: seam.attn_isa(cache.dtype, n, cache.shape[-1] // 2, cache_dtype))
+
+    def _form(self, name: str) -> CacheForm:
+        """The form of layer `name`'s cache (chosen when the caches were registered)."""
+        if name not in self._forms:
+            self._forms[name] = self._form_of(self.device_kv_caches[name])
+        return self._forms[name]
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
         if not self._cpu_attn or seam.permutes_local_kv(self):
@@ -280,23 +291,10 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
                 self._merge_window(names, block_ids, block_size_ratio, fills, convert)
                 continue
             written, zero_from = merge_tail(covered_sub_blocks, block_size_ratio, self.block_size)
-            idx = torch.tensor(block_ids[:written], dtype=torch.long)
-            stale = torch.tensor(block_ids[written:], dtype=torch.long)
             for name in names:
-                cache = self.device_kv_caches[name]
-                local = self._side(cache, self.block_size)
-                merge = convert and block_size_ratio > 1
-                if written and (merge or zero_from is not None):
-                    blocks = cache.index_select(0, idx).reshape(written, -1)
-                    if merge:
-                        received = self._side(cache, self.block_size // block_size_ratio,
-                                               self._received_isa.get(block_size_ratio))
-                        blocks = merge_in_place(blocks, block_size_ratio, received, local)
-                    if zero_from is not None:
-                        blocks[-1].masked_fill_(zero_mask(local, zero_from), 0)
-                    cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
-                if stale.numel():
-                    cache.index_fill_(0, stale, 0)
+                merge_received(self.device_kv_caches[name], self._form(name), list(block_ids), block_size_ratio,
+                               written, zero_from, self._received_isa.get(block_size_ratio),
+                               merge=convert and block_size_ratio > 1)
 
 class NixlConnector(NixlPullConnector):
     @classmethod

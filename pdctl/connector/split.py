@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from pdctl.connector import seam
 from pdctl.connector.common import log
-from pdctl.kv.convert import split_in_place, zero_mask
 from pdctl.kv.index import SplitPlan, StagingPool, split_plan, split_staging_needed, split_tail
+from pdctl.kv.receive import split_received
 from pdctl.kv.window import WindowFill, window_split_plan, window_staging_needed
 
 
@@ -73,28 +71,15 @@ class PrefillBlockSplit:
         """Reassemble each prefill block read and split it into decode blocks in the real layout; keep the
         request's decode blocks (not the staging chunks) and zero the slots past the prompt (sliding-window
         groups: every slot of their blocks that received nothing)."""
-        n = self.block_size
         for g, chunks in enumerate(plan.groups):
             if not chunks:
                 continue
-            names = seam.group_layer_names(self, g)
-            ids = torch.tensor([c.dest for c in chunks], dtype=torch.long)
-            real = torch.tensor([c.real for c in chunks], dtype=torch.bool)
             fills = window_fills.get(g)
-            tail = None if fills is not None else split_tail([c.block for c in chunks], n, plan.tokens)
-            for name in names:
-                cache = self.device_kv_caches[name]
-                local = self._side(cache, n)
-                received = self._side(cache, n * plan.ratio)
-                whole = cache.index_select(0, ids).reshape(plan.prefill_blocks(g), -1)
-                blocks = split_in_place(whole, plan.ratio, received, local)
-                if tail is not None:
-                    at, first = tail
-                    blocks[at].masked_fill_(zero_mask(local, first), 0)
-                keep = real.nonzero().reshape(-1)
-                cache.index_copy_(0, ids[keep], blocks[keep].reshape(-1, *cache.shape[1:]))
-                if fills:
-                    self._zero_fills(cache, local, fills)
+            tail = None if fills is not None else split_tail([c.block for c in chunks], self.block_size, plan.tokens)
+            dests, real = [c.dest for c in chunks], [c.real for c in chunks]
+            for name in seam.group_layer_names(self, g):
+                split_received(self.device_kv_caches[name], self._form(name), dests, real, plan.ratio, tail,
+                               fills or ())
 
 
 

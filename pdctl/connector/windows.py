@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from pdctl.connector import seam
 from pdctl.connector.common import log
-from pdctl.kv.convert import Side, merge_in_place, slots_mask
+from pdctl.kv.receive import merge_window
 from pdctl.kv.window import WindowFill, window_pairs
 
 
@@ -89,29 +87,6 @@ class SlidingWindowReads:
                       convert: bool) -> None:
         """A sliding-window group's decode blocks after a P < D read paired by tokens: merge every block's
         sub-blocks, then zero what the prefill did not send (the window's head, the slots past the prompt)."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
         for name in names:
-            cache = self.device_kv_caches[name]
-            local = self._side(cache, self.block_size)
-            blocks = cache.index_select(0, idx).reshape(len(block_ids), -1)
-            if convert and ratio > 1:
-                received = self._side(cache, self.block_size // ratio, self._received_isa.get(ratio))
-                blocks = merge_in_place(blocks, ratio, received, local)
-            for row, fill in zip(blocks, fills, strict=True):
-                _zero_slots(row, local, fill)
-            cache.index_copy_(0, idx, blocks.reshape(-1, *cache.shape[1:]))
-
-    def _zero_fills(self, cache: torch.Tensor, local: Side, fills: tuple[WindowFill, ...]) -> None:
-        """Zero the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
-        for fill in fills:
-            if fill.zero:
-                _zero_slots(cache[fill.id].view(-1), local, fill)
-
-
-
-
-def _zero_slots(block: torch.Tensor, local: Side, fill: WindowFill) -> None:
-    """Zero, in place, the token slots of one decode block (flat, in the local layout) that `fill` says received
-    nothing."""
-    for start, stop in fill.zero:
-        block.masked_fill_(slots_mask(local, start, stop), 0)
+            merge_window(self.device_kv_caches[name], self._form(name), list(block_ids), ratio, fills,
+                         self._received_isa.get(ratio), merge=convert)

@@ -1,0 +1,164 @@
+"""The cache forms a connector is handed: how one registered KV cache tensor holds its blocks.
+
+vLLM hands the connector one tensor per layer, logically `[B, H, N, 2D]` (block, KV head, token slot, a token's K
+then V for one head), whatever order its memory is in: the layout is in the strides. A block's **page** is what NIXL
+registers and moves for it: the bytes of one (layer, block), in memory order. The forms:
+
+- joined caches, named by vLLM's KVCacheLayout as the memory order of (layer, block, head, token, channel):
+  LBHNC and BLHNC (a page is `[H, N, 2D]`, pdctl.kv.layouts.HND), LBNHC and BLNHC (`[N, H, 2D]`, NHD). LB* keeps a
+  layer's blocks back to back, BL* interleaves the layers block by block; a page is contiguous in all four.
+  vLLM 0.34's LHBNC and BHLNC put the head or layer axis between a block's heads: a page is not one run of bytes,
+  and they are refused by name;
+- CPU_ATTN's packings: logically LBHNC, but each (block, head) holds its K region then its V region in the order of
+  the attention ISA vLLM chose for the block size (vec, vec16: K transposed; amx: 16-token tiles). The ISA depends
+  on the block size, so the form asks `isa_of(block_size)` (received blocks may be another size than the cache's);
+- separate K and V tensors, token-major (Gaudi): a later form; `form_of` refuses what it does not model.
+
+The form is chosen once, from the tensor's shape, strides and the attention backend (`form_of`), never from a
+layout name. Pure torch: no vLLM, no NIXL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdctl.kv.convert import Side
+from pdctl.kv.layouts import BlockShape, layout
+
+CPU_BACKEND = "CPU_ATTN"
+
+
+class FormError(ValueError):
+    """A cache form the connector cannot convert: the message names the form and the reason."""
+
+
+@dataclass(frozen=True)
+class CacheForm:
+    """One registered cache tensor's form. `page_dims`: the logical axes (1 = H, 2 = N, 3 = C) in memory order
+    within a page; `isa_of`: CPU_ATTN's ISA for a block size (None for joined caches, whose layout does not depend
+    on it)."""
+
+    name: str
+    heads: int
+    block_size: int
+    head_dim: int
+    page_dims: tuple[int, int, int]
+    isa_of: Callable[[int], str] | None = field(default=None, compare=False)
+
+    @property
+    def page_elems(self) -> int:
+        return self.heads * self.block_size * 2 * self.head_dim
+
+    def side(self, block_size: int | None = None, isa: str | None = None) -> Side:
+        """How a page of `block_size` tokens (default: the cache's own) is laid out: its Side for pdctl.kv.convert.
+        `isa`: the ISA a CPU_ATTN prefill said it packs with (received blocks), else this cache's for that size."""
+        n = block_size or self.block_size
+        if self.isa_of is not None:
+            name = isa or self.isa_of(n)
+        else:
+            name = "HND" if self.page_dims == (1, 2, 3) else "NHD"
+        return Side(layout(name), BlockShape(self.heads, n, self.head_dim))
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        return cache.shape[0]
+
+    def pages(self, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Blocks `ids` (an index tensor on the cache's device) as [len(ids), page_elems]: each row a copy of one
+        page in memory order, the bytes NIXL moved."""
+        return cache.index_select(0, ids).permute(0, *self.page_dims).reshape(ids.numel(), -1)
+
+    def put_pages(self, cache: torch.Tensor, ids: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write rows of memory-order pages back into blocks `ids`."""
+        dims = [cache.shape[d] for d in self.page_dims]
+        back = [0] * 4
+        for pos, d in enumerate((0, *self.page_dims)):
+            back[d] = pos
+        cache.index_copy_(0, ids, pages.reshape(ids.numel(), *dims).permute(*back))
+
+    def page(self, cache: torch.Tensor, block: int) -> torch.Tensor:
+        """Block `block`'s page as a flat view (writes reach the cache) in memory order."""
+        return cache[block].permute(*(d - 1 for d in self.page_dims)).view(-1)
+
+    def region(self, cache: torch.Tensor, block: int) -> tuple[int, int]:
+        """Block `block`'s page as NIXL registers and reads it: (byte address, byte length)."""
+        size = cache.element_size()
+        return cache.data_ptr() + block * cache.stride(0) * size, self.page_elems * size
+
+
+def _memory_order(cache: torch.Tensor) -> tuple[int, ...]:
+    """The logical axes of `cache` from the outermost in memory to the innermost."""
+    return tuple(sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), -d)))
+
+
+def _joined_name(cache: torch.Tensor, page_dims: tuple[int, ...]) -> str | None:
+    """vLLM's name for a joined cache whose page is contiguous in `page_dims` order, or None when it is not."""
+    _, h, n, c = cache.shape
+    sizes = {1: h, 2: n, 3: c}
+    inner = 1
+    for d in reversed(page_dims):  # innermost first: each axis' stride is the product of those inside it
+        if sizes[d] > 1 and cache.stride(d) != inner:
+            return None
+        inner *= sizes[d]
+    if cache.shape[0] > 1 and cache.stride(0) % inner:
+        return None
+    mid = "HN" if page_dims == (1, 2, 3) else "NH"
+    return ("LB" if cache.shape[0] == 1 or cache.stride(0) == inner else "BL") + mid + "C"
+
+
+def _refused_name(cache: torch.Tensor) -> str:
+    """The name a cache whose page is not contiguous is refused under (vLLM 0.34's forms, else its strides)."""
+    order = _memory_order(cache)
+    if order.index(1) < order.index(0):
+        return "LHBNC"  # heads outside blocks: a block's heads lie a whole head's blocks apart
+    if order[:2] == (0, 1):
+        return "BHLNC"  # each head of a block holds the block's every layer: one layer's page is scattered
+    return f"strides {tuple(cache.stride())} for shape {tuple(cache.shape)}"
+
+
+def form_of(cache: torch.Tensor, backend: str, isa_of: Callable[[int], str] | None = None) -> CacheForm:
+    """The form of one registered cache tensor (logical [B, H, N, 2D]) of attention backend `backend`. CPU_ATTN
+    needs `isa_of` (the ISA vLLM uses for a block size). FormError for a form the connector cannot convert."""
+    if cache.dim() != 4:
+        raise FormError(f"a {backend} cache of shape {tuple(cache.shape)}: pdctl.kv models one joined [B, H, N, 2D] "
+                        "tensor per layer (separate K and V tensors are not modelled yet)")
+    _, h, n, c = cache.shape
+    if c % 2:
+        raise FormError(f"a {backend} cache of shape {tuple(cache.shape)}: the last axis is not a token's K and V")
+    order = tuple(d for d in _memory_order(cache) if d)
+    page_dims = order if order in ((1, 2, 3), (2, 1, 3)) else None
+    name = _joined_name(cache, page_dims) if page_dims else None
+    if name is None:
+        name = _refused_name(cache)
+        raise FormError(f"KV cache form {name}: a (layer, block) page is not one contiguous run of bytes, so NIXL "
+                        "cannot move a block as one region; pdctl's connector converts LBHNC, LBNHC, BLHNC, BLNHC "
+                        "and CPU_ATTN")
+    if backend == CPU_BACKEND:
+        if page_dims != (1, 2, 3):
+            raise FormError(f"KV cache form CPU_ATTN with a {name} cache: CPU_ATTN packs each (block, head) "
+                            "contiguously (LBHNC); this cache is not laid out so")
+        if isa_of is None:
+            raise FormError("KV cache form CPU_ATTN: the ISA per block size (isa_of) is needed to read its packing")
+        return CacheForm(f"CPU_ATTN:{isa_of(n)}", h, n, c // 2, page_dims, isa_of)
+    return CacheForm(name, h, n, c // 2, page_dims)  # type: ignore[arg-type]
+
+
+def joined_cache(form: str, blocks: int, heads: int, block_size: int, head_dim: int, layers: int = 1,
+                 layer: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                 ) -> torch.Tensor:
+    """A per-layer cache tensor laid out as vLLM lays `form` (a KVCacheLayout name), logically [B, H, N, 2D]: a
+    strided view of one buffer of every layer. For tests and the device check; pdctl never allocates caches."""
+    axes = {"L": layers, "B": blocks, "H": heads, "N": block_size, "C": 2 * head_dim}
+    if sorted(form) != sorted("LBHNC"):
+        raise FormError(f"unknown KV cache form {form!r}")
+    buf = torch.zeros(*(axes[a] for a in form), dtype=dtype, device=device)
+    view = buf.select(form.index("L"), layer)
+    rest = [a for a in form if a != "L"]
+    return view.permute(*(rest.index(a) for a in "BHNC"))
+
+
+def block_ids(values: Sequence[int], cache: torch.Tensor) -> torch.Tensor:
+    """Block ids as an index tensor on the cache's device."""
+    return torch.tensor(list(values), dtype=torch.long, device=cache.device)

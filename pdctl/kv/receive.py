@@ -1,0 +1,98 @@
+"""The decode's conversions of received KV, in the cache's own form and on the cache's own device.
+
+What NIXL wrote is a page's bytes in memory order (pdctl.kv.forms); these functions read those pages, convert them
+with pdctl.kv.convert and write them back:
+- `merge_received`: prefill block < decode block, each decode block holding `ratio` received pages back to back;
+  the last block's slots past the prompt and the blocks past it zeroed;
+- `split_received`: prefill block > decode block, each prefill page read whole as `ratio` decode-sized chunks
+  (some into a staging area) and split into decode blocks; the slots past the prompt zeroed;
+- `merge_window`, `zero_fills`: a sliding-window group's blocks, paired by tokens (pdctl.kv.window), with the slots
+  the prefill no longer held zeroed.
+
+Every index tensor and mask is made on the cache's device (masks cached per device and dtype): a CUDA or HPU cache
+is never indexed with a CPU tensor. No vLLM, no NIXL: the connector's mixins call these.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask
+from pdctl.kv.forms import CacheForm, block_ids
+from pdctl.kv.window import WindowFill
+
+
+@functools.lru_cache(maxsize=1024)
+def _mask_on(side: Side, start: int, stop: int | None, device: torch.device) -> torch.Tensor:
+    """The elements of token slots [start, stop) (stop None: to the block's end) of a page, on `device`."""
+    mask = zero_mask(side, start) if stop is None else slots_mask(side, start, stop)
+    return mask.to(device)
+
+
+def _zero_from(page: torch.Tensor, side: Side, first: int) -> None:
+    page.masked_fill_(_mask_on(side, first, None, page.device), 0)
+
+
+def merge_received(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], ratio: int, written: int,
+                   zero_from: int | None, received_isa: str | None = None, merge: bool = True) -> None:
+    """P < D: the decode blocks `ids[:written]` each hold `ratio` received pages back to back (merged into the
+    cache's layout when `merge`); slots >= zero_from of the last written block, and the blocks ids[written:],
+    are zeroed."""
+    idx = block_ids(ids[:written], cache)
+    stale = block_ids(ids[written:], cache)
+    local = form.side()
+    if written and (merge or zero_from is not None):
+        blocks = form.pages(cache, idx)
+        if merge:
+            blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, received_isa), local)
+        if zero_from is not None:
+            _zero_from(blocks[-1], local, zero_from)
+        form.put_pages(cache, idx, blocks)
+    if stale.numel():
+        cache.index_fill_(0, stale, 0)
+
+
+def split_received(cache: torch.Tensor, form: CacheForm, dests: Sequence[int], real: Sequence[bool], ratio: int,
+                   tail: tuple[int, int] | None = None, fills: Sequence[WindowFill] = ()) -> None:
+    """P > D: `dests` are the decode-sized chunks each prefill page was read into, `ratio` per prefill block in
+    order (staging chunks among them); each page is split into `ratio` decode blocks in the cache's layout and those
+    with `real` set are written back. tail (row, first): slots >= first of that row are past the prompt; `fills`:
+    a sliding-window group's slots that received nothing."""
+    n = form.block_size
+    ids = block_ids(dests, cache)
+    whole = form.pages(cache, ids).reshape(len(dests) // ratio, -1)
+    blocks = split_in_place(whole, ratio, form.side(n * ratio), form.side())
+    if tail is not None:
+        at, first = tail
+        _zero_from(blocks[at], form.side(), first)
+    keep = [i for i, r in enumerate(real) if r]
+    form.put_pages(cache, block_ids([dests[i] for i in keep], cache), blocks[block_ids(keep, cache)])
+    zero_fills(cache, form, fills)
+
+
+def merge_window(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], ratio: int,
+                 fills: Sequence[WindowFill], received_isa: str | None = None, merge: bool = True) -> None:
+    """A sliding-window group's decode blocks after a P < D read paired by tokens: every block's sub-blocks merged,
+    then what the prefill did not send (the window's head, the slots past the prompt) zeroed."""
+    idx = block_ids(ids, cache)
+    local = form.side()
+    blocks = form.pages(cache, idx)
+    if merge and ratio > 1:
+        blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, received_isa), local)
+    for row, fill in zip(blocks, fills, strict=True):
+        for start, stop in fill.zero:
+            row.masked_fill_(_mask_on(local, start, stop, row.device), 0)
+    form.put_pages(cache, idx, blocks)
+
+
+def zero_fills(cache: torch.Tensor, form: CacheForm, fills: Sequence[WindowFill]) -> None:
+    """Zero, in place, the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
+    local = form.side()
+    for fill in fills:
+        if fill.zero:
+            page = form.page(cache, fill.id)
+            for start, stop in fill.zero:
+                page.masked_fill_(_mask_on(local, start, stop, page.device), 0)
