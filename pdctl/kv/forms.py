@@ -52,12 +52,15 @@ class CacheForm:
     def page_elems(self) -> int:
         return self.heads * self.block_size * 2 * self.head_dim
 
-    def side(self, block_size: int | None = None, isa: str | None = None) -> Side:
+    def side(self, block_size: int | None = None, packed: str | None = None) -> Side:
         """How a page of `block_size` tokens (default: the cache's own) is laid out: its Side for pdctl.kv.convert.
-        `isa`: the ISA a CPU_ATTN prefill said it packs with (received blocks), else this cache's for that size."""
+        `packed`: how received pages were packed when not as this cache packs them (the ISA a CPU_ATTN prefill
+        advertised; HND or NHD for a prefill of another joined form)."""
         n = block_size or self.block_size
-        if self.isa_of is not None:
-            name = isa or self.isa_of(n)
+        if packed is not None:
+            name = packed
+        elif self.isa_of is not None:
+            name = self.isa_of(n)
         else:
             name = "HND" if self.page_dims == (1, 2, 3) else "NHD"
         return Side(layout(name), BlockShape(self.heads, n, self.head_dim))

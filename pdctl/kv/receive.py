@@ -37,17 +37,17 @@ def _zero_from(page: torch.Tensor, side: Side, first: int) -> None:
 
 
 def merge_received(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], ratio: int, written: int,
-                   zero_from: int | None, received_isa: str | None = None, merge: bool = True) -> None:
+                   zero_from: int | None, packed: str | None = None, merge: bool = True) -> None:
     """P < D: the decode blocks `ids[:written]` each hold `ratio` received pages back to back (merged into the
     cache's layout when `merge`); slots >= zero_from of the last written block, and the blocks ids[written:],
-    are zeroed."""
+    are zeroed. `packed`: how the prefill packed its pages, when not as this cache does."""
     idx = block_ids(ids[:written], cache)
     stale = block_ids(ids[written:], cache)
     local = form.side()
     if written and (merge or zero_from is not None):
         blocks = form.pages(cache, idx)
         if merge:
-            blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, received_isa), local)
+            blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
         if zero_from is not None:
             _zero_from(blocks[-1], local, zero_from)
         form.put_pages(cache, idx, blocks)
@@ -56,15 +56,17 @@ def merge_received(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], rat
 
 
 def split_received(cache: torch.Tensor, form: CacheForm, dests: Sequence[int], real: Sequence[bool], ratio: int,
-                   tail: tuple[int, int] | None = None, fills: Sequence[WindowFill] = ()) -> None:
+                   tail: tuple[int, int] | None = None, fills: Sequence[WindowFill] = (),
+                   packed: str | None = None) -> None:
     """P > D: `dests` are the decode-sized chunks each prefill page was read into, `ratio` per prefill block in
     order (staging chunks among them); each page is split into `ratio` decode blocks in the cache's layout and those
     with `real` set are written back. tail (row, first): slots >= first of that row are past the prompt; `fills`:
-    a sliding-window group's slots that received nothing."""
+    a sliding-window group's slots that received nothing. `packed`: how the prefill packed its pages, when not as
+    this cache does (pdctl.kv.forms.CacheForm.side)."""
     n = form.block_size
     ids = block_ids(dests, cache)
     whole = form.pages(cache, ids).reshape(len(dests) // ratio, -1)
-    blocks = split_in_place(whole, ratio, form.side(n * ratio), form.side())
+    blocks = split_in_place(whole, ratio, form.side(n * ratio, packed), form.side())
     if tail is not None:
         at, first = tail
         _zero_from(blocks[at], form.side(), first)
@@ -74,14 +76,14 @@ def split_received(cache: torch.Tensor, form: CacheForm, dests: Sequence[int], r
 
 
 def merge_window(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], ratio: int,
-                 fills: Sequence[WindowFill], received_isa: str | None = None, merge: bool = True) -> None:
+                 fills: Sequence[WindowFill], packed: str | None = None, merge: bool = True) -> None:
     """A sliding-window group's decode blocks after a P < D read paired by tokens: every block's sub-blocks merged,
     then what the prefill did not send (the window's head, the slots past the prompt) zeroed."""
     idx = block_ids(ids, cache)
     local = form.side()
     blocks = form.pages(cache, idx)
     if merge and ratio > 1:
-        blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, received_isa), local)
+        blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
     for row, fill in zip(blocks, fills, strict=True):
         for start, stop in fill.zero:
             row.masked_fill_(_mask_on(local, start, stop, row.device), 0)
