@@ -274,3 +274,38 @@ def test_zero_fills_clear_exactly_the_slots_they_name(form):
                                                      strict=True))
     assert torch.equal(raw_page(cache, 1), raw_page(before, 1)) and torch.equal(raw_page(cache, 3),
                                                                                    raw_page(before, 3))
+
+
+@given(st.sampled_from(FORMS), st.sampled_from((2, 4)), st.sampled_from(DTYPES), st.integers(0, 2**16))
+def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefill_no_longer_held(form, ratio,
+                                                                                                 dtype, seed):
+    """P < D on a sliding-window group: each side holds only the window's tail (pdctl.kv.window pairs them by
+    token); every token the decode needs comes back, every slot the prefill did not send is zero."""
+    from pdctl.kv.receive import merge_window
+    from pdctl.kv.window import window_pairs
+
+    p_block = smallest_block(form)
+    d_block = p_block * ratio
+    tokens = 3 * d_block + 1 + seed % (2 * d_block - 1)
+    window = d_block + 1 + (seed // 7) % d_block
+    need_from = max(0, tokens - window + 1)
+    src, k, v = prefill(form, p_block, tokens, dtype, seed)
+    local_first, remote_first = need_from // d_block, need_from // p_block
+    n_local = -(-tokens // d_block) - local_first
+    cache = make_cache(form, n_local + 4, d_block, dtype)
+    garbage(cache, seed + 3)
+    local = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(seed))[:n_local].tolist()
+    remote = list(range(remote_first, src.shape[0]))
+    plan = window_pairs(local, remote, local_first=local_first, remote_first=remote_first, prefill_block=p_block,
+                        decode_block=d_block, tokens=tokens, need_from=need_from)
+    assert plan is not None
+    e_p = raw_page(src, 0).numel()
+    for sub, rid in zip(plan.local, plan.remote, strict=True):
+        raw_page(cache, sub // ratio)[(sub % ratio) * e_p:(sub % ratio + 1) * e_p] = raw_page(src, rid)
+    merge_window(cache, cache_form(form, cache), local, ratio, plan.fills)
+    for t in range(need_from, tokens):
+        got_k, got_v = read_token(cache, form, local[t // d_block - local_first], t % d_block)
+        assert torch.equal(got_k, k[t]) and torch.equal(got_v, v[t]), f"token {t}"
+    for fill in plan.fills:
+        for start, stop in fill.zero:
+            check_zero(cache, form, fill.id, start, stop)
