@@ -309,3 +309,72 @@ def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefil
     for fill in plan.fills:
         for start, stop in fill.zero:
             check_zero(cache, form, fill.id, start, stop)
+
+
+@given(st.sampled_from(FORMS), st.sampled_from((2, 4, 8)), st.integers(1, 2), st.sampled_from(DTYPES),
+       st.integers(0, 2**16))
+def test_a_merge_past_a_decode_prefix_hit_gives_every_new_token_back(form, ratio, hit, dtype, seed):
+    """P < D where the decode already holds `hit` blocks of the prompt: the sub-blocks past them paired as the
+    connector pairs them (pdctl.kv.index.pair_past_prefix_hit over vLLM's mapping), then the merge."""
+    from pdctl.kv.index import pair_past_prefix_hit
+
+    p_block = smallest_block(form)
+    d_block = p_block * ratio
+    tokens = (hit + 1) * d_block + 1 + seed % (2 * d_block - 1)
+    src, k, v = prefill(form, p_block, tokens, dtype, seed)
+    n_d = -(-tokens // d_block)
+    cache = make_cache(form, n_d + 3, d_block, dtype)
+    garbage(cache, seed + 4)
+    ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(seed))[:n_d].tolist()
+    for t in range(hit * d_block):  # the decode's own prefix hit
+        write_token(cache, form, ids[t // d_block], t % d_block, k[t], v[t])
+    new, remote = ids[hit:], list(range(src.shape[0]))
+    mapped = [b * ratio + j for b in new for j in range(ratio)][:len(remote)]  # vLLM's mapping, clipped
+    fixed, _ = pair_past_prefix_hit([mapped], [remote], [hit], ratio)
+    subs = fixed[0]
+    pairs = list(zip(subs, remote[len(remote) - len(subs):], strict=True))
+    e_p = raw_page(src, 0).numel()
+    for sub, rid in pairs:
+        raw_page(cache, sub // ratio)[(sub % ratio) * e_p:(sub % ratio + 1) * e_p] = raw_page(src, rid)
+    written, zero_from = merge_tail(len(pairs), ratio, d_block)
+    merge_received(cache, cache_form(form, cache), new, ratio, written, zero_from)
+    check_tokens(cache, form, ids, d_block, k, v, tokens)
+
+
+@given(st.sampled_from(FORMS), st.sampled_from((2, 4)), st.sampled_from(DTYPES), st.integers(0, 2**16))
+def test_a_sliding_window_split_gives_the_window_back_and_zeroes_what_the_prefill_no_longer_held(form, ratio,
+                                                                                                 dtype, seed):
+    """P > D on a sliding-window group: whole prefill blocks of the window's tail read as decode-sized chunks
+    (pdctl.kv.window.window_split_plan, staging for what the decode's tail does not hold), then the split."""
+    from pdctl.kv.window import window_split_plan, window_staging_needed
+
+    d_block = smallest_block(form)
+    p_block = d_block * ratio
+    tokens = 2 * p_block + 1 + seed % (2 * p_block - 1)
+    window = p_block + 1 + (seed // 7) % p_block
+    need_from = max(0, tokens - window + 1)
+    src, k, v = prefill(form, p_block, tokens, dtype, seed)
+    local_first, remote_first = need_from // d_block, need_from // p_block
+    n_local = -(-tokens // d_block) - local_first
+    cache = make_cache(form, n_local + 2 * ratio + 2, d_block, dtype)
+    garbage(cache, seed + 5)
+    order = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(seed)).tolist()
+    local, spare = order[:n_local], order[n_local:]
+    tails = dict(local=local, remote=list(range(remote_first, src.shape[0])), local_first=local_first,
+                 remote_first=remote_first, prefill_block=p_block, decode_block=d_block, tokens=tokens,
+                 need_from=need_from)
+    need = window_staging_needed(**tails)
+    plan = window_split_plan(**tails, staging=spare[:need])
+    assert plan is not None
+    e_d = raw_page(cache, 0).numel()
+    for c in plan.chunks:
+        b, part = divmod(c.src, ratio)
+        raw_page(cache, c.dest).copy_(raw_page(src, b)[part * e_d:(part + 1) * e_d])
+    split_received(cache, cache_form(form, cache), [c.dest for c in plan.chunks], [c.real for c in plan.chunks],
+                   ratio, fills=plan.fills)
+    for t in range(need_from, tokens):
+        got_k, got_v = read_token(cache, form, local[t // d_block - local_first], t % d_block)
+        assert torch.equal(got_k, k[t]) and torch.equal(got_v, v[t]), f"token {t}"
+    for fill in plan.fills:
+        for start, stop in fill.zero:
+            check_zero(cache, form, fill.id, start, stop)
