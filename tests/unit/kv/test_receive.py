@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.kv import forms
@@ -276,7 +276,8 @@ def test_zero_fills_clear_exactly_the_slots_they_name(form):
                                                                                    raw_page(before, 3))
 
 
-@given(st.sampled_from(FORMS), st.sampled_from((2, 4)), st.sampled_from(DTYPES), st.integers(0, 2**16))
+@settings(max_examples=50)  # the larger blocks (amx x8): a few ms per example
+@given(st.sampled_from(FORMS), st.sampled_from((2, 4, 8)), st.sampled_from(DTYPES), st.integers(0, 2**16))
 def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefill_no_longer_held(form, ratio,
                                                                                                  dtype, seed):
     """P < D on a sliding-window group: each side holds only the window's tail (pdctl.kv.window pairs them by
@@ -311,6 +312,7 @@ def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefil
             check_zero(cache, form, fill.id, start, stop)
 
 
+@settings(max_examples=50)  # the larger blocks (amx x8): a few ms per example
 @given(st.sampled_from(FORMS), st.sampled_from((2, 4, 8)), st.integers(1, 2), st.sampled_from(DTYPES),
        st.integers(0, 2**16))
 def test_a_merge_past_a_decode_prefix_hit_gives_every_new_token_back(form, ratio, hit, dtype, seed):
@@ -341,7 +343,8 @@ def test_a_merge_past_a_decode_prefix_hit_gives_every_new_token_back(form, ratio
     check_tokens(cache, form, ids, d_block, k, v, tokens)
 
 
-@given(st.sampled_from(FORMS), st.sampled_from((2, 4)), st.sampled_from(DTYPES), st.integers(0, 2**16))
+@settings(max_examples=50)  # the larger blocks (amx x8): a few ms per example
+@given(st.sampled_from(FORMS), st.sampled_from((2, 4, 8)), st.sampled_from(DTYPES), st.integers(0, 2**16))
 def test_a_sliding_window_split_gives_the_window_back_and_zeroes_what_the_prefill_no_longer_held(form, ratio,
                                                                                                  dtype, seed):
     """P > D on a sliding-window group: whole prefill blocks of the window's tail read as decode-sized chunks
