@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:  # the GPU machine runs the working tree as it is,
 import torch  # noqa: E402
 
 from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_mask  # noqa: E402
-from pdctl.kv.forms import FormError, form_of  # noqa: E402
+from pdctl.kv.forms import CacheForm, FormError, form_of  # noqa: E402
 from pdctl.kv.index import (  # noqa: E402
     StagingPool,
     merge_tail,
@@ -350,12 +350,11 @@ def _window_args(g: dict) -> dict:
             "decode_block": g["nd"], "tokens": g["tokens"], "need_from": g["need_from"]}
 
 
-def _layer_caches(dec: KvCache, cache_dtype: torch.dtype):
+def _layer_caches(dec: KvCache, cache_dtype: torch.dtype) -> list[tuple[torch.Tensor, CacheForm]]:
     """Each layer's cache as the connector is handed it (vLLM's logical [B, H, N, 2D] view) with its form, chosen
     from its strides as the connector chooses it (pdctl.kv.forms)."""
-    for layer in range(dec.layers):
-        cache = dec.logical(layer).view(cache_dtype)
-        yield cache, form_of(cache, "device_check")
+    caches = [dec.logical(layer).view(cache_dtype) for layer in range(dec.layers)]
+    return [(cache, form_of(cache, "device_check")) for cache in caches]
 
 
 def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: Side, loc: Side):
@@ -381,11 +380,11 @@ def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: 
         """The connector's conversion (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
         packed = recv.layout.name
         written, zero_from = merge_tail(len(pairs), r, loc.shape.block_size)
-        for cache, form in _layer_caches(dec, cache_dtype):
-            if fills is not None:
-                merge_window(cache, form, list(ids), r, fills, packed)
-            else:
-                merge_received(cache, form, list(ids), r, written, zero_from, packed)
+        layers = _layer_caches(dec, cache_dtype)
+        if fills is not None:
+            merge_window(layers, list(ids), r, fills, packed)
+        else:
+            merge_received(layers, list(ids), r, written, zero_from, packed)
 
     return moves, post
 
@@ -411,8 +410,7 @@ def _plan_split(spec: Spec, g: dict, local: list[int], remote: list[int], stagin
     def post(dec: KvCache) -> None:
         """The connector's split (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
         dests, real = [c.dest for c in chunks], [c.real for c in chunks]
-        for cache, form in _layer_caches(dec, cache_dtype):
-            split_received(cache, form, dests, real, r, tail, fills or (), recv.layout.name)
+        split_received(_layer_caches(dec, cache_dtype), dests, real, r, tail, fills or (), recv.layout.name)
 
     return moves, post
 

@@ -155,20 +155,25 @@ def rates_from_capacity(estimates: Iterable[float]) -> tuple[float, ...]:
     return tuple(dict.fromkeys(_two_digits(lo * GRID_STEP ** k) for k in range(n + 1)))
 
 
+def _steps(x: float, steps: Iterable[int]) -> tuple[float, ...]:
+    """x moved by each of `steps` half-again GRID_STEPs (GRID_STEP ** 1.5, about 1.4x), two significant digits."""
+    return tuple(_two_digits(x * GRID_STEP ** (1.5 * k)) for k in steps)
+
+
 def rates_below(lowest: float) -> tuple[float, ...]:
-    """Rates to try next when nothing met the target at `lowest`: four steps down to a quarter of it."""
-    return tuple(_two_digits(lowest / 4 * GRID_STEP ** (1.5 * k)) for k in range(4))
+    """Rates to try next when nothing met the target at `lowest`: four steps up from a quarter of it."""
+    return _steps(lowest / 4, range(4))
 
 
 def steps_down(lowest: float) -> tuple[float, ...]:
     """Rates below the grid, highest first, for a side that missed its lowest rate (a slow minute, a tight SLO):
     its bracket's lower end is then found too."""
-    return tuple(_two_digits(lowest / GRID_STEP ** (1.5 * (k + 1))) for k in range(STEPS_DOWN))
+    return _steps(lowest, range(-1, -STEPS_DOWN - 1, -1))
 
 
 def rates_above(highest: float) -> tuple[float, ...]:
     """Rates to try next when both sides met the target at `highest`: four steps up to about three times it."""
-    return tuple(_two_digits(highest * GRID_STEP ** (1.5 * (k + 1))) for k in range(4))
+    return _steps(highest, range(1, 5))
 
 
 def answer(tried: Iterable[float], pd: float | None, baseline: float | None) -> dict:

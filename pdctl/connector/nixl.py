@@ -274,6 +274,10 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
             self._forms[name] = self._form_of(self.device_kv_caches[name])
         return self._forms[name]
 
+    def _layers(self, names: list[str]) -> list[tuple[torch.Tensor, CacheForm]]:
+        """One KV group's layers as pdctl.kv.receive takes them: each cache with its form."""
+        return [(self.device_kv_caches[name], self._form(name)) for name in names]
+
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
         if not self._cpu_attn or seam.permutes_local_kv(self):
             # vLLM's own conversion; a sliding-window group's received sub-blocks are not a prefix of its list
@@ -291,10 +295,8 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
                 self._merge_window(names, block_ids, block_size_ratio, fills, convert)
                 continue
             written, zero_from = merge_tail(covered_sub_blocks, block_size_ratio, self.block_size)
-            for name in names:
-                merge_received(self.device_kv_caches[name], self._form(name), list(block_ids), block_size_ratio,
-                               written, zero_from, self._received_isa.get(block_size_ratio),
-                               merge=convert and block_size_ratio > 1)
+            merge_received(self._layers(names), list(block_ids), block_size_ratio, written, zero_from,
+                           self._received_isa.get(block_size_ratio), merge=convert and block_size_ratio > 1)
 
 class NixlConnector(NixlPullConnector):
     @classmethod

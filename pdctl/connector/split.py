@@ -77,9 +77,7 @@ class PrefillBlockSplit:
             fills = window_fills.get(g)
             tail = None if fills is not None else split_tail([c.block for c in chunks], self.block_size, plan.tokens)
             dests, real = [c.dest for c in chunks], [c.real for c in chunks]
-            for name in seam.group_layer_names(self, g):
-                split_received(self.device_kv_caches[name], self._form(name), dests, real, plan.ratio, tail,
-                               fills or ())
+            split_received(self._layers(seam.group_layer_names(self, g)), dests, real, plan.ratio, tail, fills or ())
 
 
 

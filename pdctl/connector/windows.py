@@ -87,6 +87,4 @@ class SlidingWindowReads:
                       convert: bool) -> None:
         """A sliding-window group's decode blocks after a P < D read paired by tokens: merge every block's
         sub-blocks, then zero what the prefill did not send (the window's head, the slots past the prompt)."""
-        for name in names:
-            merge_window(self.device_kv_caches[name], self._form(name), list(block_ids), ratio, fills,
-                         self._received_isa.get(ratio), merge=convert)
+        merge_window(self._layers(names), list(block_ids), ratio, fills, self._received_isa.get(ratio), merge=convert)

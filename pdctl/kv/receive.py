@@ -32,30 +32,40 @@ def _mask_on(side: Side, start: int, stop: int | None, device: torch.device) -> 
     return mask.to(device)
 
 
-def _zero_from(page: torch.Tensor, side: Side, first: int) -> None:
-    page.masked_fill_(_mask_on(side, first, None, page.device), 0)
+# One KV group's layers as the connector holds them: each layer's cache with its form (the same shape, dtype and
+# device across a group): indices are made once per group, each layer converted in turn.
+Layers = Sequence[tuple[torch.Tensor, CacheForm]]
 
 
-def merge_received(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], ratio: int, written: int,
-                   zero_from: int | None, packed: str | None = None, merge: bool = True) -> None:
+def _zero_slots(page: torch.Tensor, side: Side, slots: Sequence[tuple[int, int | None]]) -> None:
+    """Zero token slots [start, stop) (stop None: to the block's end) of one page, in place."""
+    for start, stop in slots:
+        page.masked_fill_(_mask_on(side, start, stop, page.device), 0)
+
+
+def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int, zero_from: int | None,
+                   packed: str | None = None, merge: bool = True) -> None:
     """P < D: the decode blocks `ids[:written]` each hold `ratio` received pages back to back (merged into the
     cache's layout when `merge`); slots >= zero_from of the last written block, and the blocks ids[written:],
     are zeroed. `packed`: how the prefill packed its pages, when not as this cache does."""
-    idx = block_ids(ids[:written], cache)
-    stale = block_ids(ids[written:], cache)
-    local = form.side()
-    if written and (merge or zero_from is not None):
-        blocks = form.pages(cache, idx)
-        if merge:
-            blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
-        if zero_from is not None:
-            _zero_from(blocks[-1], local, zero_from)
-        form.put_pages(cache, idx, blocks)
-    if stale.numel():
-        cache.index_fill_(0, stale, 0)
+    if not layers:
+        return
+    idx = block_ids(ids[:written], layers[0][0])
+    stale = block_ids(ids[written:], layers[0][0])
+    for cache, form in layers:
+        local = form.side()
+        if written and (merge or zero_from is not None):
+            blocks = form.pages(cache, idx)
+            if merge:
+                blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
+            if zero_from is not None:
+                _zero_slots(blocks[-1], local, [(zero_from, None)])
+            form.put_pages(cache, idx, blocks)
+        if stale.numel():
+            cache.index_fill_(0, stale, 0)
 
 
-def split_received(cache: torch.Tensor, form: CacheForm, dests: Sequence[int], real: Sequence[bool], ratio: int,
+def split_received(layers: Layers, dests: Sequence[int], real: Sequence[bool], ratio: int,
                    tail: tuple[int, int] | None = None, fills: Sequence[WindowFill] = (),
                    packed: str | None = None) -> None:
     """P > D: `dests` are the decode-sized chunks each prefill page was read into, `ratio` per prefill block in
@@ -63,38 +73,43 @@ def split_received(cache: torch.Tensor, form: CacheForm, dests: Sequence[int], r
     with `real` set are written back. tail (row, first): slots >= first of that row are past the prompt; `fills`:
     a sliding-window group's slots that received nothing. `packed`: how the prefill packed its pages, when not as
     this cache does (pdctl.kv.forms.CacheForm.side)."""
-    n = form.block_size
-    ids = block_ids(dests, cache)
-    whole = form.pages(cache, ids).reshape(len(dests) // ratio, -1)
-    blocks = split_in_place(whole, ratio, form.side(n * ratio, packed), form.side())
-    if tail is not None:
-        at, first = tail
-        _zero_from(blocks[at], form.side(), first)
+    if not layers:
+        return
     keep = [i for i, r in enumerate(real) if r]
-    form.put_pages(cache, block_ids([dests[i] for i in keep], cache), blocks[block_ids(keep, cache)])
-    zero_fills(cache, form, fills)
+    ids = block_ids(dests, layers[0][0])
+    rows, kept = block_ids(keep, layers[0][0]), block_ids([dests[i] for i in keep], layers[0][0])
+    for cache, form in layers:
+        local = form.side()
+        whole = form.pages(cache, ids).reshape(len(dests) // ratio, -1)
+        blocks = split_in_place(whole, ratio, form.side(form.block_size * ratio, packed), local)
+        if tail is not None:
+            at, first = tail
+            _zero_slots(blocks[at], local, [(first, None)])
+        form.put_pages(cache, kept, blocks[rows])
+    zero_fills(layers, fills)
 
 
-def merge_window(cache: torch.Tensor, form: CacheForm, ids: Sequence[int], ratio: int,
-                 fills: Sequence[WindowFill], packed: str | None = None, merge: bool = True) -> None:
+def merge_window(layers: Layers, ids: Sequence[int], ratio: int, fills: Sequence[WindowFill],
+                 packed: str | None = None, merge: bool = True) -> None:
     """A sliding-window group's decode blocks after a P < D read paired by tokens: every block's sub-blocks merged,
     then what the prefill did not send (the window's head, the slots past the prompt) zeroed."""
-    idx = block_ids(ids, cache)
-    local = form.side()
-    blocks = form.pages(cache, idx)
-    if merge and ratio > 1:
-        blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
-    for row, fill in zip(blocks, fills, strict=True):
-        for start, stop in fill.zero:
-            row.masked_fill_(_mask_on(local, start, stop, row.device), 0)
-    form.put_pages(cache, idx, blocks)
+    if not layers:
+        return
+    idx = block_ids(ids, layers[0][0])
+    for cache, form in layers:
+        local = form.side()
+        blocks = form.pages(cache, idx)
+        if merge and ratio > 1:
+            blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
+        for row, fill in zip(blocks, fills, strict=True):
+            _zero_slots(row, local, fill.zero)
+        form.put_pages(cache, idx, blocks)
 
 
-def zero_fills(cache: torch.Tensor, form: CacheForm, fills: Sequence[WindowFill]) -> None:
+def zero_fills(layers: Layers, fills: Sequence[WindowFill]) -> None:
     """Zero, in place, the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
-    local = form.side()
-    for fill in fills:
-        if fill.zero:
-            page = form.page(cache, fill.id)
-            for start, stop in fill.zero:
-                page.masked_fill_(_mask_on(local, start, stop, page.device), 0)
+    for cache, form in layers:
+        local = form.side()
+        for fill in fills:
+            if fill.zero:
+                _zero_slots(form.page(cache, fill.id), local, fill.zero)

@@ -185,7 +185,7 @@ def run_merge(form, ratio, tokens, dtype, seed, stale=1):
         j, part = divmod(i, ratio)
         raw_page(cache, ids[j])[part * e_p:(part + 1) * e_p] = raw_page(src, i)
     written, zero_from = merge_tail(n_p, ratio, d_block)
-    merge_received(cache, cache_form(form, cache), ids, ratio, written, zero_from)
+    merge_received([(cache, cache_form(form, cache))], ids, ratio, written, zero_from)
     return cache, ids, d_block, k, v, zero_from, written
 
 
@@ -215,8 +215,18 @@ def run_split(form, ratio, tokens, dtype, seed, hit=0):
     if tokens % d_block:
         last = n_d - 1
         tail = next(i for i, c in enumerate(chunks) if c.block == last), tokens - last * d_block
-    split_received(cache, cache_form(form, cache), [c.dest for c in chunks], [c.real for c in chunks], ratio, tail)
+    split_received([(cache, cache_form(form, cache))], [c.dest for c in chunks], [c.real for c in chunks], ratio, tail)
     return cache, ids, d_block, k, v
+
+
+def check_window(cache, form, local, local_first, block, need_from, tokens, k, v, fills):
+    """A sliding-window group's decode tail: every token from need_from is back, every slot a fill names is zero."""
+    for t in range(need_from, tokens):
+        got_k, got_v = read_token(cache, form, local[t // block - local_first], t % block)
+        assert torch.equal(got_k, k[t]) and torch.equal(got_v, v[t]), f"token {t}"
+    for fill in fills:
+        for start, stop in fill.zero:
+            check_zero(cache, form, fill.id, start, stop)
 
 
 @given(st.sampled_from(FORMS), st.sampled_from((2, 4, 8)), st.booleans(), st.sampled_from(DTYPES),
@@ -250,8 +260,8 @@ def test_negative_control_a_chunk_read_one_block_off_is_caught(monkeypatch):
 
     real_split = receive.split_received
 
-    def off_by_one(cache, form, dests, real, ratio, tail=None, fills=()):
-        return real_split(cache, form, [(d + 1) % cache.shape[0] for d in dests], real, ratio, tail, fills)
+    def off_by_one(layers, dests, real, ratio, tail=None, fills=()):
+        return real_split(layers, [(d + 1) % layers[0][0].shape[0] for d in dests], real, ratio, tail, fills)
 
     monkeypatch.setattr(sys.modules[__name__], "split_received", off_by_one)
     cache, ids, block, k, v = run_split("LBHNC", 2, 13, torch.bfloat16, 7)
@@ -265,7 +275,7 @@ def test_zero_fills_clear_exactly_the_slots_they_name(form):
     cache = make_cache(form, 4, block)
     garbage(cache, 3)
     before = cache.clone()
-    zero_fills(cache, cache_form(form, cache), [WindowFill(2, 0, (1, block), ((0, 1),)),
+    zero_fills([(cache, cache_form(form, cache))], [WindowFill(2, 0, (1, block), ((0, 1),)),
                                                 WindowFill(0, 1, (0, 0), ((0, block),))])
     check_zero(cache, form, 2, 0, 1)
     check_zero(cache, form, 0, 0, block)
@@ -303,13 +313,8 @@ def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefil
     e_p = raw_page(src, 0).numel()
     for sub, rid in zip(plan.local, plan.remote, strict=True):
         raw_page(cache, sub // ratio)[(sub % ratio) * e_p:(sub % ratio + 1) * e_p] = raw_page(src, rid)
-    merge_window(cache, cache_form(form, cache), local, ratio, plan.fills)
-    for t in range(need_from, tokens):
-        got_k, got_v = read_token(cache, form, local[t // d_block - local_first], t % d_block)
-        assert torch.equal(got_k, k[t]) and torch.equal(got_v, v[t]), f"token {t}"
-    for fill in plan.fills:
-        for start, stop in fill.zero:
-            check_zero(cache, form, fill.id, start, stop)
+    merge_window([(cache, cache_form(form, cache))], local, ratio, plan.fills)
+    check_window(cache, form, local, local_first, d_block, need_from, tokens, k, v, plan.fills)
 
 
 @settings(max_examples=50)  # the larger blocks (amx x8): a few ms per example
@@ -339,7 +344,7 @@ def test_a_merge_past_a_decode_prefix_hit_gives_every_new_token_back(form, ratio
     for sub, rid in pairs:
         raw_page(cache, sub // ratio)[(sub % ratio) * e_p:(sub % ratio + 1) * e_p] = raw_page(src, rid)
     written, zero_from = merge_tail(len(pairs), ratio, d_block)
-    merge_received(cache, cache_form(form, cache), new, ratio, written, zero_from)
+    merge_received([(cache, cache_form(form, cache))], new, ratio, written, zero_from)
     check_tokens(cache, form, ids, d_block, k, v, tokens)
 
 
@@ -373,11 +378,6 @@ def test_a_sliding_window_split_gives_the_window_back_and_zeroes_what_the_prefil
     for c in plan.chunks:
         b, part = divmod(c.src, ratio)
         raw_page(cache, c.dest).copy_(raw_page(src, b)[part * e_d:(part + 1) * e_d])
-    split_received(cache, cache_form(form, cache), [c.dest for c in plan.chunks], [c.real for c in plan.chunks],
+    split_received([(cache, cache_form(form, cache))], [c.dest for c in plan.chunks], [c.real for c in plan.chunks],
                    ratio, fills=plan.fills)
-    for t in range(need_from, tokens):
-        got_k, got_v = read_token(cache, form, local[t // d_block - local_first], t % d_block)
-        assert torch.equal(got_k, k[t]) and torch.equal(got_v, v[t]), f"token {t}"
-    for fill in plan.fills:
-        for start, stop in fill.zero:
-            check_zero(cache, form, fill.id, start, stop)
+    check_window(cache, form, local, local_first, d_block, need_from, tokens, k, v, plan.fills)
