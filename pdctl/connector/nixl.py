@@ -13,9 +13,9 @@ small parts, each a module of its own:
 - scheduler.py: the scheduler side (staging reserve, the sliding-window backoff, when each request's KV
   parameters were seen);
 - peers.py, stats.py, common.py: whether a prefill is still there, pdctl's counters, the logger and timing lines.
-This module holds the worker's read path: prefill block < decode block on CPU_ATTN (received sub-blocks merged
-with the real per-ISA layout, the uncovered tail zeroed in it; vLLM's generic merge corrupts CPU KV silently),
-vLLM's sub-block pairing past the decode's own prefix hit corrected, NIXL's progress thread throttled
+This module holds the worker's read path: prefill block < decode block (received sub-blocks merged in the
+cache's own form, CPU_ATTN's per-ISA packing included, the uncovered tail zeroed in it: pdctl.kv.receive), vLLM's
+sub-block pairing past the decode's own prefix hit corrected (pdctl.kv.reads), NIXL's progress thread throttled
 (`progress_delay_us`; nixl's Python wrapper hard-codes a spinning one), and every read bounded (pdctl.kv.lease).
 
 The class keeps the name NixlConnector because several vLLM config checks test that name. Importing this module
@@ -44,14 +44,9 @@ from pdctl.connector.scheduler import ARRIVED_ATTR, PdctlNixlScheduler
 from pdctl.connector.split import PrefillBlockSplit
 from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
 from pdctl.connector.windows import SlidingWindowReads
-from pdctl.kv import lease
+from pdctl.kv import lease, reads
 from pdctl.kv.forms import CacheForm, form_of
-from pdctl.kv.index import (
-    SplitPlan,
-    StagingPool,
-    merge_tail,
-    pair_past_prefix_hit,
-)
+from pdctl.kv.index import SplitPlan, StagingPool, merge_tail
 from pdctl.kv.receive import merge_received
 from pdctl.kv.window import WindowFill, WindowMerge
 
@@ -239,10 +234,10 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         return results
 
     def _map_block_ids_for_block_size_ratio(self, local_block_ids, remote_block_ids, block_size_ratio: int):
-        local, remote = super()._map_block_ids_for_block_size_ratio(local_block_ids, remote_block_ids,
-                                                                    block_size_ratio)
-        local, remote = pair_past_prefix_hit(local, remote, getattr(self, "_prefix_hit", ()),
-                                             block_size_ratio * seam.kernel_blocks_per_block(self))
+        # vLLM's sub-block pairing, corrected past the decode's prefix hit (pdctl.kv.reads).
+        local, remote = reads.merge_mapping(local_block_ids, remote_block_ids, block_size_ratio,
+                                            getattr(self, "_prefix_hit", ()),
+                                            block_size_ratio * seam.kernel_blocks_per_block(self))
         if self._window_now:  # sliding-window groups: the pairs pdctl.kv.window chose by tokens
             local = [list(g) for g in local] if local else [[] for _ in remote]
             remote = [list(g) for g in remote]
@@ -279,15 +274,10 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         return [(self.device_kv_caches[name], self._form(name)) for name in names]
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
-        if not self._cpu_attn or seam.permutes_local_kv(self):
-            # vLLM's own conversion; a sliding-window group's received sub-blocks are not a prefix of its list
-            # (vLLM would zero in-window tokens): it converts every block and zeroes nothing there (the slots
-            # left stale are outside the window or past the prompt: never read before they are written).
-            items = [(g, ids, len(ids) * block_size_ratio) if self._window_fills.pop((g, ids[0]), None) is not None
-                     else (g, ids, covered) for g, ids, covered in block_ids_list if ids] + [
-                         x for x in block_ids_list if not x[1]]
-            return super().post_process_device_kv_on_receive(block_size_ratio, items, convert)
-        # CPU_ATTN: merge sub-blocks and zero the uncovered tail in the ISA's real layout.
+        if seam.permutes_local_kv(self):  # vLLM permutes the received KV into its local layout itself
+            return super().post_process_device_kv_on_receive(block_size_ratio, block_ids_list, convert)
+        # Every form pdctl.kv models: merge sub-blocks and zero the uncovered tail in the cache's own form
+        # (CPU_ATTN's per-ISA packing included; vLLM's generic merge corrupts CPU KV silently), on its device.
         for group, block_ids, covered_sub_blocks in block_ids_list:
             names = seam.group_layer_names(self, group)
             fills = self._window_fills.pop((group, block_ids[0]), None) if block_ids else None
@@ -297,6 +287,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
             written, zero_from = merge_tail(covered_sub_blocks, block_size_ratio, self.block_size)
             merge_received(self._layers(names), list(block_ids), block_size_ratio, written, zero_from,
                            self._received_isa.get(block_size_ratio), merge=convert and block_size_ratio > 1)
+
 
 class NixlConnector(NixlPullConnector):
     @classmethod

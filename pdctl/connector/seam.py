@@ -101,6 +101,9 @@ INTERNALS: tuple[Internal, ...] = (
             ("_map_block_ids_for_block_size_ratio", ("local_block_ids", "remote_block_ids", "block_size_ratio")),
             ("post_process_device_kv_on_receive", ("block_size_ratio", "block_ids_list", "convert")),
             why="PdctlNixlWorker overrides it (handshake, split/merge, pairing, receive)"),
+    *_hooks(PULL_WORKER, ("_build_fa_remote", ("plan", "nixl_agent_meta", "block_size_ratio")),
+            why="a prefill read as decode-sized chunks gets each chunk's address from pdctl.kv.reads (vLLM's "
+            "base + j * stride misaddresses block-outermost caches); the rows stay vLLM's, region-major"),
     *_hooks(PULL_SCHEDULER, ("__init__", ("vllm_config", "engine_id", "kv_cache_config")),
             why="PdctlNixlScheduler reserves the staging blocks before the block pool is built"),
     *_hooks(PULL_SCHEDULER, ("get_num_new_matched_tokens", ("request", "num_computed_tokens")),

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from pdctl.connector import seam
 from pdctl.connector.common import log
-from pdctl.kv.index import SplitPlan, StagingPool, split_plan, split_staging_needed, split_tail
+from pdctl.kv import reads
+from pdctl.kv.index import SplitPlan, StagingPool, split_tail
 from pdctl.kv.receive import split_received
-from pdctl.kv.window import WindowFill, window_split_plan, window_staging_needed
+from pdctl.kv.window import WindowFill
 
 
 class PrefillBlockSplit:
@@ -23,39 +26,29 @@ class PrefillBlockSplit:
         return self._staging
 
     def _plan_split(self, req_id: str, meta, ratio: int, prefix_hit: tuple[int, ...]) -> bool:
-        """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks (pdctl.kv.index);
-        False: the staging area cannot hold the chunks no decode block takes."""
+        """Rewrite the request's read lists to whole prefill blocks as decode-sized chunks (pdctl.kv.reads);
+        False: the sliding-window tails do not hold the window, or the staging area cannot hold the chunks no
+        decode block takes."""
         windows = self._window_groups() if any(meta.local_physical_block_ids or ()) else {}
-        # Full-attention groups: pdctl.kv.index, from the start; sliding-window groups: pdctl.kv.window, by tokens.
-        local = [[] if g in windows else list(ids) for g, ids in enumerate(meta.local_physical_block_ids)]
-        remote = [list(g) for g in meta.remote.block_ids]
-        shape = dict(ratio=ratio, block_size=self.block_size, tokens=meta.remote.num_tokens, cached=prefix_hit)
-        full_need = split_staging_needed(local, remote, **shape)
         tails = {g: self._window_tails(meta, g, w, ratio * self.block_size) for g, w in windows.items()}
-        window_need = {g: window_staging_needed(**t) if t else None for g, t in tails.items()}
-        if None in window_need.values():
+        try:
+            read = reads.plan_split(meta.local_physical_block_ids, meta.remote.block_ids, ratio=ratio,
+                                    block_size=self.block_size, tokens=meta.remote.num_tokens, cached=prefix_hit,
+                                    tails=tails, take=self._staging_pool().take)
+        except reads.WindowNotHeld:
             log.warning("pdctl connector: request %s: the sliding-window tails do not hold the window; its KV "
                         "load fails", req_id)
             return False
-        need = full_need + sum(window_need.values())
-        staging = self._staging_pool().take(need) if need else []
-        if staging is None:
+        except reads.StagingFull:
             log.warning("pdctl connector: staging area full (%d blocks): request %s's KV load fails "
                         "(kv_load_failure_policy %s: %s)", self._staging_blocks, req_id,
                         self._failure_policy, "the decode computes the prompt itself"
                         if self._failure_policy == "recompute" else "the request ends with an error")
             return False
-        taken = full_need
-        plan = split_plan(local, remote, staging=staging[:taken], **shape)
+        plan = read.plan
         if windows:
-            groups, fills = list(plan.groups), {}
-            for g, t in tails.items():
-                window = window_split_plan(**t, staging=staging[taken:taken + window_need[g]])
-                taken += window_need[g]
-                groups[g], fills[g] = window.chunks, window.fills
-            plan = dataclasses.replace(plan, groups=tuple(groups))
-            self._split_fills[req_id] = fills
-            self._log_window_read(meta, {g: len(groups[g]) // ratio for g in tails}, ratio * self.block_size)
+            self._split_fills[req_id] = read.fills
+            self._log_window_read(meta, {g: len(plan.groups[g]) // ratio for g in tails}, ratio * self.block_size)
         meta.local_physical_block_ids = plan.local_ids()
         meta.remote.block_ids = plan.remote_ids()
         if any(plan.groups):  # a read of nothing is never reported done: a kept plan would outlive its request
@@ -79,12 +72,38 @@ class PrefillBlockSplit:
             dests, real = [c.dest for c in chunks], [c.real for c in chunks]
             split_received(self._layers(seam.group_layer_names(self, g)), dests, real, plan.ratio, tail, fills or ())
 
+    def _build_fa_remote(self, plan, nixl_agent_meta, block_size_ratio: int):
+        """The remote descriptors; a prefill read as decode-sized chunks gets each chunk's address from
+        pdctl.kv.reads (vLLM's is base + j * stride, right only where a layer's pages abut: LB*)."""
+        descs = super()._build_fa_remote(plan, nixl_agent_meta, block_size_ratio)
+        ratio = self._split_ratio.get(nixl_agent_meta.engine_id)
+        if ratio:
+            descs[:, 0] = split_addresses(nixl_agent_meta, ratio, descs)
+        return descs
 
 
 def as_decode_sized(meta, ratio: int):
-    """The prefill's handshake metadata as if its blocks were `ratio` times smaller (contiguous byte chunks)."""
+    """The prefill's handshake metadata as if its blocks were `ratio` times smaller (contiguous byte chunks). The
+    strides stay the prefill's (page to page): the chunks' addresses are pdctl.kv.reads' (`split_addresses`)."""
     return dataclasses.replace(
         meta, block_size=meta.block_size // ratio, num_blocks=meta.num_blocks * ratio,
-        block_lens=[n // ratio for n in meta.block_lens], block_strides=[n // ratio for n in meta.block_strides],
+        block_lens=[n // ratio for n in meta.block_lens],
         region_num_blocks=[n * ratio for n in meta.region_num_blocks] if meta.region_num_blocks else
         meta.region_num_blocks)
+
+
+def split_addresses(meta, ratio: int, descs: np.ndarray) -> np.ndarray:
+    """The address of every decode-sized chunk of a decode-sized prefill's regions (`as_decode_sized`), in vLLM's
+    descriptor order (region-major, then block, then chunk), each at the offset vLLM chose within its chunk (a TP
+    rank's part)."""
+    counts = meta.region_num_blocks or [meta.num_blocks] * len(meta.kv_caches_base_addr)
+    out, row = [], 0
+    for base, chunk_len, stride, n in zip(meta.kv_caches_base_addr, meta.block_lens, meta.block_strides, counts,
+                                          strict=True):
+        region = reads.Region(base, chunk_len * ratio, stride, n // ratio)
+        offset = int(descs[row, 0]) - base  # vLLM's rank offset within the chunk
+        out.append(reads.descriptors(region, ratio)[:, 0] + np.uint64(offset))
+        row += n
+    if row != len(descs):
+        raise ValueError(f"{len(descs)} remote descriptors for {row} prefill chunks")
+    return np.concatenate(out)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pdctl.connector import seam
 from pdctl.connector.common import log
+from pdctl.kv import reads
 from pdctl.kv.receive import merge_window
 from pdctl.kv.window import WindowFill, window_pairs
 
@@ -22,26 +23,10 @@ class SlidingWindowReads:
         return self._windows
 
     def _window_tails(self, meta, group: int, window: int, prefill_block: int) -> dict[str, Any] | None:
-        """Where the two tails of a sliding-window group lie, as pdctl.kv.window's arguments; None when the
-        lists are not the tails vLLM cuts (then the load fails and vLLM recomputes, never a silent misread).
-
-        Both sides hold the request's first `tokens` tokens (the prefill stopped one short: `_prefill_backoff`),
-        so the decode's first query is token `tokens` and needs keys from tokens - window + 1. Each list ends
-        with the block holding the last token; the prefill's first entries are vLLM's null block where the
-        window had already left them."""
-        tokens = meta.remote.num_tokens
-        remote = list(meta.remote.block_ids[group])
-        local = list(meta.local_physical_block_ids[group])
-        if tokens is None:
-            return None
-        remote_first = -(-tokens // prefill_block) - len(remote)
-        local_first = -(-tokens // self.block_size) - len(local)
-        if remote_first < 0 or local_first < 0:
-            return None
-        held = max(remote_first, max(0, tokens - window + 1) // prefill_block)  # past the null entries
-        return dict(local=local, remote=remote[held - remote_first:], local_first=local_first, remote_first=held,
-                    prefill_block=prefill_block, decode_block=self.block_size, tokens=tokens,
-                    need_from=max(0, tokens - window + 1, local_first * self.block_size))
+        """Where the two tails of a sliding-window group lie (pdctl.kv.reads.window_tails)."""
+        return reads.window_tails(meta.local_physical_block_ids[group], meta.remote.block_ids[group],
+                                  tokens=meta.remote.num_tokens, window=window, prefill_block=prefill_block,
+                                  decode_block=self.block_size)
 
     def _plan_window_merge(self, req_id: str, meta) -> bool:
         """P <= D: pair each sliding-window group's sub-blocks by absolute tokens (vLLM pairs the tails from

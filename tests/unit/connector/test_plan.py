@@ -7,20 +7,55 @@ from pdctl.connector.nixl import PdctlNixlWorker
 from pdctl.connector.split import as_decode_sized
 
 
-def test_decode_sized_view_of_the_prefill_metadata():
+def agent_meta(**given):
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
     fields = {f: None for f in NixlAgentMetadata.__dataclass_fields__}
-    m = NixlAgentMetadata(**{**fields, "engine_id": "p", "agent_metadata": b"", "kv_caches_base_addr": [0],
-                             "device_id": 0, "num_blocks": 10, "block_lens": [4096], "block_strides": [4096],
-                             "kv_cache_layout": "LBHNC", "block_size": 64, "ssm_sizes": (0, 0),
-                             "attn_backend_name": "CPU_ATTN", "physical_blocks_per_logical_kv_block": 1,
-                             "region_num_blocks": [10], "dcp_size": 1, "pcp_size": 1, "region_members": [],
-                             "packed_member_layouts": {}})
+    return NixlAgentMetadata(**{**fields, "engine_id": "p", "agent_metadata": b"", "kv_caches_base_addr": [0],
+                                "device_id": 0, "num_blocks": 10, "block_lens": [4096], "block_strides": [4096],
+                                "kv_cache_layout": "LBHNC", "block_size": 64, "ssm_sizes": (0, 0),
+                                "attn_backend_name": "CPU_ATTN", "physical_blocks_per_logical_kv_block": 1,
+                                "region_num_blocks": [10], "dcp_size": 1, "pcp_size": 1, "region_members": [],
+                                "packed_member_layouts": {}, **given})
+
+
+def test_decode_sized_view_of_the_prefill_metadata():
+    m = agent_meta(block_strides=[8192])
     v = as_decode_sized(m, 2)
+    # The stride stays page to page (a BL* stride spans every layer): the chunks' addresses are pdctl.kv.reads'.
     assert (v.block_size, v.num_blocks, v.block_lens, v.block_strides, v.region_num_blocks) == (
-        32, 20, [2048], [2048], [20])
+        32, 20, [2048], [8192], [20])
     assert m.block_size == 64  # the original is untouched
+
+
+@pytest.mark.parametrize("form", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_a_bigger_prefill_block_is_read_chunk_by_chunk_from_each_page(form):
+    """P > D: the remote descriptors the connector builds (vLLM's _build_fa_remote on the decode-sized handshake
+    metadata, as the handshake makes it) address chunk c of prefill block b at page b + c * chunk, in every joined
+    form. In the block-outermost ones a page's next chunk is not the stride / ratio away."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from pdctl.kv.forms import form_of, joined_cache
+
+    ratio, layers = 2, 3
+    caches = [joined_cache(form, blocks=5, heads=2, block_size=8, head_dim=4, layers=layers, layer=i)
+              for i in range(layers)]
+    forms = [form_of(c, "FLASH_ATTN") for c in caches]
+    page = forms[0].page_elems * caches[0].element_size()
+    meta = as_decode_sized(agent_meta(kv_caches_base_addr=[c.data_ptr() for c in caches], num_blocks=5,
+                                      block_lens=[page] * layers, block_strides=[c.stride(0) * 4 for c in caches],
+                                      region_num_blocks=[5] * layers, block_size=8, kv_cache_layout=form), ratio)
+    w = object.__new__(PdctlNixlWorker)
+    w.transfer_topo, w._group_spec_types, w._transfer_layer_region_indices = object(), [FullAttentionSpec], []
+    w.block_len_per_layer, w._region_is_mla, w._split_ratio = meta.block_lens, [], {"p": ratio}
+    plan = SimpleNamespace(source_ranks_per_group=((0,),), rank_offset_factor=0)
+    descs = w._build_fa_remote(plan, meta, 1)
+    want = [forms[i].region(caches[i], b)[0] + c * page // ratio
+            for i in range(layers) for b in range(5) for c in range(ratio)]
+    assert descs[:, 0].tolist() == want
+    assert set(descs[:, 1].tolist()) == {page // ratio}
 
 
 # -- the CPU attention ISA in the handshake ------------------------------------------------------------------

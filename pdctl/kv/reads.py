@@ -1,0 +1,165 @@
+"""How a decode reads a prefill's KV: what each side registers, which blocks pair with which, and the byte address
+of every read. The connector's mixins (pdctl.connector) and the conformance harness (scripts/kv_conformance.py)
+both plan their reads here, so what the harness proves over real NIXL transfers is what the connector does.
+
+- `Region`, `region_of`: one layer's registered cache as the handshake advertises it (base address, page bytes,
+  bytes from one block's page to the next, blocks);
+- `descriptors`: the (address, length) of every read unit of a region: whole pages, or each page cut into `chunks`
+  equal byte runs (a decode page receiving `chunks` smaller prefill pages; a prefill page read as decode-sized
+  chunks), optionally one TP rank's part of each. Chunk c of block b lies at base + b * stride + c * page / chunks:
+  in the block-outermost forms (BL*) the stride spans every layer's page, so a chunk is never base + j * stride /
+  chunks (vLLM's address for its own decode-sized view of a bigger prefill block);
+- `merge_mapping`: prefill block < decode block: vLLM's pairing of decode sub-blocks with prefill blocks, corrected
+  past the decode's own prefix hit (pdctl.kv.index.pair_past_prefix_hit);
+- `window_tails`: a sliding-window group's two tails as pdctl.kv.window takes them (both directions);
+- `plan_split`: prefill block > decode block: every prefill block a request touches read whole as decode-sized
+  chunks, staging for the chunks no decode block takes, window tails by token (pdctl.kv.index, pdctl.kv.window).
+
+Pure: block ids, addresses and sizes in, plans out; no vLLM, no NIXL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdctl.kv.index import SplitPlan, pair_past_prefix_hit, split_plan, split_staging_needed
+from pdctl.kv.window import WindowFill, window_split_plan, window_staging_needed
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered KV region (a layer's cache) as the handshake advertises it."""
+
+    base: int  # byte address of block 0's page
+    page_len: int  # bytes of one (layer, block) page
+    stride: int  # bytes from one block's page to the next (page_len for LB*, every layer's page for BL*)
+    blocks: int
+
+    def __post_init__(self):
+        if self.stride < self.page_len:
+            raise ValueError(f"a region's pages overlap: stride {self.stride} < page {self.page_len}")
+
+
+def region_of(cache, form) -> Region:
+    """The region of one registered cache tensor of form `form` (pdctl.kv.forms.CacheForm)."""
+    size = cache.element_size()
+    return Region(cache.data_ptr(), form.page_elems * size, cache.stride(0) * size, form.num_blocks(cache))
+
+
+def descriptors(region: Region, chunks: int = 1, part: tuple[int, int] = (0, 1)) -> np.ndarray:
+    """[blocks * chunks, 2] uint64 (address, length), row b * chunks + c: chunk c of block b's page cut into
+    `chunks` equal byte runs. part (i, n): only the i-th of n equal parts of each chunk (a TP rank's heads of a
+    head-major page)."""
+    index, parts = part
+    if region.page_len % (chunks * parts):
+        raise ValueError(f"a page of {region.page_len} bytes does not cut into {chunks} x {parts} equal parts")
+    length = region.page_len // chunks // parts
+    rows = np.arange(region.blocks * chunks, dtype=np.uint64)
+    out = np.empty((rows.size, 2), dtype=np.uint64)
+    out[:, 0] = (region.base + (rows // chunks) * region.stride + (rows % chunks) * (length * parts)
+                 + index * length)
+    out[:, 1] = length
+    return out
+
+
+# -- prefill block < decode block ----------------------------------------------------------------------------
+
+
+def merge_mapping(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], ratio: int,
+                  cached: Sequence[int] = (), sub_per_block: int | None = None
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """P < D: per group, the decode sub-blocks (block * ratio + j) paired 1:1 with the prefill's blocks.
+
+    vLLM expands each decode block into `ratio` sub-blocks and clips to the remote count (its
+    `_map_block_ids_for_block_size_ratio`); past a decode prefix hit of `cached[g]` blocks that pairs every sub-block
+    with the wrong prefill block, which pair_past_prefix_hit corrects. vLLM then trims the remote list from its start
+    to the local count (`end_trimmed`). An empty local list is vLLM's full prefix hit."""
+    mapped = [[b * ratio + j for b in (local[g] if local else ()) for j in range(ratio)][:len(group)]
+              for g, group in enumerate(remote)]
+    remote = [list(group) for group in remote]
+    if not any(mapped):
+        return [], remote
+    return pair_past_prefix_hit(mapped, remote, cached, sub_per_block or ratio)
+
+
+def end_trimmed(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]]) -> list[list[int]]:
+    """vLLM's pairing of a shorter local list with the remote one (its `_apply_prefix_caching`): the remote list's
+    last len(local) entries."""
+    return [list(r[len(r) - len(loc):]) if loc else [] for loc, r in zip(local, remote, strict=True)]
+
+
+# -- sliding-window groups -----------------------------------------------------------------------------------
+
+
+def window_tails(local: Sequence[int], remote: Sequence[int], *, tokens: int | None, window: int,
+                 prefill_block: int, decode_block: int) -> dict[str, Any] | None:
+    """Where the two tails of a sliding-window group lie, as pdctl.kv.window's arguments; None when the lists are
+    not the tails vLLM cuts (the load then fails and vLLM recomputes, never a silent misread).
+
+    Both sides hold the request's first `tokens` tokens (the prefill stopped one short: the scheduler's backoff),
+    so the decode's first query is token `tokens` and needs keys from tokens - window + 1. Each list ends with the
+    block holding the last token; the prefill's first entries are vLLM's null block where the window had already
+    left them."""
+    if tokens is None:
+        return None
+    remote_first = -(-tokens // prefill_block) - len(remote)
+    local_first = -(-tokens // decode_block) - len(local)
+    if remote_first < 0 or local_first < 0:
+        return None
+    held = max(remote_first, max(0, tokens - window + 1) // prefill_block)  # past the null entries
+    return dict(local=list(local), remote=list(remote[held - remote_first:]), local_first=local_first,
+                remote_first=held, prefill_block=prefill_block, decode_block=decode_block, tokens=tokens,
+                need_from=max(0, tokens - window + 1, local_first * decode_block))
+
+
+# -- prefill block > decode block ----------------------------------------------------------------------------
+
+
+class WindowNotHeld(Exception):
+    """A sliding-window group's tails do not hold the window: the read cannot be planned."""
+
+
+class StagingFull(Exception):
+    """The staging area cannot hold the chunks no decode block takes."""
+
+
+@dataclass(frozen=True)
+class SplitRead:
+    """A request's P > D read: the plan, and per sliding-window group the slots that receive nothing."""
+
+    plan: SplitPlan
+    fills: dict[int, tuple[WindowFill, ...]] = field(default_factory=dict)
+
+
+def plan_split(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], *, ratio: int, block_size: int,
+               tokens: int | None, cached: Sequence[int], tails: dict[int, dict[str, Any] | None],
+               take: Callable[[int], list[int] | None]) -> SplitRead:
+    """Rewrite a request's reads to whole prefill blocks as decode-sized chunks.
+
+    local/remote: per group, the decode's blocks past its prefix hit (`cached`) and the prefill's blocks; tails:
+    per sliding-window group, `window_tails` (None: not held); take(n): n staging block ids, or None when fewer
+    are free. Full-attention groups are planned from the start (pdctl.kv.index), sliding-window ones by tokens
+    (pdctl.kv.window). WindowNotHeld, StagingFull: nothing is taken."""
+    full_local = [[] if g in tails else list(ids) for g, ids in enumerate(local)]
+    shape = dict(ratio=ratio, block_size=block_size, tokens=tokens, cached=cached)
+    full_need = split_staging_needed(full_local, remote, **shape)
+    window_need = {g: window_staging_needed(**t) if t else None for g, t in tails.items()}
+    if None in window_need.values():
+        raise WindowNotHeld(sorted(g for g, n in window_need.items() if n is None))
+    need = full_need + sum(window_need.values())
+    staging = take(need) if need else []
+    if staging is None:
+        raise StagingFull(need)
+    plan = split_plan(full_local, remote, staging=staging[:full_need], **shape)
+    if not tails:
+        return SplitRead(plan)
+    groups, fills, taken = list(plan.groups), {}, full_need
+    for g, t in tails.items():
+        window = window_split_plan(**t, staging=staging[taken:taken + window_need[g]])
+        taken += window_need[g]
+        groups[g], fills[g] = window.chunks, window.fills
+    return SplitRead(SplitPlan(plan.ratio, plan.block_size, plan.tokens, tuple(groups)), fills)
