@@ -26,6 +26,23 @@ FALLBACK_HEADER = "x-pdctl-fallback"
 # KV pairs are not wired yet from one that serves.
 HOLD_ROUTE = "/pdctl/hold"
 
+# -- the connector's handshake ------------------------------------------------------------------------------------
+# vLLM's NIXL handshake has no field for a CPU cache's packing (the attention ISA): pdctl's connector appends it to
+# the attention backend name it advertises, and strips it before vLLM's own code compares backends.
+ISA_TAG = "+pdctl-isa="
+
+
+def tag_backend(name: str, isa: str | None) -> str:
+    """The attention backend name with this side's CPU attention ISA appended."""
+    return f"{name}{ISA_TAG}{isa}" if isa else name
+
+
+def untag_backend(name: str) -> tuple[str, str | None]:
+    """(backend, ISA or None) from an advertised backend name (None: a stock prefill said nothing)."""
+    base, sep, isa = name.partition(ISA_TAG)
+    return base, (isa or None) if sep else None
+
+
 # -- vLLM's P/D protocol ----------------------------------------------------------------------------------------
 # The prefill's request: compute the prompt, hold its KV for a decode, answer with the kv_transfer_params the
 # decode reads it with.

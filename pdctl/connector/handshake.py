@@ -9,20 +9,8 @@ import dataclasses
 from pdctl import protocol
 from pdctl.connector import seam
 from pdctl.connector.common import log
-from pdctl.connector.split import as_decode_sized
+from pdctl.kv import reads
 from pdctl.kv.layouts import layout
-
-ISA_TAG = "+pdctl-isa="
-
-
-def tag_backend(name: str, isa: str | None) -> str:
-    """The attention backend name with this side's CPU attention ISA appended (vLLM's handshake has no field)."""
-    return f"{name}{ISA_TAG}{isa}" if isa else name
-
-
-def untag_backend(name: str) -> tuple[str, str | None]:
-    base, sep, isa = name.partition(ISA_TAG)
-    return base, (isa or None) if sep else None
 
 
 class Handshake:
@@ -37,9 +25,8 @@ class Handshake:
         super().register_kv_caches(kv_caches)
         isa = self._advertised_isa()
         # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other.
-        if isa and seam.rewrite_handshake_metadata(
-                self, lambda meta: dataclasses.replace(meta, attn_backend_name=tag_backend(meta.attn_backend_name,
-                                                                                           isa))):
+        if isa and seam.rewrite_handshake_metadata(self, lambda meta: dataclasses.replace(
+                meta, attn_backend_name=protocol.tag_backend(meta.attn_backend_name, isa))):
             log.info("pdctl connector: advertising CPU attention ISA %s (block %d)", isa, self.block_size)
 
     def _advertised_isa(self) -> str | None:
@@ -53,7 +40,7 @@ class Handshake:
 
     def add_remote_agent(self, nixl_agent_meta, remote_tp_rank: int = 0, remote_tp_size: int = 1,
                          remote_dcp_size: int = 1) -> str:
-        backend, remote_isa = untag_backend(nixl_agent_meta.attn_backend_name)
+        backend, remote_isa = protocol.untag_backend(nixl_agent_meta.attn_backend_name)
         nixl_agent_meta = dataclasses.replace(nixl_agent_meta, attn_backend_name=backend)
         remote = (f"prefill: block {nixl_agent_meta.block_size}, TP {remote_tp_size}, layout "
                   f"{nixl_agent_meta.kv_cache_layout}, backend {backend}" + (f" (ISA {remote_isa})" if remote_isa
@@ -69,17 +56,21 @@ class Handshake:
                 refuse(f"hybrid model whose KV cache groups have different block sizes {uneven} on the decode")
             if seam.kernel_blocks_per_block(self) != 1:
                 refuse("hybrid model with kernel blocks smaller than logical blocks")
-        if self._cpu_attn and backend != self.backend_name:
-            refuse("CPU_ATTN decode receiving from another attention backend")
+        if self._cpu_attn and backend == self.backend_name:
+            remote_isa = self._remote_isa(nixl_agent_meta.block_size, remote_isa)
+        why = reads.refusal(
+            reads.Peer(backend, nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size, remote_tp_size,
+                       remote_isa),
+            reads.Peer(self.backend_name, self.kv_cache_layout, self.block_size, self.world_size,
+                       self._isa(self.block_size)),
+            self._isa(nixl_agent_meta.block_size))
+        if why:
+            refuse(why)
         if self._cpu_attn:
-            self._check_isa(nixl_agent_meta.block_size, remote_isa, refuse)
+            self._note_isa(nixl_agent_meta.block_size, remote_isa, refuse)
         if nixl_agent_meta.block_size > self.block_size:
-            ratio, rest = divmod(nixl_agent_meta.block_size, self.block_size)
-            if rest:
-                refuse("the prefill block is not a multiple of the decode block")
-            if remote_tp_size != self.world_size:
-                refuse("prefill block > decode block needs equal TP on both sides")
-            if seam.permutes_local_kv(self) or nixl_agent_meta.kv_cache_layout != self.kv_cache_layout:
+            ratio = nixl_agent_meta.block_size // self.block_size
+            if seam.permutes_local_kv(self):
                 refuse("prefill block > decode block needs the same KV layout on both sides")
             if self._staging_blocks < 2 * (ratio - 1):
                 refuse(f"the decode reserved {self._staging_blocks} staging blocks, it needs at least "
@@ -87,25 +78,24 @@ class Handshake:
             if seam.kernel_blocks_per_block(self) != 1:
                 refuse("prefill block > decode block with kernel blocks smaller than logical blocks")
             self._split_ratio[nixl_agent_meta.engine_id] = ratio
-            nixl_agent_meta = as_decode_sized(nixl_agent_meta, ratio)
+            nixl_agent_meta = reads.as_decode_sized(nixl_agent_meta, ratio)
             log.info("pdctl connector: prefill block %d > decode block %d: reading %d chunks per prefill block, "
                      "split after receive (staging %d blocks)", ratio * self.block_size, self.block_size, ratio,
                      self._staging_blocks)
         return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
-    def _check_isa(self, remote_block: int, remote_isa: str | None, refuse) -> None:
-        """Which layout the prefill's blocks arrive in, by block-size ratio; refuse what cannot be converted."""
-        assumed = self._isa(remote_block)  # what this host would use for the prefill's block size
+    def _remote_isa(self, remote_block: int, remote_isa: str | None) -> str | None:
+        """The ISA the prefill packs its pages for (what this host would use for its block size, when it did not
+        say: a stock prefill)."""
         if remote_isa is None:
+            remote_isa = self._isa(remote_block)
             log.warning("pdctl connector: the prefill did not say its CPU attention ISA (not pdctl's connector?); "
-                        "assuming %s", assumed)
-            remote_isa = assumed
-        same = layout(remote_isa) is layout(assumed) if assumed else True
+                        "assuming %s", remote_isa)
+        return remote_isa
+
+    def _note_isa(self, remote_block: int, remote_isa: str | None, refuse) -> None:
+        """Which layout the prefill's blocks arrive in, by block-size ratio (one per ratio)."""
         ratio = self.block_size // remote_block if remote_block <= self.block_size else 0
-        if not same and ratio <= 1:
-            refuse(f"the prefill's CPU attention ISA {remote_isa} stores KV differently from this decode's "
-                   f"{assumed}; pdctl converts between them only when the prefill block is smaller than the "
-                   "decode block (merge after receive)")
         known = self._received_isa.setdefault(ratio, remote_isa)
         if layout(known) is not layout(remote_isa):
             refuse(f"another prefill with the same block size uses ISA {known}; one ISA per block-size ratio")

@@ -46,8 +46,8 @@ from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
 from pdctl.connector.windows import SlidingWindowReads
 from pdctl.kv import lease, reads
 from pdctl.kv.forms import CacheForm, form_of
-from pdctl.kv.index import SplitPlan, StagingPool, merge_tail
-from pdctl.kv.receive import merge_received
+from pdctl.kv.index import SplitPlan, StagingPool
+from pdctl.kv.receive import receive_merged
 from pdctl.kv.window import WindowFill, WindowMerge
 
 __all__ = ["NixlConnector"]
@@ -279,14 +279,9 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         # Every form pdctl.kv models: merge sub-blocks and zero the uncovered tail in the cache's own form
         # (CPU_ATTN's per-ISA packing included; vLLM's generic merge corrupts CPU KV silently), on its device.
         for group, block_ids, covered_sub_blocks in block_ids_list:
-            names = seam.group_layer_names(self, group)
             fills = self._window_fills.pop((group, block_ids[0]), None) if block_ids else None
-            if fills is not None:
-                self._merge_window(names, block_ids, block_size_ratio, fills, convert)
-                continue
-            written, zero_from = merge_tail(covered_sub_blocks, block_size_ratio, self.block_size)
-            merge_received(self._layers(names), list(block_ids), block_size_ratio, written, zero_from,
-                           self._received_isa.get(block_size_ratio), merge=convert and block_size_ratio > 1)
+            receive_merged(self._layers(seam.group_layer_names(self, group)), list(block_ids), block_size_ratio,
+                           covered_sub_blocks, fills, self._received_isa.get(block_size_ratio), convert)
 
 
 class NixlConnector(NixlPullConnector):

@@ -6,15 +6,11 @@ completion each prefill block is reassembled and split into decode blocks in the
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
-
 from pdctl.connector import seam
 from pdctl.connector.common import log
 from pdctl.kv import reads
-from pdctl.kv.index import SplitPlan, StagingPool, split_tail
-from pdctl.kv.receive import split_received
+from pdctl.kv.index import SplitPlan, StagingPool
+from pdctl.kv.receive import receive_split
 from pdctl.kv.window import WindowFill
 
 
@@ -65,12 +61,8 @@ class PrefillBlockSplit:
         request's decode blocks (not the staging chunks) and zero the slots past the prompt (sliding-window
         groups: every slot of their blocks that received nothing)."""
         for g, chunks in enumerate(plan.groups):
-            if not chunks:
-                continue
-            fills = window_fills.get(g)
-            tail = None if fills is not None else split_tail([c.block for c in chunks], self.block_size, plan.tokens)
-            dests, real = [c.dest for c in chunks], [c.real for c in chunks]
-            split_received(self._layers(seam.group_layer_names(self, g)), dests, real, plan.ratio, tail, fills or ())
+            receive_split(self._layers(seam.group_layer_names(self, g)), chunks, plan.ratio, plan.tokens,
+                          window_fills.get(g))
 
     def _build_fa_remote(self, plan, nixl_agent_meta, block_size_ratio: int):
         """The remote descriptors; a prefill read as decode-sized chunks gets each chunk's address from
@@ -78,32 +70,6 @@ class PrefillBlockSplit:
         descs = super()._build_fa_remote(plan, nixl_agent_meta, block_size_ratio)
         ratio = self._split_ratio.get(nixl_agent_meta.engine_id)
         if ratio:
-            descs[:, 0] = split_addresses(nixl_agent_meta, ratio, descs)
+            descs[:, 0] = reads.split_addresses(nixl_agent_meta, ratio, descs)
         return descs
 
-
-def as_decode_sized(meta, ratio: int):
-    """The prefill's handshake metadata as if its blocks were `ratio` times smaller (contiguous byte chunks). The
-    strides stay the prefill's (page to page): the chunks' addresses are pdctl.kv.reads' (`split_addresses`)."""
-    return dataclasses.replace(
-        meta, block_size=meta.block_size // ratio, num_blocks=meta.num_blocks * ratio,
-        block_lens=[n // ratio for n in meta.block_lens],
-        region_num_blocks=[n * ratio for n in meta.region_num_blocks] if meta.region_num_blocks else
-        meta.region_num_blocks)
-
-
-def split_addresses(meta, ratio: int, descs: np.ndarray) -> np.ndarray:
-    """The address of every decode-sized chunk of a decode-sized prefill's regions (`as_decode_sized`), in vLLM's
-    descriptor order (region-major, then block, then chunk), each at the offset vLLM chose within its chunk (a TP
-    rank's part)."""
-    counts = meta.region_num_blocks or [meta.num_blocks] * len(meta.kv_caches_base_addr)
-    out, row = [], 0
-    for base, chunk_len, stride, n in zip(meta.kv_caches_base_addr, meta.block_lens, meta.block_strides, counts,
-                                          strict=True):
-        region = reads.Region(base, chunk_len * ratio, stride, n // ratio)
-        offset = int(descs[row, 0]) - base  # vLLM's rank offset within the chunk
-        out.append(reads.descriptors(region, ratio)[:, 0] + np.uint64(offset))
-        row += n
-    if row != len(descs):
-        raise ValueError(f"{len(descs)} remote descriptors for {row} prefill chunks")
-    return np.concatenate(out)

@@ -10,8 +10,7 @@ from typing import Any
 from pdctl.connector import seam
 from pdctl.connector.common import log
 from pdctl.kv import reads
-from pdctl.kv.receive import merge_window
-from pdctl.kv.window import WindowFill, window_pairs
+from pdctl.kv.window import window_pairs
 
 
 class SlidingWindowReads:
@@ -67,9 +66,3 @@ class SlidingWindowReads:
             parts.append(f"group {g} ({kind}, {len(names)} layers): {n} prefill blocks, {n * block_bytes} bytes")
         log.info("pdctl connector: hybrid model, prefill engine %s (block %d -> decode block %d), first request "
                  "of %s tokens: %s", engine, prefill_block, self.block_size, meta.remote.num_tokens, "; ".join(parts))
-
-    def _merge_window(self, names: list[str], block_ids, ratio: int, fills: tuple[WindowFill, ...],
-                      convert: bool) -> None:
-        """A sliding-window group's decode blocks after a P < D read paired by tokens: merge every block's
-        sub-blocks, then zero what the prefill did not send (the window's head, the slots past the prompt)."""
-        merge_window(self._layers(names), list(block_ids), ratio, fills, self._received_isa.get(ratio), merge=convert)

@@ -148,18 +148,23 @@ def form_of(cache: torch.Tensor, backend: str, isa_of: Callable[[int], str] | No
     return CacheForm(name, h, n, c // 2, page_dims)  # type: ignore[arg-type]
 
 
-def joined_cache(form: str, blocks: int, heads: int, block_size: int, head_dim: int, layers: int = 1,
-                 layer: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                 ) -> torch.Tensor:
-    """A per-layer cache tensor laid out as vLLM lays `form` (a KVCacheLayout name), logically [B, H, N, 2D]: a
-    strided view of one buffer of every layer. For tests and the device check; pdctl never allocates caches."""
+def joined_caches(form: str, blocks: int, heads: int, block_size: int, head_dim: int, layers: int = 1,
+                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Every layer's cache tensor laid out as vLLM lays `form` (a KVCacheLayout name), each logically [B, H, N, 2D]:
+    strided views of one zeroed buffer of every layer. For tests and checks; pdctl never allocates caches."""
     axes = {"L": layers, "B": blocks, "H": heads, "N": block_size, "C": 2 * head_dim}
     if sorted(form) != sorted("LBHNC"):
         raise FormError(f"unknown KV cache form {form!r}")
     buf = torch.zeros(*(axes[a] for a in form), dtype=dtype, device=device)
-    view = buf.select(form.index("L"), layer)
     rest = [a for a in form if a != "L"]
-    return view.permute(*(rest.index(a) for a in "BHNC"))
+    return [buf.select(form.index("L"), layer).permute(*(rest.index(a) for a in "BHNC")) for layer in range(layers)]
+
+
+def joined_cache(form: str, blocks: int, heads: int, block_size: int, head_dim: int, layers: int = 1,
+                 layer: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                 ) -> torch.Tensor:
+    """Layer `layer`'s cache of `joined_caches`."""
+    return joined_caches(form, blocks, heads, block_size, head_dim, layers, dtype, device)[layer]
 
 
 def block_ids(values: Sequence[int], cache: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,16 @@ both plan their reads here, so what the harness proves over real NIXL transfers 
   past the decode's own prefix hit (pdctl.kv.index.pair_past_prefix_hit);
 - `window_tails`: a sliding-window group's two tails as pdctl.kv.window takes them (both directions);
 - `plan_split`: prefill block > decode block: every prefill block a request touches read whole as decode-sized
-  chunks, staging for the chunks no decode block takes, window tails by token (pdctl.kv.index, pdctl.kv.window).
+  chunks, staging for the chunks no decode block takes, window tails by token (pdctl.kv.index, pdctl.kv.window);
+- `refusal`: whether a prefill/decode pair is read at all: pdctl's rules, and vLLM 0.32's handshake rules a pair
+  meets before pdctl's code runs, each with its reason.
 
 Pure: block ids, addresses and sizes in, plans out; no vLLM, no NIXL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from pdctl.kv.index import SplitPlan, pair_past_prefix_hit, split_plan, split_staging_needed
+from pdctl.kv.layouts import layout
 from pdctl.kv.window import WindowFill, window_split_plan, window_staging_needed
 
 
@@ -163,3 +167,82 @@ def plan_split(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]], 
         taken += window_need[g]
         groups[g], fills[g] = window.chunks, window.fills
     return SplitRead(SplitPlan(plan.ratio, plan.block_size, plan.tokens, tuple(groups)), fills)
+
+
+def as_decode_sized(meta, ratio: int):
+    """P > D: the prefill's handshake metadata (vLLM's NixlAgentMetadata, or any dataclass with its fields) as if its
+    blocks were `ratio` times smaller, so vLLM's read machinery moves decode-sized chunks. The strides stay the
+    prefill's (page to page): the chunks' addresses are `split_addresses`'."""
+    return dataclasses.replace(
+        meta, block_size=meta.block_size // ratio, num_blocks=meta.num_blocks * ratio,
+        block_lens=[n // ratio for n in meta.block_lens],
+        region_num_blocks=[n * ratio for n in meta.region_num_blocks] if meta.region_num_blocks else
+        meta.region_num_blocks)
+
+
+def split_addresses(meta, ratio: int, descs: np.ndarray) -> np.ndarray:
+    """The address of every decode-sized chunk of a decode-sized prefill's regions (`as_decode_sized`), in vLLM's
+    descriptor order (region-major, then block, then chunk), each at the offset vLLM chose within its chunk (a TP
+    rank's part)."""
+    counts = meta.region_num_blocks or [meta.num_blocks] * len(meta.kv_caches_base_addr)
+    out, row = [], 0
+    for base, chunk_len, stride, n in zip(meta.kv_caches_base_addr, meta.block_lens, meta.block_strides, counts,
+                                          strict=True):
+        region = Region(base, chunk_len * ratio, stride, n // ratio)
+        offset = int(descs[row, 0]) - base  # vLLM's rank offset within the chunk
+        out.append(descriptors(region, ratio)[:, 0] + np.uint64(offset))
+        row += n
+    if row != len(descs):
+        raise ValueError(f"{len(descs)} remote descriptors for {row} prefill chunks")
+    return np.concatenate(out)
+
+
+# -- which pairs are read ------------------------------------------------------------------------------------
+
+CPU_BACKEND = "CPU_ATTN"
+HEADS_OUTSIDE = ("LBHNC", "BLHNC", "HND")  # vLLM's layouts whose page holds each head's tokens together
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One side of a P/D pair as the handshake describes it."""
+
+    backend: str  # the attention backend (CPU_ATTN, FLASH_ATTN, ...)
+    layout: str  # vLLM's kv_cache_layout name
+    block_size: int
+    tp: int
+    isa: str | None = None  # CPU_ATTN: the ISA its pages are packed for
+
+    def describe(self) -> str:
+        return (f"{self.backend}" + (f" ({self.isa})" if self.isa else "") +
+                f", layout {self.layout}, block {self.block_size}, TP {self.tp}")
+
+
+def refusal(prefill: Peer, decode: Peer, decode_isa_at: str | None = None) -> str | None:
+    """Why the pair is not read (the handshake fails with this reason), or None. `decode_isa_at`: the ISA the decode's
+    host uses for the prefill's block size (CPU_ATTN: a prefill packed otherwise is converted only by a merge)."""
+    if prefill.backend != decode.backend:
+        return (f"vLLM: the attention backends differ ({prefill.backend} -> {decode.backend}); NIXL's compatibility "
+                "hash covers the backend, and CPU_ATTN pages are packed per ISA")
+    if prefill.layout != decode.layout:
+        return (f"vLLM: the KV cache layouts differ ({prefill.layout} -> {decode.layout}); its handshake needs the "
+                "same kv_cache_layout on both sides: set the same kv_layout on both pools")
+    if prefill.tp != decode.tp and decode.layout not in HEADS_OUTSIDE:
+        return (f"vLLM: TP {prefill.tp} -> {decode.tp} reads a head slice of each page, which {decode.layout} does "
+                "not hold together (heads inside tokens); use a head-outer layout (LBHNC)")
+    if prefill.tp > decode.tp and prefill.block_size != decode.block_size:
+        return (f"vLLM: a prefill with more TP ranks ({prefill.tp} -> {decode.tp}) must use the decode's block size "
+                f"({prefill.block_size} -> {decode.block_size})")
+    if prefill.block_size > decode.block_size:
+        if prefill.block_size % decode.block_size:
+            return "pdctl: the prefill block is not a multiple of the decode block"
+        if prefill.tp != decode.tp:
+            return "pdctl: prefill block > decode block needs equal TP on both sides"
+    elif decode.block_size % prefill.block_size:
+        return "vLLM: the decode block is not a multiple of the prefill block"
+    if prefill.isa and decode_isa_at and prefill.block_size >= decode.block_size and \
+            layout(prefill.isa) is not layout(decode_isa_at):
+        return (f"pdctl: the prefill's CPU attention ISA {prefill.isa} stores KV differently from this decode's "
+                f"{decode_isa_at}; pdctl converts between them only when the prefill block is smaller than the "
+                "decode block (merge after receive)")
+    return None

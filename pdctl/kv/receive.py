@@ -7,7 +7,9 @@ with pdctl.kv.convert and write them back:
 - `split_received`: prefill block > decode block, each prefill page read whole as `ratio` decode-sized chunks
   (some into a staging area) and split into decode blocks; the slots past the prompt zeroed;
 - `merge_window`, `zero_fills`: a sliding-window group's blocks, paired by tokens (pdctl.kv.window), with the slots
-  the prefill no longer held zeroed.
+  the prefill no longer held zeroed;
+- `receive_merged`, `receive_split`: one KV group's whole receive processing after a read, as the connector runs
+  it (and the conformance harness, through the same functions).
 
 Every index tensor and mask is made on the cache's device (masks cached per device and dtype): a CUDA or HPU cache
 is never indexed with a CPU tensor. No vLLM, no NIXL: the connector's mixins call these.
@@ -22,6 +24,7 @@ import torch
 
 from pdctl.kv.convert import Side, merge_in_place, slots_mask, split_in_place, zero_mask
 from pdctl.kv.forms import CacheForm, block_ids
+from pdctl.kv.index import SplitChunk, merge_tail, split_tail
 from pdctl.kv.window import WindowFill
 
 
@@ -113,3 +116,27 @@ def zero_fills(layers: Layers, fills: Sequence[WindowFill]) -> None:
         for fill in fills:
             if fill.zero:
                 _zero_slots(form.page(cache, fill.id), local, fill.zero)
+
+
+def receive_merged(layers: Layers, ids: Sequence[int], ratio: int, covered_sub_blocks: int,
+                   fills: Sequence[WindowFill] | None = None, packed: str | None = None, convert: bool = True) -> None:
+    """P <= D, after the read of `covered_sub_blocks` prefill pages into the decode blocks `ids` (`ratio` per
+    block): merged in the cache's form (`convert`), the uncovered tail zeroed; `fills`: a sliding-window group's
+    blocks paired by tokens (pdctl.kv.window), whose slots the prefill no longer held are zeroed instead."""
+    if not layers:
+        return
+    if fills is not None:
+        merge_window(layers, ids, ratio, fills, packed, merge=convert)
+        return
+    written, zero_from = merge_tail(covered_sub_blocks, ratio, layers[0][1].block_size)
+    merge_received(layers, ids, ratio, written, zero_from, packed, merge=convert and ratio > 1)
+
+
+def receive_split(layers: Layers, chunks: Sequence[SplitChunk], ratio: int, tokens: int | None,
+                  fills: Sequence[WindowFill] | None = None, packed: str | None = None) -> None:
+    """P > D, after the read of one group's chunks (pdctl.kv.index.SplitPlan): each prefill page split into decode
+    blocks, the slots past the prompt zeroed (`fills`: a sliding-window group's slots that received nothing)."""
+    if not layers or not chunks:
+        return
+    tail = None if fills is not None else split_tail([c.block for c in chunks], layers[0][1].block_size, tokens)
+    split_received(layers, [c.dest for c in chunks], [c.real for c in chunks], ratio, tail, fills or (), packed)

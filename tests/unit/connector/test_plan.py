@@ -4,7 +4,7 @@ attention ISA in the handshake. Which block goes where is pdctl.kv.index's (test
 import pytest
 
 from pdctl.connector.nixl import PdctlNixlWorker
-from pdctl.connector.split import as_decode_sized
+from pdctl.kv.reads import as_decode_sized
 
 
 def agent_meta(**given):
@@ -62,7 +62,7 @@ def test_a_bigger_prefill_block_is_read_chunk_by_chunk_from_each_page(form):
 
 
 def test_backend_tag_round_trip():
-    from pdctl.connector.handshake import tag_backend, untag_backend
+    from pdctl.protocol import tag_backend, untag_backend
 
     assert untag_backend(tag_backend("CPU_ATTN", "amx")) == ("CPU_ATTN", "amx")
     assert untag_backend("CPU_ATTN") == ("CPU_ATTN", None)  # a stock prefill sends no ISA
