@@ -32,6 +32,9 @@ class Layout:
     """Base: subclasses implement unpack/pack for raw blocks of shape [B, E]."""
 
     name = "abstract"
+    # A block's tokens are its outermost axis: blocks cut or joined along tokens are the same bytes (a merge or
+    # split within the layout moves nothing).
+    token_major = False
 
     def unpack(self, raw: torch.Tensor, s: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -73,6 +76,7 @@ class NHD(Layout):
     """vLLM's LBNHC: per block [N, H, 2D], token-major: a token range is one byte range."""
 
     name = "NHD"
+    token_major = True
 
     def unpack(self, raw, s):
         x = raw.reshape(-1, s.block_size, s.heads, 2 * s.head_dim).transpose(1, 2)

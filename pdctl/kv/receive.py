@@ -46,6 +46,12 @@ def _zero_slots(page: torch.Tensor, side: Side, slots: Sequence[tuple[int, int |
         page.masked_fill_(_mask_on(side, start, stop, page.device), 0)
 
 
+def _moves_bytes(received: Side, local: Side) -> bool:
+    """Whether regrouping received pages along tokens changes bytes: not for token-major pages packed as this cache
+    packs them (back to back they are the bigger page; cut, the smaller ones)."""
+    return not (received.layout is local.layout and local.layout.token_major)
+
+
 def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int, zero_from: int | None,
                    packed: str | None = None, merge: bool = True) -> None:
     """P < D: the decode blocks `ids[:written]` each hold `ratio` received pages back to back (merged into the
@@ -57,38 +63,40 @@ def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int,
     stale = block_ids(ids[written:], layers[0][0])
     for cache, form in layers:
         local = form.side()
-        if written and (merge or zero_from is not None):
-            blocks = form.pages(cache, idx)
-            if merge:
-                blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
+        if written and merge and _moves_bytes(form.side(form.block_size // ratio, packed), local):
+            blocks = merge_in_place(form.pages(cache, idx), ratio, form.side(form.block_size // ratio, packed), local)
             if zero_from is not None:
                 _zero_slots(blocks[-1], local, [(zero_from, None)])
             form.put_pages(cache, idx, blocks)
+        elif written and zero_from is not None:
+            _zero_slots(form.page(cache, ids[written - 1]), local, [(zero_from, None)])
         if stale.numel():
             cache.index_fill_(0, stale, 0)
 
 
-def split_received(layers: Layers, dests: Sequence[int], real: Sequence[bool], ratio: int,
-                   tail: tuple[int, int] | None = None, fills: Sequence[WindowFill] = (),
-                   packed: str | None = None) -> None:
+def split_received(layers: Layers, dests: Sequence[int], ratio: int, tail: tuple[int, int] | None = None,
+                   fills: Sequence[WindowFill] = (), packed: str | None = None) -> None:
     """P > D: `dests` are the decode-sized chunks each prefill page was read into, `ratio` per prefill block in
-    order (staging chunks among them); each page is split into `ratio` decode blocks in the cache's layout and those
-    with `real` set are written back. tail (row, first): slots >= first of that row are past the prompt; `fills`:
-    a sliding-window group's slots that received nothing. `packed`: how the prefill packed its pages, when not as
+    order (staging chunks among them); each page is split into `ratio` decode blocks in the cache's layout, written
+    back over the chunks it was read into (a staging chunk's block is scratch: it takes its row too, which saves a
+    gather of the rest). tail (row, first): slots >= first of that row are past the prompt; `fills`: a
+    sliding-window group's slots that received nothing. `packed`: how the prefill packed its pages, when not as
     this cache does (pdctl.kv.forms.CacheForm.side)."""
     if not layers:
         return
-    keep = [i for i, r in enumerate(real) if r]
     ids = block_ids(dests, layers[0][0])
-    rows, kept = block_ids(keep, layers[0][0]), block_ids([dests[i] for i in keep], layers[0][0])
     for cache, form in layers:
         local = form.side()
-        whole = form.pages(cache, ids).reshape(len(dests) // ratio, -1)
-        blocks = split_in_place(whole, ratio, form.side(form.block_size * ratio, packed), local)
+        received = form.side(form.block_size * ratio, packed)
+        if not _moves_bytes(received, local):
+            if tail is not None:
+                _zero_slots(form.page(cache, dests[tail[0]]), local, [(tail[1], None)])
+            continue
+        blocks = split_in_place(form.pages(cache, ids).reshape(len(dests) // ratio, -1), ratio, received, local)
         if tail is not None:
             at, first = tail
             _zero_slots(blocks[at], local, [(first, None)])
-        form.put_pages(cache, kept, blocks[rows])
+        form.put_pages(cache, ids, blocks)
     zero_fills(layers, fills)
 
 
@@ -101,16 +109,18 @@ def merge_window(layers: Layers, ids: Sequence[int], ratio: int, fills: Sequence
     idx = block_ids(ids, layers[0][0])
     for cache, form in layers:
         local = form.side()
-        blocks = form.pages(cache, idx)
-        if merge and ratio > 1:
-            blocks = merge_in_place(blocks, ratio, form.side(form.block_size // ratio, packed), local)
+        received = form.side(form.block_size // ratio, packed)
+        if not (merge and ratio > 1 and _moves_bytes(received, local)):
+            zero_fills([(cache, form)], fills)
+            continue
+        blocks = merge_in_place(form.pages(cache, idx), ratio, received, local)
         for row, fill in zip(blocks, fills, strict=True):
             _zero_slots(row, local, fill.zero)
         form.put_pages(cache, idx, blocks)
 
 
 def zero_fills(layers: Layers, fills: Sequence[WindowFill]) -> None:
-    """Zero, in place, the slots of a sliding-window group's decode blocks that received nothing (after a split)."""
+    """Zero, in place, the slots of a sliding-window group's decode blocks that received nothing."""
     for cache, form in layers:
         local = form.side()
         for fill in fills:
@@ -139,4 +149,4 @@ def receive_split(layers: Layers, chunks: Sequence[SplitChunk], ratio: int, toke
     if not layers or not chunks:
         return
     tail = None if fills is not None else split_tail([c.block for c in chunks], layers[0][1].block_size, tokens)
-    split_received(layers, [c.dest for c in chunks], [c.real for c in chunks], ratio, tail, fills or (), packed)
+    split_received(layers, [c.dest for c in chunks], ratio, tail, fills or (), packed)

@@ -155,7 +155,7 @@ def test_every_index_and_mask_is_made_on_the_caches_device(form):
                 (lambda n: form.split(":")[1]) if form.startswith("cpu:") else None)
     with MixedDevices("meta") as seen:
         merge_received([(cache, f)], [1, 2, 3], 2, 2, block // 2)
-        split_received([(cache, f)], [4, 5, 6, 7], [True, True, True, False], 2, (2, 1))
+        split_received([(cache, f)], [4, 5, 6, 7], 2, (2, 1))
         merge_window([(cache, f)], [8, 9], 2, (WindowFill(8, 0, (1, block), ((0, 1),)), WindowFill(9, 1, (0, 0),
                                                                                                 ((0, block),))))
         zero_fills([(cache, f)], (WindowFill(10, 0, (1, block), ((0, 1),)),))

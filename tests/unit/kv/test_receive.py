@@ -215,7 +215,7 @@ def run_split(form, ratio, tokens, dtype, seed, hit=0):
     if tokens % d_block:
         last = n_d - 1
         tail = next(i for i, c in enumerate(chunks) if c.block == last), tokens - last * d_block
-    split_received([(cache, cache_form(form, cache))], [c.dest for c in chunks], [c.real for c in chunks], ratio, tail)
+    split_received([(cache, cache_form(form, cache))], [c.dest for c in chunks], ratio, tail)
     return cache, ids, d_block, k, v
 
 
@@ -260,8 +260,8 @@ def test_negative_control_a_chunk_read_one_block_off_is_caught(monkeypatch):
 
     real_split = receive.split_received
 
-    def off_by_one(layers, dests, real, ratio, tail=None, fills=()):
-        return real_split(layers, [(d + 1) % layers[0][0].shape[0] for d in dests], real, ratio, tail, fills)
+    def off_by_one(layers, dests, ratio, tail=None, fills=()):
+        return real_split(layers, [(d + 1) % layers[0][0].shape[0] for d in dests], ratio, tail, fills)
 
     monkeypatch.setattr(sys.modules[__name__], "split_received", off_by_one)
     cache, ids, block, k, v = run_split("LBHNC", 2, 13, torch.bfloat16, 7)
@@ -378,6 +378,6 @@ def test_a_sliding_window_split_gives_the_window_back_and_zeroes_what_the_prefil
     for c in plan.chunks:
         b, part = divmod(c.src, ratio)
         raw_page(cache, c.dest).copy_(raw_page(src, b)[part * e_d:(part + 1) * e_d])
-    split_received([(cache, cache_form(form, cache))], [c.dest for c in plan.chunks], [c.real for c in plan.chunks],
+    split_received([(cache, cache_form(form, cache))], [c.dest for c in plan.chunks],
                    ratio, fills=plan.fills)
     check_window(cache, form, local, local_first, d_block, need_from, tokens, k, v, plan.fills)
