@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pdctl.auth import VLLM_KEY_ENV, key_env
 from pdctl.kv.lease import KV_LEASE_S
+from pdctl.protocol import CONNECTOR_SETTINGS_KEY, QUEUE_SPIN_ENV, ConnectorSettings
 from pdctl.proxy.config import SPEC_FLAG, ProxyConfig, moved_upstreams, spec_of, upstream, with_spec
 from pdctl.topology import (
     DEFAULT_POOL,
@@ -31,8 +32,6 @@ ProcessRole = Literal["prefill", "decode", "proxy", "reference", "baseline", "mo
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_MODULE = "pdctl.connector.nixl"
 ROUTER_MODULE = "vllm_router.launch_router"  # vllm-router's console script, run by the servers' Python
-# pdctl's vLLM general plugin (pdctl.vllm_plugin) calms vLLM's executor queues in a server that has this set.
-QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 # How each platform is told which devices an instance owns.
@@ -202,26 +201,17 @@ def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
     if c.kind == "pdctl":
         # The plugin's class is also named NixlConnector: vLLM's config checks test that name.
         cfg["kv_connector_module_path"] = CONNECTOR_MODULE
-        extra["pdctl"] = {
-            "progress_thread": c.progress_thread,
-            "progress_delay_us": c.progress_delay_us,
-            "kv_layout": pool.kv_layout,
-            "platform": pool.platform,
-        }
-        staging = t.staging_blocks(pool) if role == "decode" else 0
-        if staging:
-            extra["pdctl"]["staging_blocks"] = staging
-        if role == "decode":
-            extra["pdctl"]["kv_read_timeout_s"] = c.kv_read_timeout_s
-        if c.trace:
-            extra["pdctl"]["trace"] = True
+        extra[CONNECTOR_SETTINGS_KEY] = ConnectorSettings(
+            progress_thread=c.progress_thread, progress_delay_us=c.progress_delay_us,
+            staging_blocks=t.staging_blocks(pool) if role == "decode" else 0,
+            kv_read_timeout_s=c.kv_read_timeout_s, trace=c.trace).to_dict()
     if role == "decode":
         # vLLM's default is "fail"; pdctl's connector reports every KV it cannot deliver (staging full, a
         # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.
         cfg["kv_load_failure_policy"] = c.kv_load_failure_policy
     cfg["kv_buffer_device"] = t.kv_buffer_device(pool)
-    for k, v in c.extra_config.items():  # a user's "pdctl" settings add to pdctl's own, never replace them
-        extra[k] = {**extra[k], **v} if k == "pdctl" and isinstance(v, dict) and k in extra else v
+    for k, v in c.extra_config.items():  # a user's pdctl settings override pdctl's own one by one
+        extra[k] = {**extra[k], **v} if k == CONNECTOR_SETTINGS_KEY and isinstance(v, dict) and k in extra else v
     cfg["kv_connector_extra_config"] = extra
     return cfg
 

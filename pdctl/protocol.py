@@ -5,6 +5,8 @@ and their parsers, standard library only (the connector imports it inside vLLM's
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, fields
+from typing import Any
 
 # -- HTTP headers of pdctl's proxy ------------------------------------------------------------------------------
 ROUTE_HEADER = "x-pdctl-route"  # PREFILL_POOL/DECODE_POOL: pins the pair (gates, operators)
@@ -25,6 +27,78 @@ FALLBACK_HEADER = "x-pdctl-fallback"
 # being proven again) until it is released; the proxy's own health probes cannot tell a restarted server whose
 # KV pairs are not wired yet from one that serves.
 HOLD_ROUTE = "/pdctl/hold"
+
+# -- the plan -> connector contract ----------------------------------------------------------------------------
+# pdctl's plan writes its connector's settings under kv_connector_extra_config[CONNECTOR_SETTINGS_KEY]; the
+# connector reads them at start (scheduler and worker). Every key, its type and its default is ConnectorSettings'.
+CONNECTOR_SETTINGS_KEY = "pdctl"
+# Raised whenever a key is added, removed or changes meaning: a plan and a connector of other versions then fail
+# at the server's start, naming both, instead of half-working.
+CONNECTOR_SETTINGS_VERSION = 1
+
+
+class SettingsError(ValueError):
+    """pdctl's connector settings are not what this connector reads: `key` is the one at fault (None: the whole
+    mapping)."""
+
+    def __init__(self, key: str | None, message: str):
+        where = f"kv_connector_extra_config[{CONNECTOR_SETTINGS_KEY!r}]" + (f"[{key!r}]" if key else "")
+        super().__init__(f"{where}: {message}")
+        self.key = key
+        self.reason = message
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """pdctl's connector settings, as the plan writes them and the connector reads them (every key required)."""
+
+    version: int = CONNECTOR_SETTINGS_VERSION
+    progress_thread: bool = True  # NIXL's progress thread (serves a peer's transfers while the engine is busy)
+    progress_delay_us: int = 1000  # its sleep between passes: nixl's own thread spins a core per server
+    staging_blocks: int = 0  # decode: blocks withheld for prefill block > decode block (pdctl.kv.reads)
+    kv_read_timeout_s: float = 5.0  # a read in progress this long is given up (pdctl.kv.lease)
+    trace: bool = False  # per-request timing lines in the decode's log
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, given: Any) -> ConnectorSettings:
+        """The settings a plan wrote; SettingsError naming the key when one is unknown, missing, of another type,
+        or when the plan's version is not this connector's."""
+        if given is None:
+            raise SettingsError(None, "missing: pdctl's plan writes these settings for every server it starts "
+                                "with its connector (connector.kind: pdctl)")
+        if not isinstance(given, dict):
+            raise SettingsError(None, f"expected a mapping of settings, got {type(given).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise SettingsError(unknown[0], f"unknown setting (pdctl's connector reads {', '.join(known)})")
+        version = given.get("version")
+        if version != CONNECTOR_SETTINGS_VERSION:
+            raise SettingsError("version", f"the plan was written for connector settings version {version}, this "
+                                f"connector reads version {CONNECTOR_SETTINGS_VERSION}: plan and connector must come "
+                                "from one pdctl (start the servers with the pdctl installed in their Python)")
+        for name, f in known.items():
+            if name not in given:
+                raise SettingsError(name, "missing (pdctl's plan writes every setting)")
+            value, (kind, what) = given[name], _KINDS[f.type]
+            if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+                raise SettingsError(name, f"{value!r} is not {what}")
+        return cls(**{k: float(v) if known[k].type == "float" else v for k, v in given.items()})
+
+
+# A field's annotation (a string under `from __future__ import annotations`) -> the values it takes, and their name.
+_KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "int": (int, "an integer"), "bool": (bool, "true or false"), "float": ((int, float), "a number")}
+
+# -- environment variables pdctl sets for the processes it starts ------------------------------------------------
+# pdctl's vLLM plugin calms vLLM's executor queues on CPU only where this is set (seconds a reader spins).
+QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
+# Modules pdctl's connector imports once loaded, in every vLLM process (comma-separated; the e2e fault drills).
+CONNECTOR_EXTENSIONS_ENV = "PDCTL_CONNECTOR_EXTENSIONS"
+
 
 # -- the connector's handshake ------------------------------------------------------------------------------------
 # vLLM's NIXL handshake has no field for a CPU cache's packing (the attention ISA): pdctl's connector appends it to

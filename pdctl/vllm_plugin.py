@@ -34,7 +34,7 @@ import logging
 import math
 import os
 
-ENV = "PDCTL_QUEUE_SPIN_S"
+from pdctl.protocol import QUEUE_SPIN_ENV as ENV
 
 log = logging.getLogger("vllm.pdctl.plugin")  # under "vllm": vLLM's log configuration applies
 

@@ -5,7 +5,8 @@ pdctl itself always calms the servers it starts; this copy exists only to measur
 from dataclasses import replace
 from pathlib import Path
 
-from pdctl.plan import QUEUE_SPIN_ENV, Plan
+from pdctl.plan import Plan
+from pdctl.protocol import QUEUE_SPIN_ENV
 
 
 def with_plain_reference(plan: Plan, port: int) -> Plan:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from vllm.logger import init_logger
 
@@ -12,9 +11,11 @@ from pdctl import protocol
 log = init_logger("vllm.pdctl.connector")  # under "vllm" so it lands in the server log
 
 
-def settings(vllm_config) -> dict[str, Any]:
-    """pdctl's own entries of the connector's extra config (the plan writes them under "pdctl")."""
-    return dict(vllm_config.kv_transfer_config.get_from_extra_config("pdctl", {}) or {})
+def settings(vllm_config) -> protocol.ConnectorSettings:
+    """pdctl's settings in the connector's extra config, as its plan wrote them; a server started with settings
+    this connector does not read stops here, naming the key (pdctl.protocol.SettingsError)."""
+    return protocol.ConnectorSettings.from_dict(
+        vllm_config.kv_transfer_config.get_from_extra_config(protocol.CONNECTOR_SETTINGS_KEY, None))
 
 
 def trace(stage: str, req_id: str, at: float | None = None) -> None:

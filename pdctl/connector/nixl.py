@@ -58,19 +58,18 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         s = settings(vllm_config)
         self.pdctl_settings = s
         affinity = os.sched_getaffinity(0)
-        with seam.nixl_agent_settings(bool(s.get("progress_thread", True)), int(s.get("progress_delay_us", 1000))):
+        with seam.nixl_agent_settings(s.progress_thread, s.progress_delay_us):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         # The base worker pins this thread to the last core of each NUMA node; on a small host that puts every
         # instance's model thread on one core. Keep the binding vLLM's OMP setup chose.
-        if not s.get("pin_transfer_thread", False):
-            os.sched_setaffinity(0, affinity)
+        os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
-        if os.environ.get("PDCTL_QUEUE_SPIN_S") and not seam.spin_wait_patched():
-            log.warning("pdctl connector: PDCTL_QUEUE_SPIN_S is set but vLLM's executor queues were not calmed: "
+        if os.environ.get(protocol.QUEUE_SPIN_ENV) and not seam.spin_wait_patched():
+                log.warning("pdctl connector: %s is set but vLLM's executor queues were not calmed: "
                         "pdctl's vLLM plugin did not load (pdctl not installed in this Python, or VLLM_PLUGINS "
-                        "does not name pdctl_calm_queues); the queue readers spin")
-        self._trace = bool(s.get("trace", False))
-        self._staging_blocks = int(s.get("staging_blocks", 0))
+                        "does not name pdctl_calm_queues); the queue readers spin", protocol.QUEUE_SPIN_ENV)
+        self._trace = s.trace
+        self._staging_blocks = s.staging_blocks
         self._staging: StagingPool | None = None  # the last staging_blocks ids of the cache, once first needed
         self._split_ratio: dict[str, int] = {}  # remote engine -> prefill block / decode block (> 1)
         self._split_plans: dict[str, SplitPlan] = {}  # req -> its P > D read, from the read to its completion
@@ -92,7 +91,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         # Every read bounded, and started only while the prefill's hold on its blocks is known alive (pdctl.kv.lease).
         self._lease_s = float(vllm_config.kv_transfer_config.get_from_extra_config("kv_lease_duration",
                                                                                      lease.KV_LEASE_S))
-        self._read_timeout_s = float(s.get("kv_read_timeout_s", lease.READ_TIMEOUT_S))
+        self._read_timeout_s = s.kv_read_timeout_s
         self._seen_at: dict[str, float] = {}  # req -> when the scheduler saw its KV parameters (monotonic)
         self._posted_at: dict[str, float] = {}  # req -> when its read was posted (monotonic), until it ends
         self._gave_up: set[str] = set()  # reads given up (timed out or refused), until vLLM reports them
@@ -100,7 +99,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         self._forms: dict[str, CacheForm] = {}  # layer -> its cache's form, chosen when the caches are registered
         self.xfer_stats = PdctlKVConnectorStats()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
-                 self.block_size, s.get("progress_thread", True), s.get("progress_delay_us", 1000))
+                 self.block_size, s.progress_thread, s.progress_delay_us)
 
     # -- pairing ---------------------------------------------------------------------------------------------
 
@@ -304,9 +303,8 @@ class NixlConnector(NixlPullConnector):
             self.connector_worker = PdctlNixlWorker(vllm_config, self.engine_id, kv_cache_config)
 
 
-# Extensions: modules named by PDCTL_CONNECTOR_EXTENSIONS (comma-separated), imported once this module is loaded,
-# in every vLLM process that loads the connector; each may wrap the classes above (the e2e fault drills hold a
-# read and claim a foreign ISA this way: tests/e2e/connector_hooks.py). The same trust as PYTHONPATH's.
-EXTENSIONS_ENV = "PDCTL_CONNECTOR_EXTENSIONS"
-for _module in filter(None, (m.strip() for m in os.environ.get(EXTENSIONS_ENV, "").split(","))):
+# Extensions: modules named by pdctl.protocol.CONNECTOR_EXTENSIONS_ENV (comma-separated), imported once this module
+# is loaded, in every vLLM process that loads the connector; each may wrap the classes above (the e2e fault drills
+# hold a read and claim a foreign ISA this way: tests/e2e/connector_hooks.py). The same trust as PYTHONPATH's.
+for _module in filter(None, (m.strip() for m in os.environ.get(protocol.CONNECTOR_EXTENSIONS_ENV, "").split(","))):
     importlib.import_module(_module)

@@ -16,7 +16,7 @@ ARRIVED_ATTR = "pdctl_seen_at"  # on the connector metadata: req -> when the dec
 
 class PdctlNixlScheduler(NixlPullConnectorScheduler):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config):
-        staging = int(settings(vllm_config).get("staging_blocks", 0))
+        staging = settings(vllm_config).staging_blocks
         if staging and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both"):
             # Reserve the staging area: the scheduler's block pool is built from this config right after the
             # connector, so the allocator never hands out the last `staging` blocks; the worker reads into them.
@@ -26,7 +26,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
             kv_cache_config.num_blocks -= staging
             log.info("pdctl connector: %d KV blocks reserved as staging for prefill block > decode block",
                      staging)
-        self._trace = bool(settings(vllm_config).get("trace", False))
+        self._trace = settings(vllm_config).trace
         self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
         self._seen_at: dict[str, float] = {}  # req -> when its KV parameters were seen here, until sent to workers
         self._kv_ready: set[str] = set()  # ... then until the step that computes their first token

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 KV_LEASE_S = 30  # vLLM's default kv_lease_duration; pdctl's plan sets it explicitly on every side
-READ_TIMEOUT_S = 5.0  # connector.kv_read_timeout_s's default
 
 # The proxy's hop, from the prefill's answer to the decode's scheduler seeing the request (same-host or LAN).
 HOP_MARGIN_S = 1.0

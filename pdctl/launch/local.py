@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdctl import auth
+from pdctl import auth, protocol
 from pdctl.launch import probe
 from pdctl.launch.engine import Liveness, RestartableEngine, StopReport
 from pdctl.launch.state import LaunchState, ProcessRecord
@@ -75,7 +75,7 @@ def group_members(pgid: int) -> list[int]:
 # pdctl's settings for vLLM (the queue plugin's) come from the plan only: one exported in pdctl's own shell must not
 # reach a server the plan leaves plain (a benchmark's plain-vLLM reference, a GPU server). Nor may a
 # VLLM_API_KEY exported there lock the servers of a topology without auth (pdctl would not send it).
-PLAN_ONLY_ENV = ("PDCTL_QUEUE_SPIN_S", auth.VLLM_KEY_ENV)
+PLAN_ONLY_ENV = (protocol.QUEUE_SPIN_ENV, auth.VLLM_KEY_ENV)
 
 
 def _inherited() -> dict[str, str]:

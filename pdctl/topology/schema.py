@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from pdctl.auth import ENV_NAME_PATTERN
-from pdctl.kv.lease import READ_TIMEOUT_S
+from pdctl.protocol import ConnectorSettings
 
 Platform = Literal["cuda", "cpu", "xpu", "hpu"]
 Role = Literal["prefill", "decode"]
@@ -243,24 +243,26 @@ class ConnectorSpec(_Strict):
     kv_buffer_device: BufferDevice | None = Field(None, description="every pool's default")
     backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1,
                                 description="NIXL transfer backends, in order of preference")
-    progress_thread: bool = Field(True, description="NIXL's progress thread (serves a peer's transfers while the "
-                                  "engine is busy); off: only the engine's own polls progress them")
-    progress_delay_us: int = Field(1000, ge=0, description="sleep between NIXL progress passes (pdctl only)")
+    progress_thread: bool = Field(ConnectorSettings.progress_thread, description="NIXL's progress thread (serves a "
+                                  "peer's transfers while the engine is busy); off: only the engine's own polls "
+                                  "progress them")
+    progress_delay_us: int = Field(ConnectorSettings.progress_delay_us, ge=0,
+                                   description="sleep between NIXL progress passes (pdctl only)")
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="a decode whose KV does not arrive (read failed, prefill gone, no staging "
         "room): 'recompute' computes the prompt locally (correct, slower, counted), 'fail' ends the request "
         "with an error. vLLM's own default is 'fail'; the gates run with 'fail'")
     kv_read_timeout_s: float = Field(
-        READ_TIMEOUT_S, gt=0, description="pdctl's connector: a KV read still in progress this long after it "
-        "was posted is given up through vLLM's failure path (kv_load_failure_policy: recompute or fail), its "
-        "blocks returned only once NIXL let go of them; a read is not started when it could outlast the prefill's "
-        "KV lease (kv_lease_duration, which the plan sets to 30 s unless extra_config sets it). Reads on one host "
-        "take milliseconds; without this bound a stalled read waits until the lease runs out")
+        ConnectorSettings.kv_read_timeout_s, gt=0, description="pdctl's connector: a KV read still in progress "
+        "this long after it was posted is given up through vLLM's failure path (kv_load_failure_policy: recompute "
+        "or fail), its blocks returned only once NIXL let go of them; a read is not started when it could outlast "
+        "the prefill's KV lease (kv_lease_duration, which the plan sets to 30 s unless extra_config sets it). "
+        "Reads on one host take milliseconds; without this bound a stalled read waits until the lease runs out")
     trace: bool = Field(
-        False, description="per-request timing lines in each decode's log (pdctl's connector): when its "
-        "scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it done and "
-        "converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined with "
-        "the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
+        ConnectorSettings.trace, description="per-request timing lines in each decode's log (pdctl's connector): "
+        "when its scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it "
+        "done and converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined "
+        "with the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
     extra_config: dict[str, Any] = Field(default_factory=dict, description="more kv_connector_extra_config "
                                          "entries for vLLM's connector (e.g. kv_lease_duration, num_threads)")
     allow_unsafe_hybrid: bool = Field(

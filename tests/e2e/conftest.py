@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pdctl import protocol
 from pdctl.launch.local import group_members
 from tests.conftest import CONFIGS, REPO, TINY
 from tests.conftest import wait_for as _wait_for
@@ -160,7 +161,7 @@ def count_servers():
 def hooks_env(*roles: str, **settings: str) -> list[str]:
     """`--set ROLE.env=...` for each role's (single) pool: its servers load tests/e2e/connector_hooks.py with
     these settings (PDCTL_TEST_* names, e.g. READ_DELAY_S="8" -> PDCTL_TEST_READ_DELAY_S=8)."""
-    env = {"PYTHONPATH": str(REPO), "PDCTL_CONNECTOR_EXTENSIONS": "tests.e2e.connector_hooks",
+    env = {"PYTHONPATH": str(REPO), protocol.CONNECTOR_EXTENSIONS_ENV: "tests.e2e.connector_hooks",
            **{f"PDCTL_TEST_{k}": str(v) for k, v in settings.items()}}
     return [a for role in roles for a in ("--set", f"{role}.env={json.dumps(env)}")]
 

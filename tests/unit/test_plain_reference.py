@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import pdctl
-from pdctl.plan import QUEUE_SPIN_ENV
+from pdctl.protocol import QUEUE_SPIN_ENV
 from pdctl.topology import Override
 
 ROOT = Path(__file__).resolve().parents[2]

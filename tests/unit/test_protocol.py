@@ -1,6 +1,14 @@
 """The contracts between pdctl's processes: each writer's format is read back by its one parser."""
 
+import json
+import re
+from pathlib import Path
+
+import pytest
+
 from pdctl import protocol
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_trace_line_is_read_back_by_its_parser():
@@ -35,3 +43,68 @@ def test_the_prefills_request_asks_for_a_remote_decode_and_names_no_remote():
 def test_every_header_is_pdctls_and_distinct():
     headers = [v for k, v in vars(protocol).items() if k.endswith("_HEADER")]
     assert len(headers) == len(set(headers)) == 6 and all(h.startswith("x-pdctl-") for h in headers)
+
+
+# -- the plan -> connector contract ------------------------------------------------------------------------------
+
+
+def test_connector_settings_round_trip_and_every_default_stated_once():
+    from pdctl.protocol import CONNECTOR_SETTINGS_VERSION, ConnectorSettings
+    from pdctl.topology.schema import ConnectorSpec
+
+    s = ConnectorSettings(progress_delay_us=5, staging_blocks=3, kv_read_timeout_s=2, trace=True)
+    assert ConnectorSettings.from_dict(s.to_dict()) == s
+    assert s.to_dict()["version"] == CONNECTOR_SETTINGS_VERSION
+    assert isinstance(ConnectorSettings.from_dict({**s.to_dict(), "kv_read_timeout_s": 3}).kv_read_timeout_s, float)
+    spec = ConnectorSpec()  # the topology's defaults are the contract's
+    for name in ("progress_thread", "progress_delay_us", "kv_read_timeout_s", "trace"):
+        assert getattr(spec, name) == getattr(ConnectorSettings(), name)
+
+
+@pytest.mark.parametrize("change, key, words", [
+    ({"pin_transfer_thread": True}, "pin_transfer_thread", "unknown setting"),
+    ({"trace": None}, "trace", "None is not true or false"),
+    ({"progress_delay_us": True}, "progress_delay_us", "True is not an integer"),
+    ({"staging_blocks": "4"}, "staging_blocks", "'4' is not an integer"),
+    ({"version": 0}, "version", "version 0, this connector reads version 1: plan and connector must come"),
+])
+def test_connector_settings_a_plan_of_another_kind_is_refused_naming_the_key(change, key, words):
+    from pdctl.protocol import ConnectorSettings, SettingsError
+
+    with pytest.raises(SettingsError, match=re.escape(words)) as e:
+        ConnectorSettings.from_dict({**ConnectorSettings().to_dict(), **change})
+    assert e.value.key == key and f"['{key}']" in str(e.value)
+
+
+def test_connector_settings_missing_keys_are_named():
+    from pdctl.protocol import ConnectorSettings, SettingsError
+
+    given = ConnectorSettings().to_dict()
+    del given["kv_read_timeout_s"]
+    with pytest.raises(SettingsError, match=r"\['kv_read_timeout_s'\]: missing"):
+        ConnectorSettings.from_dict(given)
+    with pytest.raises(SettingsError, match=r"\['version'\]: the plan was written for .* version None"):
+        ConnectorSettings.from_dict({})  # a plan from before the contract had a version
+    with pytest.raises(SettingsError, match=r"\]: expected a mapping"):
+        ConnectorSettings.from_dict([1])
+
+
+def test_the_connector_reads_what_the_plan_wrote():
+    from types import SimpleNamespace
+
+    from pdctl.connector.common import settings
+    from pdctl.plan import build_plan
+    from pdctl.protocol import SettingsError
+    from pdctl.topology import load_topology
+
+    loaded = load_topology(ROOT / "configs" / "cpu-demo.yaml")
+    plan = build_plan(loaded.topology, base_dir=loaded.base_dir, state_dir=Path("/s"))
+    decode = plan.get("decode-0")
+    extra = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    def config(x):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(get_from_extra_config=lambda k, d: x.get(k, d)))
+
+    assert settings(config(extra)).kv_read_timeout_s == loaded.topology.connector.kv_read_timeout_s
+    with pytest.raises(SettingsError, match=r"\['pdctl'\]: missing: pdctl's plan writes these settings"):
+        settings(config({}))  # the connector started without pdctl's plan

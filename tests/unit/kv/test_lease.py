@@ -13,12 +13,12 @@ from pdctl.connector.stats import COUNTERS, PdctlKVConnectorStats
 from pdctl.kv.lease import (
     HOP_MARGIN_S,
     KV_LEASE_S,
-    READ_TIMEOUT_S,
     check_settings,
     expired_reads,
     read_allowed,
     reads_of_gone_peers,
 )
+from pdctl.protocol import ConnectorSettings
 
 
 def test_a_read_may_start_only_while_it_ends_inside_the_lease():
@@ -57,7 +57,7 @@ def test_reads_of_a_gone_peer_past_the_check_delay_are_named_and_each_peer_asked
 
 
 def test_settings_that_cannot_work_are_said():
-    assert check_settings(KV_LEASE_S, READ_TIMEOUT_S) is None
+    assert check_settings(KV_LEASE_S, ConnectorSettings.kv_read_timeout_s) is None
     assert "above 0" in check_settings(30, 0)
     why = check_settings(30, 20)
     assert "at most 14 s" in why and "lengthen the lease" in why

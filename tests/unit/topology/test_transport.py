@@ -79,3 +79,15 @@ def test_a_read_timeout_the_kv_lease_cannot_hold_is_refused():
     assert not [p for p in problems(topo()) if "lease" in p.message]  # the defaults fit
     bad = topo(connector__extra_config={"kv_lease_duration": "soon"})
     assert any(p.path == ("connector", "extra_config", "kv_lease_duration") for p in problems(bad))
+
+
+def test_pdctl_settings_in_extra_config_must_be_ones_the_connector_reads():
+    ok = topo(connector__extra_config={"pdctl": {"progress_delay_us": 200}})
+    assert not [p for p in problems(ok) if "pdctl" in p.path]
+    (p,) = problems(topo(connector__extra_config={"pdctl": {"pin_transfer_thread": True}}))
+    assert p.path == ("connector", "extra_config", "pdctl", "pin_transfer_thread") and "unknown setting" in p.message
+    (p,) = problems(topo(connector__extra_config={"pdctl": {"trace": "yes"}}))
+    assert p.path == ("connector", "extra_config", "pdctl", "trace") and "'yes' is not true or false" in p.message
+    (p,) = problems(topo(connector__extra_config={"pdctl": 3}))
+    assert p.path == ("connector", "extra_config", "pdctl") and "a mapping" in p.message
+    assert not problems(topo(connector__kind="nixl", connector__extra_config={"pdctl": {"x": 1}}))  # not read
