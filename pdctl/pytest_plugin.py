@@ -15,8 +15,9 @@ P/D), and takes everything down after the last test that uses it. Parametrize it
 topology's reference.port: {"reference.port": N} among the overrides, or a "reference_port": N key); or give
 `--pdctl-topology PATH` (and `--pdctl-set dotted.path=value`, repeatable) on the command line.
 
-pytest loads this module in every run of the environment (entry point `pytest11`), so it imports only pytest and
-the standard library here; pdctl, and through it vLLM's tooling, only when the fixture is used.
+pytest loads this module in every run of the environment (entry point `pytest11`), so it imports only pytest, the
+standard library and pdctl.launch.waits (which imports nothing) here; the rest of pdctl, and through it vLLM's
+tooling, only when the fixture is used.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from typing import Any
 
 import pytest
 
+from pdctl.launch.waits import READY_TIMEOUT_S
+
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("pdctl", "pdctl P/D deployments (the pdctl_deployment fixture)")
     group.addoption("--pdctl-topology", default=None, help="topology YAML for pdctl_deployment (unless parametrized)")
     group.addoption("--pdctl-set", action="append", default=[], metavar="PATH=VALUE",
                     help="override a topology field for pdctl_deployment (repeatable), e.g. decode.block_size=128")
-    group.addoption("--pdctl-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    group.addoption("--pdctl-timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for readiness")
 
 
 def _target(param: Any, config) -> dict:

@@ -61,6 +61,7 @@ from pdctl.api.gates import (  # noqa: F401
     gsm8k_source,
 )
 from pdctl.api.proxy import (  # noqa: F401
+    proxy_options,
     proxy_pairs,
     proxy_weights,
     serve_proxy,
@@ -77,5 +78,6 @@ from pdctl.api.topology import (  # noqa: F401
     tiny_model,
     warnings,
 )
-from pdctl.bench.options import BenchOptions  # noqa: F401
+from pdctl.bench.options import GOODPUT_DEFAULTS, LOAD_DEFAULTS, BenchOptions  # noqa: F401
 from pdctl.launch.errors import LaunchFailed  # noqa: F401
+from pdctl.launch.waits import READY_TIMEOUT_S, STOP_GRACE_S  # noqa: F401

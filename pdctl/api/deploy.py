@@ -16,6 +16,7 @@ from pathlib import Path
 from pdctl import auth
 from pdctl.api.common import DASHBOARD, Say, UserError, _quiet
 from pdctl.api.topology import origin, plan
+from pdctl.launch.waits import READY_TIMEOUT_S, STOP_GRACE_S
 from pdctl.plan import Plan, ProcessSpec
 from pdctl.topology import Topology
 
@@ -159,7 +160,7 @@ class Deployment:
                 signal.signal(s, h)
         return "settled" if settled else ("interrupted" if signal.SIGINT in got else "stopped")
 
-    def down(self, grace_s: float = 15.0) -> DownReport:
+    def down(self, grace_s: float = STOP_GRACE_S) -> DownReport:
         return down(state_dir=self.state_dir, grace_s=grace_s)
 
     def __enter__(self) -> Deployment:
@@ -203,7 +204,7 @@ def _preflight(p: Plan, t: Topology):
     return engine
 
 
-def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = 300.0,
+def up(target: Topology | Plan, *, detach: bool = False, timeout_s: float = READY_TIMEOUT_S,
        state_dir: str | Path | None = None, reference_port: int | None = None,
        on_progress: Callable[[list], None] = lambda _rows: None) -> Deployment:
     """Start every process of the topology (or of a plan made by `pdctl.plan`), wait until all are ready and a
@@ -274,7 +275,7 @@ def attach(name: str | None = None, *, state_dir: str | Path | None = None) -> D
     return Deployment(st, engine_of(st), attached=False)
 
 
-def down(name: str | None = None, *, state_dir: str | Path | None = None, grace_s: float = 15.0) -> DownReport:
+def down(name: str | None = None, *, state_dir: str | Path | None = None, grace_s: float = STOP_GRACE_S) -> DownReport:
     """Stop a launched topology: its supervisor first (nothing may restart behind down's back), then every
     process. Idempotent: nothing to stop is reported, not raised."""
     from pdctl.launch import engine_of, supervisor

@@ -21,6 +21,7 @@ from pdctl.api.deploy import (
     _served_model,
 )
 from pdctl.api.topology import _gated, load, origin, plan
+from pdctl.launch.waits import READY_TIMEOUT_S
 from pdctl.plan import Plan
 from pdctl.topology import Topology
 
@@ -36,7 +37,7 @@ class CheckOptions:
     mixed_prompts: int = 16  # fleets: prompts pinned over every pair at once after the per-pair phases
     mixed_concurrency: int = 12
     reference_first: bool = False  # the reference alone first, its answers recorded, then P/D
-    timeout_s: float = 300.0
+    timeout_s: float = READY_TIMEOUT_S
     junit: Path | None = None  # write a JUnit XML report here
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
     stream: bool = False  # streamed requests (the prefill's token first), compared as the text a client reads
@@ -237,7 +238,7 @@ class EvalOptions:
     tokenizer: str | None = None
     min_agreement: float | None = None
     tolerance: float | None = None
-    timeout_s: float = 300.0
+    timeout_s: float = READY_TIMEOUT_S
     results: Path | None = None
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
 

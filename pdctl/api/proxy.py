@@ -31,6 +31,20 @@ def proxy_pairs(flags: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def proxy_options() -> dict[str, tuple[str, str | None]]:
+    """`pdctl proxy`'s option texts: per ProxyConfig field, its description and its default as --help shows it
+    (None: no default to show), from the one model that holds both."""
+    from pdctl.proxy.config import ProxyConfig
+
+    out = {}
+    for name, f in ProxyConfig.model_fields.items():
+        default = None if f.is_required() or f.default_factory is not None else f.default
+        shown = {True: "on", False: "off"}[default] if isinstance(default, bool) else default
+        if not f.exclude:
+            out[name] = (f.description or "", None if shown is None else str(shown))
+    return out
+
+
 def serve_proxy(prefill: list[str] | None = None, decode: list[str] | None = None, *, spec: str | None = None,
                 **settings) -> None:
     """Run the P/D proxy in this process until interrupted; every routing rule is checked before the port opens.

@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pdctl.launch.waits import READY_TIMEOUT_S
+
 # The load's shape when nothing says otherwise: the gates' latency comparison, and goodput's long prompts (what P/D
 # users run: vLLM's random dataset, 2048 prompt tokens, 64 output tokens, at least 200 requests per rate).
 LOAD_DEFAULTS = {"requests": 32, "prompt_len": 256, "max_tokens": 32}
@@ -39,7 +41,7 @@ class BenchOptions:
     breakdown: bool = False  # follow every P/D load request stage by stage (connector.trace on for the bring-up)
     dataset: str = "random"  # vLLM's benchmark dataset: random, prefix_repetition, sharegpt or custom
     dataset_path: Path | None = None  # sharegpt's JSON, custom's JSONL (a local file: nothing is downloaded)
-    timeout_s: float = 300.0
+    timeout_s: float = READY_TIMEOUT_S
     state_dir: Path | None = None  # where the brought-up topology keeps its state (default .pdctl/<name>)
     # Goodput (pdctl.bench.goodput): the P/D topology against the baseline (aggregated, same devices) under SLOs.
     goodput: bool = False

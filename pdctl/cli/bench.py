@@ -27,10 +27,15 @@ from pdctl.cli.common import (
 )
 
 SloOpt = Annotated[str, typer.Option(help="--goodput: ttft=MS,tpot=MS, or auto")]
-RatesOpt = Annotated[str | None, typer.Option(help="offered req/s: --goodput's rates, e.g. 2,4,8 [from this host's "
-                                               "capacity]; else one rate: open-loop load (Poisson), not --concurrency")]
+RatesOpt = Annotated[str | None, typer.Option(help="offered req/s: --goodput's rates, e.g. 2,4,8 (default: from "
+                                               "this host's capacity); else one open-loop (Poisson) rate")]
 RepeatOpt = Annotated[int, typer.Option(help="--goodput: interleaved repetitions (median)")]
 DurationOpt = Annotated[float | None, typer.Option(help="--goodput: seconds of arrivals per rate, not --requests")]
+B, LOAD, GOODPUT = api.BenchOptions, api.LOAD_DEFAULTS, api.GOODPUT_DEFAULTS  # every default below is theirs
+LimitOpt = Annotated[int | None, typer.Option(help="gsm8k rows to evaluate (sweep: per case)")]
+ConcurrencyOpt = Annotated[int, typer.Option(help="load benchmark: requests in flight")]
+RequestsOpt = Annotated[int | None, typer.Option(help="load: requests per side", show_default=(
+    f"{LOAD['requests']}; --goodput: per rate, {GOODPUT['requests']}"))]
 
 
 @app.command()
@@ -39,20 +44,19 @@ def bench(
     topology: TopologyArg,
     skip: SkipOpt = None,
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
-    data_dir: DataDirOpt = None,
-    limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate")] = 20,
-    expected: ExpectedOpt = None, allow_ungated: AllowUngatedOpt = False,
-    requests: Annotated[int | None, typer.Option(help="load: requests per side [32; --goodput: per rate, 200]")] = None,
-    prompt_len: Annotated[int | None, typer.Option(help="load: prompt tokens [256; --goodput: 2048]")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="load: output tokens [32; --goodput: 64]")] = None,
-    concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
-    dataset: DatasetOpt = "random",
+    data_dir: DataDirOpt = None, limit: LimitOpt = B.limit, expected: ExpectedOpt = None,
+    allow_ungated: AllowUngatedOpt = False, requests: RequestsOpt = None,
+    prompt_len: Annotated[int | None, typer.Option(help="load: prompt tokens", show_default=(
+        f"{LOAD['prompt_len']}; --goodput: {GOODPUT['prompt_len']}"))] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="load: output tokens", show_default=(
+        f"{LOAD['max_tokens']}; --goodput: {GOODPUT['max_tokens']}"))] = None,
+    concurrency: ConcurrencyOpt = B.concurrency, dataset: DatasetOpt = "random",
     breakdown: Annotated[bool, typer.Option(help="follow each P/D request stage by stage (connector.trace)")] = False,
     goodput: Annotated[bool, typer.Option(help="goodput under SLOs, P/D vs aggregated on the same devices")] = False,
-    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, duration: DurationOpt = None,
+    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = B.repeat, duration: DurationOpt = None,
     alone: Annotated[bool, typer.Option(help="--goodput: bring P/D and the baseline up alone in turn (default: "
                                              "both up at once on this host's CPUs, idle CPU measured)")] = False,
-    timeout: TimeoutOpt = 300.0, state_dir: StateDirOpt = None, json_: JsonOpt = False, overrides: list = (),
+    timeout: TimeoutOpt = B.timeout_s, state_dir: StateDirOpt = None, json_: JsonOpt = False, overrides: list = (),
 ) -> None:
     """The whole job in one command: up -> parity check -> accuracy gate -> load benchmark -> down.
 
@@ -96,15 +100,11 @@ def sweep(
     topology: TopologyArg,
     matrix: Annotated[Path, typer.Option(help="YAML with `cases:`, each a name and the fields it `set:`s")],
     results: Annotated[Path | None, typer.Option(help="results directory (reuse it to resume)")] = None,
-    data_dir: DataDirOpt = None,
-    limit: Annotated[int | None, typer.Option(help="gsm8k rows to evaluate per case")] = 20,
-    expected: ExpectedOpt = None,
-    requests: Annotated[int | None, typer.Option(help="load: requests per side [32; --goodput: per rate, 200]")] = None,
-    concurrency: Annotated[int, typer.Option(help="load benchmark: requests in flight")] = 4,
-    dataset: DatasetOpt = "random",
-    skip: SkipOpt = None, timeout: TimeoutOpt = 300.0,
+    data_dir: DataDirOpt = None, limit: LimitOpt = B.limit, expected: ExpectedOpt = None,
+    requests: RequestsOpt = None, concurrency: ConcurrencyOpt = B.concurrency, dataset: DatasetOpt = "random",
+    skip: SkipOpt = None, timeout: TimeoutOpt = B.timeout_s,
     goodput: Annotated[bool, typer.Option(help="cases are layouts of the same devices: goodput per layout")] = False,
-    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = 3, duration: DurationOpt = None,
+    slo: SloOpt = "auto", rates: RatesOpt = None, repeat: RepeatOpt = B.repeat, duration: DurationOpt = None,
     json_: JsonOpt = False, overrides: list = (),
 ) -> None:
     """`pdctl bench` for every case of a matrix: one table, sweep.json, sweep.md and PNG plots.

@@ -27,7 +27,7 @@ from pdctl.cli.common import (
 def up(
     topology: TopologyArg,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="return once ready; `pdctl down` stops it")] = False,
-    timeout: Annotated[float, typer.Option(help="seconds to wait for every instance to be ready")] = 300.0,
+    timeout: Annotated[float, typer.Option(help="seconds for every instance to be ready")] = api.READY_TIMEOUT_S,
     state_dir: StateDirOpt = None,
     monitoring: Annotated[bool, typer.Option(
         help="also run Prometheus (monitoring.enabled; docs/operations.md)")] = False,
@@ -77,7 +77,7 @@ def up(
 
 @app.command()
 def down(name: NameArg = None, state_dir: StateDirOpt = None,
-         grace: Annotated[float, typer.Option(help="seconds between SIGTERM and SIGKILL")] = 15.0) -> None:
+         grace: Annotated[float, typer.Option(help="seconds between SIGTERM and SIGKILL")] = api.STOP_GRACE_S) -> None:
     """Stop every process of a launched topology (SIGTERM to each process group, SIGKILL after --grace).
 
     Idempotent: a topology that is not up, or whose processes are already gone, is reported, not an error.
@@ -147,37 +147,37 @@ def logs(
             pass
 
 
+PROXY = api.proxy_options()  # field -> (help, default shown): the proxy model's own
+
+
+def proxy_opt(field: str, *names: str, more: str = ""):
+    """A `pdctl proxy` option for a field of the proxy's model: its description, and its default as the model has it."""
+    text, shown = PROXY[field]
+    return typer.Option(*names, help=(text + more).replace("[", "\\["), show_default=shown or False)
+
+
 @app.command()
 def proxy(
-    decode: Annotated[list[str] | None, typer.Option("--decode", help="decode [POOL=]URL (repeatable)")] = None,
-    prefill: Annotated[list[str] | None, typer.Option("--prefill", help="prefill [POOL=]URL (repeatable; none: "
-                                                      "aggregated, each request to one --decode)")] = None,
-    spec: Annotated[str | None, typer.Option(help="the whole configuration as JSON (what pdctl up writes); "
-                                             "instead of every other flag")] = None,
-    host: Annotated[str | None, typer.Option(help="listen address [127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option(help="listen port [8000]")] = None,
-    policy: Annotated[str | None, typer.Option(help="least_outstanding|round_robin|prefix_affinity")] = None,
-    weight: Annotated[list[str] | None, typer.Option("--weight", help="ROLE/POOL=W: a pool's share of traffic "
-                                              "(repeatable)")] = None,
-    exclude_pair: Annotated[list[str] | None, typer.Option("--exclude-pair", help="PREFILL_POOL/DECODE_POOL never "
-                                                    "routed (repeatable)")] = None,
-    affinity_epsilon: Annotated[float | None, typer.Option(help="prefix_affinity: skip an instance above (1 + "
-                                                           "eps) x the mean outstanding + 1 [0.25]")] = None,
-    affinity_prefix_chars: Annotated[int | None, typer.Option(help="prefix_affinity: prompt characters hashed "
-                                                              "[256]")] = None,
-    on_prefill_down: Annotated[str | None, typer.Option(help="no prefill answers with usable KV: fallback (a "
-                                                        "decode computes the prompt, counted) | reject")] = None,
-    connect_timeout: Annotated[float | None, typer.Option(help="upstream connect timeout, s [10]")] = None,
-    first_byte_timeout: Annotated[float | None, typer.Option(help="request sent -> first byte, s [600]")] = None,
-    read_timeout: Annotated[float | None, typer.Option(help="upstream read timeout between bytes, s [600]")] = None,
-    breaker_failures: Annotated[int | None, typer.Option(help="consecutive failures that open an instance's "
-                                                         "circuit breaker [3]")] = None,
-    breaker_open: Annotated[float | None, typer.Option(help="seconds a tripped instance stays out [10]")] = None,
-    access_log: Annotated[bool | None, typer.Option(help="one log line per request [on]")] = None,
+    decode: Annotated[list[str] | None, proxy_opt("decode", "--decode", more=" (repeatable)")] = None,
+    prefill: Annotated[list[str] | None, proxy_opt("prefill", "--prefill", more=" (repeatable)")] = None,
+    spec: Annotated[str | None, typer.Option(help="the whole configuration as JSON (pdctl up's), not flags")] = None,
+    host: Annotated[str | None, proxy_opt("host")] = None, port: Annotated[int | None, proxy_opt("port")] = None,
+    policy: Annotated[str | None, proxy_opt("policy")] = None,
+    weight: Annotated[list[str] | None, proxy_opt("weights", "--weight", more=", as ROLE/POOL=W (repeatable)")] = None,
+    exclude_pair: Annotated[list[str] | None, proxy_opt("exclude_pairs", "--exclude-pair", more=", as P/D")] = None,
+    affinity_epsilon: Annotated[float | None, proxy_opt("affinity_epsilon")] = None,
+    affinity_prefix_chars: Annotated[int | None, proxy_opt("affinity_prefix_chars")] = None,
+    on_prefill_down: Annotated[str | None, proxy_opt("on_prefill_down")] = None,
+    connect_timeout: Annotated[float | None, proxy_opt("connect_timeout_s", more=", s")] = None,
+    first_byte_timeout: Annotated[float | None, proxy_opt("first_byte_timeout_s", more=", s")] = None,
+    read_timeout: Annotated[float | None, proxy_opt("read_timeout_s", more=", s")] = None,
+    breaker_failures: Annotated[int | None, proxy_opt("breaker_failures")] = None,
+    breaker_open: Annotated[float | None, proxy_opt("breaker_open_s", more=", s")] = None,
+    health_interval: Annotated[float | None, proxy_opt("health_interval_s", more=", s")] = None,
+    access_log: Annotated[bool | None, proxy_opt("access_log")] = None,
     api_key_env: Annotated[str | None, typer.Option(help="require the key this environment variable holds "
                                                     "(Bearer, on /v1/*) and send it to the instances")] = None,
-    first_token: Annotated[str | None, typer.Option(help="off | on | auto: stream the prefill's token first "
-                                                    "(greedy streams; auto: while the decode is busy)")] = None,
+    first_token: Annotated[str | None, proxy_opt("first_token")] = None,
 ) -> None:
     """Run the P/D proxy standalone (pdctl up starts it from the topology, with --spec).
 
@@ -197,7 +197,7 @@ def proxy(
     api.serve_proxy(prefill, decode, spec=spec, host=host, port=port, policy=policy,
                     on_prefill_down=on_prefill_down, connect_timeout_s=connect_timeout,
                     read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
-                    breaker_failures=breaker_failures, breaker_open_s=breaker_open,
+                    breaker_failures=breaker_failures, breaker_open_s=breaker_open, health_interval_s=health_interval,
                     weights=api.proxy_weights(weight) if weight else None,
                     exclude_pairs=api.proxy_pairs(exclude_pair) if exclude_pair else None,
                     affinity_epsilon=affinity_epsilon, affinity_prefix_chars=affinity_prefix_chars,

@@ -51,7 +51,7 @@ def check(
     junit: Annotated[Path | None, typer.Option(help="write a JUnit XML report here")] = None,
     stream: Annotated[bool, typer.Option(help="stream every request and compare the text a client reads "
                                          "(asking pdctl's proxy for the prefill's token first)")] = False,
-    timeout: TimeoutOpt = 300.0,
+    timeout: TimeoutOpt = api.READY_TIMEOUT_S,
     state_dir: StateDirOpt = None,
     overrides: list = (),
 ) -> None:
@@ -125,7 +125,7 @@ def eval_(
     tolerance: Annotated[float | None, typer.Option(help="with a reference: maximum |accuracy difference| "
                                                     "(default: expected.yaml's relative gate, else 0.0)")] = None,
     results: Annotated[Path | None, typer.Option(help="results directory")] = None,
-    timeout: TimeoutOpt = 300.0,
+    timeout: TimeoutOpt = api.READY_TIMEOUT_S,
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
     overrides: list = (),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState
+from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.plan import Plan, ProcessSpec
 
 
@@ -68,7 +69,7 @@ class Engine(ABC):
         does not record. Cheap: the supervisor asks every tick."""
 
     @abstractmethod
-    def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
+    def stop(self, state: LaunchState, grace_s: float = STOP_GRACE_S) -> StopReport:
         """Stop every recorded process and everything it started (SIGTERM, then SIGKILL after `grace_s`), and
         say which were stopped, already gone or killed. Idempotent: a second call, or one on a stale state,
         stops nothing and reports them gone."""

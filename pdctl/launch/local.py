@@ -15,6 +15,7 @@ from pdctl import auth, protocol
 from pdctl.launch import probe
 from pdctl.launch.engine import Liveness, RestartableEngine, StopReport
 from pdctl.launch.state import LaunchState, ProcessRecord
+from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.plan import Plan, ProcessSpec
 
 _PR_SET_PDEATHSIG = 1
@@ -158,7 +159,7 @@ class LocalEngine(RestartableEngine):
         rec = state.processes.get(name)
         return Liveness(rec is not None and self._is_ours(rec))
 
-    def stop(self, state: LaunchState, grace_s: float = 15.0, names: list[str] | None = None) -> StopReport:
+    def stop(self, state: LaunchState, grace_s: float = STOP_GRACE_S, names: list[str] | None = None) -> StopReport:
         """Stop every recorded process (or the named ones) and all of their process groups."""
         report = StopReport([], [], [])
         groups: dict[str, int] = {}

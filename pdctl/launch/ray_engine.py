@@ -25,6 +25,7 @@ from pdctl.launch.errors import LaunchFailed, PlacementFailed
 from pdctl.launch.local import group_alive, guarded, start_ticks
 from pdctl.launch.logs import tail
 from pdctl.launch.state import LaunchState, ProcessRecord
+from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.plan import Plan, ProcessSpec
 from pdctl.topology import EngineSpec
 
@@ -203,7 +204,7 @@ class RayEngine(ClusterEngine):
                 pass  # the node is gone; its log may still be readable here
         return super().log_tail(state, name, n)
 
-    def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
+    def stop(self, state: LaunchState, grace_s: float = STOP_GRACE_S) -> StopReport:
         report = StopReport([], [], [])
         on_ray = {n: r for n, r in state.processes.items() if r.where.startswith("ray:")}
         if on_ray:

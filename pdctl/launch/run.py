@@ -18,6 +18,7 @@ from pdctl.launch import state as state_mod
 from pdctl.launch.engine import Engine, StopReport
 from pdctl.launch.errors import LOG_TAIL_LINES, LaunchFailed, PreflightFailed  # noqa: F401 (re-exported)
 from pdctl.launch.state import LaunchState
+from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.launch.warmup import warm_up
 from pdctl.plan import Plan, ProcessSpec, monitoring_dir
 from pdctl.protocol import READS_PEER_GONE, READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED
@@ -145,7 +146,7 @@ def wait_ready(plan: Plan, engine: Engine, state: LaunchState, timeout_s: float,
         time.sleep(0.25)
 
 
-def down(state: LaunchState, engine: Engine, grace_s: float = 15.0) -> StopReport:
+def down(state: LaunchState, engine: Engine, grace_s: float = STOP_GRACE_S) -> StopReport:
     report = engine.stop(state, grace_s)
     state_mod.remove(Path(state.plan.state_dir))
     return report

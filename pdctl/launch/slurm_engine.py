@@ -18,6 +18,7 @@ from pdctl.launch.cluster import ClusterEngine, is_this_host
 from pdctl.launch.engine import Liveness, StopReport
 from pdctl.launch.errors import LaunchFailed
 from pdctl.launch.state import LaunchState, ProcessRecord
+from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.plan import Plan
 from pdctl.topology import EngineSpec
 
@@ -200,7 +201,7 @@ class SlurmEngine(ClusterEngine):
         running, nodes = self._running_steps(state.engine.get("job_id", ""))
         return Liveness(name in running and responding(nodes.get(running[name])))
 
-    def stop(self, state: LaunchState, grace_s: float = 15.0) -> StopReport:
+    def stop(self, state: LaunchState, grace_s: float = STOP_GRACE_S) -> StopReport:
         report = StopReport([], [], [])
         job_id = state.engine.get("job_id")
         names = [n for n, r in state.processes.items() if r.where.startswith("slurm:")]

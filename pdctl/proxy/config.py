@@ -19,7 +19,7 @@ SPEC_FLAG = "--spec"
 # The flag of each field, for errors about a configuration given by flags.
 FLAGS = {"connect_timeout_s": "--connect-timeout", "first_byte_timeout_s": "--first-byte-timeout",
          "read_timeout_s": "--read-timeout", "breaker_open_s": "--breaker-open", "exclude_pairs": "--exclude-pair",
-         "weights": "--weight", "prefill": "--prefill", "decode": "--decode"}
+         "weights": "--weight", "prefill": "--prefill", "decode": "--decode", "health_interval_s": "--health-interval"}
 
 
 def _on_off(v: object) -> object:
