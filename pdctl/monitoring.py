@@ -19,6 +19,8 @@ import re
 import yaml
 
 from pdctl.plan import Plan, ProcessSpec, connect_host, monitoring_dir
+from pdctl.protocol import ProxyMetric as P
+from pdctl.protocol import VllmMetric as V
 
 VLLM_JOB = "vllm"
 PROXY_JOB = "pdctl_proxy"
@@ -36,19 +38,15 @@ ALERTING_FILE = "rules/pdctl-alerts.yml"
 # exposed (counters end in _total, histograms in _bucket/_sum/_count); process_start_time_seconds comes from
 # prometheus_client's process collector (vLLM's default registry, the proxy's own); `up` from Prometheus.
 PROXY_SERIES = (
-    "pdctl_proxy_requests_total", "pdctl_proxy_pair_requests_total", "pdctl_proxy_upstream_errors_total",
-    "pdctl_proxy_kv_transfer_missing_total", "pdctl_decode_only_fallback_total", "pdctl_proxy_prefill_retries_total",
-    "pdctl_proxy_rejected_total", "pdctl_proxy_inflight", "pdctl_proxy_breaker_open", "pdctl_proxy_breaker_trips_total",
-    *(f"{h}_{s}" for h in ("pdctl_proxy_ttft_seconds", "pdctl_proxy_request_duration_seconds",
-                           "pdctl_proxy_prefill_seconds") for s in ("bucket", "sum", "count")),
+    *(f"{c}_total" for c in (P.REQUESTS, P.PAIR_REQUESTS, P.UPSTREAM_ERRORS, P.KV_MISSING, P.FALLBACKS,
+                             P.PREFILL_RETRIES, P.REJECTED)),
+    P.INFLIGHT, P.BREAKER_OPEN, f"{P.BREAKER_TRIPS}_total",
+    *(f"{h}_{s}" for h in (P.TTFT, P.DURATION, P.PREFILL) for s in ("bucket", "sum", "count")),
 )
 VLLM_SERIES = (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prompt_tokens_by_source_total",
-    "vllm:request_success_total", "vllm:nixl_num_failed_transfers_total",
-    *(f"{h}_{s}" for h in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                           "vllm:e2e_request_latency_seconds", "vllm:nixl_xfer_time_seconds",
-                           "vllm:nixl_bytes_transferred") for s in ("bucket", "sum", "count")),
+    V.RUNNING, V.WAITING, V.KV_USAGE,
+    *(f"{c}_total" for c in (V.PROMPT_TOKENS, V.GENERATION_TOKENS, V.PROMPT_BY_SOURCE, V.SUCCESS, V.NIXL_FAILED)),
+    *(f"{h}_{s}" for h in (V.TTFT, V.ITL, V.E2E, V.NIXL_XFER_TIME, V.NIXL_BYTES) for s in ("bucket", "sum", "count")),
 )
 OTHER_SERIES = ("up", "process_start_time_seconds")
 KNOWN_SERIES = frozenset(PROXY_SERIES + VLLM_SERIES + OTHER_SERIES)
@@ -123,50 +121,49 @@ def recording_rules(plan: Plan) -> dict:
     pair, pool = "prefill_pool, decode_pool", "role, pool"
     pair_rules = [
         {"record": "pdctl:pair_requests:rate",
-         "expr": f"sum by ({pair}) (rate(pdctl_proxy_pair_requests_total[{w}]))"},
+         "expr": f"sum by ({pair}) (rate({P.PAIR_REQUESTS}_total[{w}]))"},
         {"record": "pdctl:pair_errors:rate", "expr": _zero_when_absent(
-            f'sum by ({pair}) (rate(pdctl_proxy_pair_requests_total{{status!~"2.."}}[{w}]))', pair)},
-        *_quantiles("pdctl:pair_ttft_seconds", pair, "pdctl_proxy_ttft_seconds_bucket", w),
-        *_quantiles("pdctl:pair_duration_seconds", pair, "pdctl_proxy_request_duration_seconds_bucket", w),
+            f'sum by ({pair}) (rate({P.PAIR_REQUESTS}_total{{status!~"2.."}}[{w}]))', pair)},
+        *_quantiles("pdctl:pair_ttft_seconds", pair, f"{P.TTFT}_bucket", w),
+        *_quantiles("pdctl:pair_duration_seconds", pair, f"{P.DURATION}_bucket", w),
     ]
     pool_rules = [
         {"record": "pdctl:pool_instances_up", "expr": f'sum by ({pool}) (up{{job="{VLLM_JOB}"}})'},
-        *_quantiles("pdctl:pool_ttft_seconds", pool, "vllm:time_to_first_token_seconds_bucket", w),
-        *_quantiles("pdctl:pool_tpot_seconds", pool, "vllm:inter_token_latency_seconds_bucket", w,
-                    '{role="decode"}'),
-        {"record": "pdctl:pool_prompt_tokens:rate", "expr": f"sum by ({pool}) (rate(vllm:prompt_tokens_total[{w}]))"},
+        *_quantiles("pdctl:pool_ttft_seconds", pool, f"{V.TTFT}_bucket", w),
+        *_quantiles("pdctl:pool_tpot_seconds", pool, f"{V.ITL}_bucket", w, '{role="decode"}'),
+        {"record": "pdctl:pool_prompt_tokens:rate", "expr": f"sum by ({pool}) (rate({V.PROMPT_TOKENS}_total[{w}]))"},
         {"record": "pdctl:pool_generation_tokens:rate",
-         "expr": f"sum by ({pool}) (rate(vllm:generation_tokens_total[{w}]))"},
+         "expr": f"sum by ({pool}) (rate({V.GENERATION_TOKENS}_total[{w}]))"},
         {"record": "pdctl:pool_prompt_tokens_by_source:rate",
-         "expr": f"sum by ({pool}, source) (rate(vllm:prompt_tokens_by_source_total[{w}]))"},
-        {"record": "pdctl:pool_requests_running", "expr": f"sum by ({pool}) (vllm:num_requests_running)"},
-        {"record": "pdctl:pool_requests_waiting", "expr": f"sum by ({pool}) (vllm:num_requests_waiting)"},
-        {"record": "pdctl:pool_kv_cache_usage:avg", "expr": f"avg by ({pool}) (vllm:kv_cache_usage_perc)"},
-        {"record": "pdctl:pool_kv_cache_usage:max", "expr": f"max by ({pool}) (vllm:kv_cache_usage_perc)"},
+         "expr": f"sum by ({pool}, source) (rate({V.PROMPT_BY_SOURCE}_total[{w}]))"},
+        {"record": "pdctl:pool_requests_running", "expr": f"sum by ({pool}) ({V.RUNNING})"},
+        {"record": "pdctl:pool_requests_waiting", "expr": f"sum by ({pool}) ({V.WAITING})"},
+        {"record": "pdctl:pool_kv_cache_usage:avg", "expr": f"avg by ({pool}) ({V.KV_USAGE})"},
+        {"record": "pdctl:pool_kv_cache_usage:max", "expr": f"max by ({pool}) ({V.KV_USAGE})"},
         # NIXL's transfer series are the reader's: decode pools (pdctl's connector pulls the prefill's KV).
         {"record": "pdctl:pool_kv_transfers:rate",
-         "expr": f"sum by ({pool}) (rate(vllm:nixl_xfer_time_seconds_count[{w}]))"},
+         "expr": f"sum by ({pool}) (rate({V.NIXL_XFER_TIME}_count[{w}]))"},
         {"record": "pdctl:pool_kv_transfer_bytes:rate",
-         "expr": f"sum by ({pool}) (rate(vllm:nixl_bytes_transferred_sum[{w}]))"},
-        *_quantiles("pdctl:pool_kv_transfer_seconds", pool, "vllm:nixl_xfer_time_seconds_bucket", w),
+         "expr": f"sum by ({pool}) (rate({V.NIXL_BYTES}_sum[{w}]))"},
+        *_quantiles("pdctl:pool_kv_transfer_seconds", pool, f"{V.NIXL_XFER_TIME}_bucket", w),
         {"record": "pdctl:pool_kv_transfer_failures:rate",
-         "expr": f"sum by ({pool}) (rate(vllm:nixl_num_failed_transfers_total[{w}]))"},
-        *_quantiles("pdctl:pool_prefill_leg_seconds", "prefill_pool", "pdctl_proxy_prefill_seconds_bucket", w),
-        {"record": "pdctl:pool_proxy_inflight", "expr": f"sum by ({pool}) (pdctl_proxy_inflight)"},
-        {"record": "pdctl:pool_breakers_open", "expr": f"sum by ({pool}) (pdctl_proxy_breaker_open)"},
+         "expr": f"sum by ({pool}) (rate({V.NIXL_FAILED}_total[{w}]))"},
+        *_quantiles("pdctl:pool_prefill_leg_seconds", "prefill_pool", f"{P.PREFILL}_bucket", w),
+        {"record": "pdctl:pool_proxy_inflight", "expr": f"sum by ({pool}) ({P.INFLIGHT})"},
+        {"record": "pdctl:pool_breakers_open", "expr": f"sum by ({pool}) ({P.BREAKER_OPEN})"},
     ]
     proxy_rules = [
         {"record": "pdctl:proxy_requests:rate",
-         "expr": f"sum by (route, status) (rate(pdctl_proxy_requests_total[{w}]))"},
+         "expr": f"sum by (route, status) (rate({P.REQUESTS}_total[{w}]))"},
         {"record": "pdctl:decode_only_fallbacks:rate",
-         "expr": f"sum by (reason) (rate(pdctl_decode_only_fallback_total[{w}]))"},
-        {"record": "pdctl:proxy_kv_missing:rate", "expr": f"sum(rate(pdctl_proxy_kv_transfer_missing_total[{w}]))"},
+         "expr": f"sum by (reason) (rate({P.FALLBACKS}_total[{w}]))"},
+        {"record": "pdctl:proxy_kv_missing:rate", "expr": f"sum(rate({P.KV_MISSING}_total[{w}]))"},
         {"record": "pdctl:proxy_prefill_retries:rate",
-         "expr": f"sum(rate(pdctl_proxy_prefill_retries_total[{w}]))"},
+         "expr": f"sum(rate({P.PREFILL_RETRIES}_total[{w}]))"},
         {"record": "pdctl:proxy_rejected:rate",
-         "expr": _zero_when_absent(f"sum by (reason) (rate(pdctl_proxy_rejected_total[{w}]))")},
+         "expr": _zero_when_absent(f"sum by (reason) (rate({P.REJECTED}_total[{w}]))")},
         {"record": "pdctl:proxy_upstream_errors:rate",
-         "expr": _zero_when_absent(f"sum by (instance) (rate(pdctl_proxy_upstream_errors_total[{w}]))")},
+         "expr": _zero_when_absent(f"sum by (instance) (rate({P.UPSTREAM_ERRORS}_total[{w}]))")},
     ]
     instance_rules = [
         # A restart is a new process: its start time changes (the supervisor's restarts, or anyone else's).
@@ -190,13 +187,13 @@ def alerting_rules(plan: Plan) -> dict:
               "{{ $labels.instance_name }} ({{ $labels.role }}) does not answer /metrics"),
         alert("PdctlInstanceRestarted", f'changes(process_start_time_seconds{{job=~"{JOBS}"}}[{RESTART_WINDOW}]) > 0',
               "0s", "warning", "{{ $labels.instance_name }} restarted {{ $value }} times in " + RESTART_WINDOW),
-        alert("PdctlDecodeOnlyFallbacks", f"sum by (reason) (rate(pdctl_decode_only_fallback_total[{w}])) > 0", "0s",
+        alert("PdctlDecodeOnlyFallbacks", f"sum by (reason) (rate({P.FALLBACKS}_total[{w}])) > 0", "0s",
               "warning", "decodes computing prompts themselves (no prefill answered with KV: {{ $labels.reason }})"),
-        alert("PdctlKvTransferFailures", f"sum by (role, pool) (rate(vllm:nixl_num_failed_transfers_total[{w}])) > 0",
+        alert("PdctlKvTransferFailures", f"sum by (role, pool) (rate({V.NIXL_FAILED}_total[{w}])) > 0",
               "0s", "critical", "NIXL KV transfers failing in {{ $labels.role }} pool {{ $labels.pool }}"),
-        alert("PdctlKvTransferMissing", f"sum(rate(pdctl_proxy_kv_transfer_missing_total[{w}])) > 0", "0s",
+        alert("PdctlKvTransferMissing", f"sum(rate({P.KV_MISSING}_total[{w}])) > 0", "0s",
               "critical", "prefills answering without kv_transfer_params (their KV cannot travel)"),
-        alert("PdctlCircuitBreakerOpen", "pdctl_proxy_breaker_open == 1", "0s", "warning",
+        alert("PdctlCircuitBreakerOpen", f"{P.BREAKER_OPEN} == 1", "0s", "warning",
               "the proxy took {{ $labels.name }} out of routing (circuit breaker open)"),
     ]
     return {"groups": [{"name": "pdctl-alerts", "rules": rules}]}

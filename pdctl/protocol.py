@@ -43,7 +43,7 @@ class SettingsError(ValueError):
 
     def __init__(self, key: str | None, message: str):
         where = f"kv_connector_extra_config[{CONNECTOR_SETTINGS_KEY!r}]" + (f"[{key!r}]" if key else "")
-        super().__init__(f"{where}: {message}")
+        super().__init__(f"pdctl connector: settings {where}: {message}")
         self.key = key
         self.reason = message
 
@@ -98,6 +98,49 @@ _KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
 QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
 # Modules pdctl's connector imports once loaded, in every vLLM process (comma-separated; the e2e fault drills).
 CONNECTOR_EXTENSIONS_ENV = "PDCTL_CONNECTOR_EXTENSIONS"
+
+
+# -- metric names ----------------------------------------------------------------------------------------------
+# One definition each, for their writer and every reader (the gates, bench, `pdctl status`, the monitoring rules).
+# Exposed as named here for gauges; a counter as NAME_total; a histogram as NAME_bucket, NAME_sum and NAME_count.
+
+
+class ProxyMetric:
+    """pdctl's proxy's series (pdctl.proxy.metrics writes them)."""
+
+    REQUESTS = "pdctl_proxy_requests"  # counter, by route and status
+    PAIR_REQUESTS = "pdctl_proxy_pair_requests"  # counter, by prefill pool, decode pool and status
+    UPSTREAM_ERRORS = "pdctl_proxy_upstream_errors"  # counter, by instance
+    KV_MISSING = "pdctl_proxy_kv_transfer_missing"  # counter: prefill answers without kv_transfer_params
+    FALLBACKS = "pdctl_decode_only_fallback"  # counter, by reason: a decode served a request alone
+    PREFILL_RETRIES = "pdctl_proxy_prefill_retries"  # counter
+    REJECTED = "pdctl_proxy_rejected"  # counter, by reason
+    FIRST_TOKEN = "pdctl_proxy_first_token"  # counter, by outcome
+    INFLIGHT = "pdctl_proxy_inflight"  # gauge, per instance
+    BREAKER_OPEN = "pdctl_proxy_breaker_open"  # gauge, per instance
+    BREAKER_TRIPS = "pdctl_proxy_breaker_trips"  # counter, per instance
+    TTFT = "pdctl_proxy_ttft_seconds"  # histogram, per pair
+    DURATION = "pdctl_proxy_request_duration_seconds"  # histogram, per pair and route
+    PREFILL = "pdctl_proxy_prefill_seconds"  # histogram, per prefill pool
+
+
+class VllmMetric:
+    """vLLM 0.32's series pdctl reads (its PrometheusStatLogger, vllm/v1/metrics/loggers.py, and its NIXL
+    connector's, kv_connector/v1/nixl/stats.py)."""
+
+    RUNNING = "vllm:num_requests_running"  # gauge
+    WAITING = "vllm:num_requests_waiting"  # gauge
+    KV_USAGE = "vllm:kv_cache_usage_perc"  # gauge
+    PROMPT_TOKENS = "vllm:prompt_tokens"  # counter
+    GENERATION_TOKENS = "vllm:generation_tokens"  # counter
+    PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source"  # counter, by source (local compute, KV transfer, ...)
+    SUCCESS = "vllm:request_success"  # counter
+    TTFT = "vllm:time_to_first_token_seconds"  # histogram
+    ITL = "vllm:inter_token_latency_seconds"  # histogram
+    E2E = "vllm:e2e_request_latency_seconds"  # histogram
+    NIXL_FAILED = "vllm:nixl_num_failed_transfers"  # counter
+    NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram
+    NIXL_BYTES = "vllm:nixl_bytes_transferred"  # histogram
 
 
 # -- the connector's handshake ------------------------------------------------------------------------------------
@@ -162,6 +205,10 @@ READS_PEER_GONE = "vllm:pdctl_kv_reads_peer_gone"
 RECOMPUTED = "vllm:pdctl_kv_recomputed_requests"
 # pdctl's connector, when it refuses a P/D pair (the text after the mark says why, naming both sides).
 REFUSED_MARK = "pdctl connector: unsupported"
+# pdctl's connector's words when it stops a server (a pair refused, no room for staging, settings it does not
+# read): what pdctl.launch.logs picks out of a server's log as the root cause.
+CONNECTOR_FAILURE = re.compile(r"pdctl( connector)?: (unsupported|.*cannot |.*refus|.*needs? |settings )",
+                               re.IGNORECASE)
 # vLLM's decode, when a NIXL transfer failed.
 TRANSFER_FAILED_MARK = "NIXL transfer failure"
 # vLLM's prefill, when a decode's read arrives after the request's KV lease expired and its blocks were freed (and

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.launch import probe
+from pdctl.protocol import VllmMetric
 
 DATASETS = ("random", "prefix_repetition", "sharegpt", "custom")
 FILE_DATASETS = {"sharegpt": "a ShareGPT JSON file", "custom": "a JSONL file with a \"prompt\" on every line"}
@@ -321,8 +322,8 @@ def _nixl(decode_urls: list[str], headers: dict[str, str] | None = None) -> tupl
     xfer = nbytes = 0.0
     for u in decode_urls:
         m = probe.metrics(u, headers=headers) or {}
-        xfer += m.get("vllm:nixl_xfer_time_seconds_sum", 0.0)
-        nbytes += m.get("vllm:nixl_bytes_transferred_sum", 0.0)
+        xfer += m.get(f"{VllmMetric.NIXL_XFER_TIME}_sum", 0.0)
+        nbytes += m.get(f"{VllmMetric.NIXL_BYTES}_sum", 0.0)
     return xfer, nbytes
 
 

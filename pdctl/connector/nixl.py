@@ -119,7 +119,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
                 not lease.read_allowed(seen, now, self._lease_s, self._read_timeout_s):
             log.warning(protocol.LEASE_REFUSED_FORMAT, req_id, remote.engine_id, remote.host, remote.port,
                         now - seen, self._lease_s, self._read_timeout_s, self._failure_policy)
-            self.xfer_stats.record("pdctl_reads_refused_lease")
+            self.xfer_stats.record(protocol.READS_REFUSED_LEASE)
             self._gave_up.add(req_id)
             seam.fail_recv(self, req_id)
             return None
@@ -173,13 +173,13 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
             engine, host, port = (self._receiving.get(req_id) or ("?", "?", "?"))[:3]
             log.warning(protocol.READ_TIMED_OUT_FORMAT, req_id, engine, host, port, now - posted.pop(req_id),
                         self._read_timeout_s, self._failure_policy)
-            self._give_up(req_id, "pdctl_reads_timed_out")
+            self._give_up(req_id, protocol.READS_TIMED_OUT)
         peer_of = {r: (got[1], int(got[2])) for r, got in self._receiving.items() if r in posted}
         for req_id in lease.reads_of_gone_peers(posted, peer_of, self._peers.gone, now):
             engine, host, port = self._receiving[req_id][:3]
             log.warning(protocol.PEER_GONE_FORMAT, req_id, engine, host, port, now - posted[req_id],
                         self._failure_policy)
-            self._give_up(req_id, "pdctl_reads_peer_gone")
+            self._give_up(req_id, protocol.READS_PEER_GONE)
 
     def _give_up(self, req_id: str, counter: str) -> None:
         self._gave_up.add(req_id)
@@ -216,7 +216,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
             self._seen_at.pop(req_id, None)
             self._gave_up.discard(req_id)
             if req_id in failed and self._failure_policy == "recompute":
-                self.xfer_stats.record("pdctl_recomputed")
+                self.xfer_stats.record(protocol.RECOMPUTED)
             for key in self._window_keys.pop(req_id, ()):  # normally used up by the post-process already
                 self._window_fills.pop(key, None)
             fills = self._split_fills.pop(req_id, {})

@@ -13,16 +13,12 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from pdctl import protocol
 
-# stats key -> (Prometheus counter, what it counts)
+# The Prometheus counter (also its key in the stats vLLM ships from the workers) -> what it counts.
 COUNTERS = {
-    "pdctl_reads_timed_out": (protocol.READS_TIMED_OUT,
-                              "KV reads given up after connector.kv_read_timeout_s (then kv_load_failure_policy)"),
-    "pdctl_reads_refused_lease": (protocol.READS_REFUSED_LEASE,
-                                  "KV reads not started: the prefill's KV lease was not known to be alive"),
-    "pdctl_reads_peer_gone": (protocol.READS_PEER_GONE,
-                              "KV reads given up because their prefill is gone (its side channel refuses connections)"),
-    "pdctl_recomputed": (protocol.RECOMPUTED,
-                         "requests whose KV load failed and the decode computed the prompt itself (policy recompute)"),
+    protocol.READS_TIMED_OUT: "KV reads given up after connector.kv_read_timeout_s (then kv_load_failure_policy)",
+    protocol.READS_REFUSED_LEASE: "KV reads not started: the prefill's KV lease was not known to be alive",
+    protocol.READS_PEER_GONE: "KV reads given up because their prefill is gone (its side channel refuses connections)",
+    protocol.RECOMPUTED: "requests whose KV load failed and the decode computed the prompt itself (policy recompute)",
 }
 
 
@@ -45,7 +41,7 @@ class PdctlKVConnectorStats(NixlKVConnectorStats):
 
     def reduce(self):
         out = super().reduce()
-        out.update({COUNTERS[k][0].removeprefix("vllm:"): len(self.data.get(k, ())) for k in COUNTERS})
+        out.update({k.removeprefix("vllm:"): len(self.data.get(k, ())) for k in COUNTERS})
         return out
 
 
@@ -53,9 +49,9 @@ class PdctlPromMetrics(NixlPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.pdctl_counters = {
-            key: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
-                                          self.per_engine_labelvalues)
-            for key, (name, doc) in COUNTERS.items()}
+            name: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                           self.per_engine_labelvalues)
+            for name, doc in COUNTERS.items()}
 
     def observe(self, transfer_stats_data, engine_idx: int = 0):
         super().observe(transfer_stats_data, engine_idx)

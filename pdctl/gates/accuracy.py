@@ -300,7 +300,7 @@ def run_gate(proxy_url: str, reference_url: str | None, model: str, out_dir: Pat
         raise ValueError(f"model '{model}' has a relative gsm8k gate in expected.yaml: it needs a reference (an "
                          "aggregated server of the same model to compare with)")
     from pdctl import auth
-    from pdctl.gates.parity import proxy_fallbacks
+    from pdctl.gates.parity import PROXY_FALLBACKS, proxy_fallbacks
 
     key = auth.headers(api_key)
     fallbacks_before = proxy_fallbacks(proxy_url, key)
@@ -348,7 +348,7 @@ def run_gate(proxy_url: str, reference_url: str | None, model: str, out_dir: Pat
     if fallbacks_before is not None and fallbacks_after is not None and fallbacks_after > fallbacks_before:
         n_fb = fallbacks_after - fallbacks_before
         gates.append(f"P/D: {n_fb:.0f} requests were served by a decode alone (proxy fallback, "
-                     "pdctl_decode_only_fallback_total): not P/D -> FAIL")
+                     f"{PROXY_FALLBACKS}): not P/D -> FAIL")
         summary["fallbacks"] = n_fb
         statuses.append("FAIL")
     summary["verdicts"] = [v.__dict__ for v in verdicts]

@@ -24,6 +24,8 @@ from pdctl.protocol import (
     FIRST_TOKEN_MISMATCH,
     PREFILL_SERVED_HEADER,
     ROUTE_HEADER,
+    ProxyMetric,
+    VllmMetric,
 )
 
 DEFAULT_LENGTHS = (1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 700)
@@ -254,7 +256,7 @@ class TransferProof:
     vLLM counts the external tokens when it schedules the load, so a load that failed and was recomputed
     (`kv_load_failure_policy: recompute`) still counts as transferred: failed NIXL transfers fail the proof,
     and the gates run with `kv_load_failure_policy: fail`. A request the proxy served from a decode alone
-    (`on_prefill_down: fallback`) fails it too, through the proxy's pdctl_decode_only_fallback_total.
+    (`on_prefill_down: fallback`) fails it too, through the proxy's decode-only fallback counter.
     """
 
     external_kv_tokens: float
@@ -289,15 +291,15 @@ class TransferProof:
             return "cannot prove the transfer: " + "; ".join(self.missing)
         if self.fallbacks:
             return (f"{self.fallbacks:.0f} requests were served by a decode alone (proxy fallback, "
-                    "pdctl_decode_only_fallback_total): not P/D")
+                    f"{PROXY_FALLBACKS}): not P/D")
         if self.failed_transfers:
-            return (f"{self.failed_transfers:.0f} NIXL transfers failed (vllm:nixl_num_failed_transfers): their "
+            return (f"{self.failed_transfers:.0f} NIXL transfers failed ({VllmMetric.NIXL_FAILED}): their "
                     "prompts were recomputed or failed, not transferred")
         if self.external_kv_tokens < self.required:
             return (f"KV did not travel: {self.external_kv_tokens:.0f} prompt tokens arrived by transfer, {bound}; "
                     f"{self.local_compute_tokens:.0f} computed locally")
         if self.bytes_transferred <= 0:
-            return "KV did not travel: the decodes' NIXL bytes did not grow (vllm:nixl_bytes_transferred)"
+            return f"KV did not travel: the decodes' NIXL bytes did not grow ({VllmMetric.NIXL_BYTES})"
         return (f"KV travelled: {self.external_kv_tokens:.0f} prompt tokens by transfer, {bound}; "
                 f"{self.local_compute_tokens:.0f} computed locally, NIXL bytes {self.bytes_transferred:.0f}")
 
@@ -329,10 +331,10 @@ def first_divergence(a: list | str, b: list | str) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-BY_SOURCE = "vllm:prompt_tokens_by_source_total"
-NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
-NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
-PROXY_FALLBACKS = "pdctl_decode_only_fallback_total"
+BY_SOURCE = f"{VllmMetric.PROMPT_BY_SOURCE}_total"
+NIXL_BYTES = f"{VllmMetric.NIXL_BYTES}_sum"
+NIXL_FAILED = f"{VllmMetric.NIXL_FAILED}_total"
+PROXY_FALLBACKS = f"{ProxyMetric.FALLBACKS}_total"
 
 
 def decode_counters(decode_urls: list[str], missing: list[str] | None = None,

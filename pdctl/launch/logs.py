@@ -11,11 +11,12 @@ import re
 from collections import deque
 from pathlib import Path
 
+from pdctl.protocol import CONNECTOR_FAILURE
+
 # vLLM prefixes a child process's lines with "(EngineCore_DP0 pid=123) " and its logger with
 # "ERROR 12-02 10:00:00 [file.py:12] "; the exception line is what follows.
 _PREFIX = re.compile(r"^(\([\w.\-]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?")
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)|AssertionError|KeyError)(:\s.*)?$")
-_PDCTL_ERROR = re.compile(r"pdctl( connector)?: (unsupported|.*cannot |.*refus|.*needs? )", re.IGNORECASE)
 
 
 def tail(path: str | Path, n: int) -> list[str]:
@@ -49,10 +50,10 @@ def root_cause(lines: list[str]) -> str | None:
     server's "see root cause above"); None when those lines say nothing of the kind."""
     body = [_strip(ln) for ln in lines[-WINDOW:] if not ln.startswith(EXIT_MARK) and not ln.startswith("--- pdctl")]
     for ln in body:
-        if _PDCTL_ERROR.search(ln) and (_EXCEPTION.match(ln) or ln.lower().startswith("pdctl")):
+        if CONNECTOR_FAILURE.search(ln) and (_EXCEPTION.match(ln) or ln.lower().startswith("pdctl")):
             return ln
     for ln in body:
-        if _PDCTL_ERROR.search(ln):
+        if CONNECTOR_FAILURE.search(ln):
             return ln[ln.lower().index("pdctl"):]
     starts = [i for i, ln in enumerate(body) if ln.startswith("Traceback (most recent call last)")]
     for ln in body[starts[0] if starts else 0:]:

@@ -21,7 +21,7 @@ from pdctl.launch.state import LaunchState
 from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.launch.warmup import warm_up
 from pdctl.plan import Plan, ProcessSpec, monitoring_dir
-from pdctl.protocol import READS_PEER_GONE, READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED
+from pdctl.protocol import READS_PEER_GONE, READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED, VllmMetric
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 
@@ -202,8 +202,8 @@ def status(state: LaunchState, engine: Engine) -> list[InstanceStatus]:
             spec.name, spec.role, spec.index, rec.pid if rec else None, spec.ports["http"],
             spec.ports.get("side_channel"), spec.block_size, spec.tp, running, healthy,
             time.time() - rec.started_at if rec and running else None, rec.where if rec else "-", spec.host,
-            (m or {}).get("vllm:num_requests_running"), (m or {}).get("vllm:num_requests_waiting"),
-            (m or {}).get("vllm:kv_cache_usage_perc"), spec.pool, rec.restarts if rec else 0,
+            (m or {}).get(VllmMetric.RUNNING), (m or {}).get(VllmMetric.WAITING), (m or {}).get(VllmMetric.KV_USAGE),
+            spec.pool, rec.restarts if rec else 0,
             rec.phase if rec else "-", rec.last_exit if rec else None, rec.last_error if rec else None,
             *((m or {}).get(f"{c}_total") for c in (READS_TIMED_OUT, READS_REFUSED_LEASE, RECOMPUTED,
                                                     READS_PEER_GONE)),

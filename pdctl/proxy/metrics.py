@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from pdctl.protocol import ProxyMetric as PM
+
 # Why a request went to a decode alone: no prefill was usable, the ones tried failed, or one answered without KV.
 FALLBACK_REASONS = ("prefill_down", "prefill_failed", "no_kv_params")
 
@@ -67,11 +69,11 @@ class Metrics:
         self.kv_missing = 0
         self.first_token: Counter = Counter()  # (outcome,): the prefill's token streamed first, or mismatch
         self.retries = 0
-        self.ttft = _Histograms("pdctl_proxy_ttft_seconds", "proxy receive -> first byte to the client, per pair",
+        self.ttft = _Histograms(PM.TTFT, "proxy receive -> first byte to the client, per pair",
                                 ["prefill_pool", "decode_pool"])
-        self.duration = _Histograms("pdctl_proxy_request_duration_seconds", "whole request, per pair and route",
+        self.duration = _Histograms(PM.DURATION, "whole request, per pair and route",
                                     ["prefill_pool", "decode_pool", "route"])
-        self.prefill_latency = _Histograms("pdctl_proxy_prefill_seconds", "the prefill leg, per prefill pool",
+        self.prefill_latency = _Histograms(PM.PREFILL, "the prefill leg, per prefill pool",
                                            ["prefill_pool"])
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -106,29 +108,29 @@ class Metrics:
     # -- exposition (prometheus_client, at scrape time) --------------------------------------------------------
 
     def collect(self):
-        yield _counter("pdctl_proxy_requests", "requests answered, by route and HTTP status", ["route", "status"],
+        yield _counter(PM.REQUESTS, "requests answered, by route and HTTP status", ["route", "status"],
                        self.requests)
-        yield _counter("pdctl_proxy_pair_requests", "requests per prefill->decode pool pair and status",
+        yield _counter(PM.PAIR_REQUESTS, "requests per prefill->decode pool pair and status",
                        ["prefill_pool", "decode_pool", "status"], self.pairs)
-        yield _counter("pdctl_proxy_upstream_errors", "failed calls to an instance", ["instance"],
+        yield _counter(PM.UPSTREAM_ERRORS, "failed calls to an instance", ["instance"],
                        self.upstream_errors)
-        yield CounterMetricFamily("pdctl_proxy_kv_transfer_missing", "prefill answers without kv_transfer_params",
+        yield CounterMetricFamily(PM.KV_MISSING, "prefill answers without kv_transfer_params",
                                   value=self.kv_missing)
-        yield _counter("pdctl_decode_only_fallback", "requests a decode served alone (computing the prompt) "
+        yield _counter(PM.FALLBACKS, "requests a decode served alone (computing the prompt) "
                        "because no prefill answered with usable KV", ["reason"], self.fallbacks)
-        yield CounterMetricFamily("pdctl_proxy_prefill_retries", "prefill calls tried again on another prefill",
+        yield CounterMetricFamily(PM.PREFILL_RETRIES, "prefill calls tried again on another prefill",
                                   value=self.retries)
-        yield _counter("pdctl_proxy_rejected", "requests refused: on_prefill_down: reject's reasons, and "
+        yield _counter(PM.REJECTED, "requests refused: on_prefill_down: reject's reasons, and "
                        "unauthorized (no or a wrong API key)", ["reason"], self.rejected)
-        yield _counter("pdctl_proxy_first_token", "first_token: streams whose first token came from the "
+        yield _counter(PM.FIRST_TOKEN, "first_token: streams whose first token came from the "
                        "prefill's answer (from_prefill), and those the decode's first text then contradicted "
                        "(mismatch: ended with an error)", ["outcome"], self.first_token)
         yield from (h.family() for h in (self.ttft, self.duration, self.prefill_latency))
-        inflight = GaugeMetricFamily("pdctl_proxy_inflight", "requests in flight per instance",
+        inflight = GaugeMetricFamily(PM.INFLIGHT, "requests in flight per instance",
                                      labels=["role", "pool", "name", "instance"])
-        opened = GaugeMetricFamily("pdctl_proxy_breaker_open", "1 while the instance's circuit breaker is open",
+        opened = GaugeMetricFamily(PM.BREAKER_OPEN, "1 while the instance's circuit breaker is open",
                                    labels=["role", "pool", "name"])
-        trips = CounterMetricFamily("pdctl_proxy_breaker_trips", "times the instance's circuit breaker opened",
+        trips = CounterMetricFamily(PM.BREAKER_TRIPS, "times the instance's circuit breaker opened",
                                     labels=["role", "pool", "name"])
         for i in self.instances():
             inflight.add_metric([i.role, i.pool, i.name, i.url], i.inflight)

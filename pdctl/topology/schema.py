@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 
 from pdctl.auth import ENV_NAME_PATTERN
-from pdctl.protocol import ConnectorSettings
+from pdctl.protocol import ConnectorSettings, ProxyMetric
 
 Platform = Literal["cuda", "cpu", "xpu", "hpu"]
 Role = Literal["prefill", "decode"]
@@ -210,7 +210,7 @@ class ProxySettings(_Strict):
     on_prefill_down: Literal["fallback", "reject"] = Field(
         "fallback", description="when no prefill can answer with usable KV (none healthy, every try failed, or "
         "an answer without kv_transfer_params): 'fallback' sends the request to a decode as a plain request "
-        "(the decode computes the prompt; counted in pdctl_decode_only_fallback_total), 'reject' answers an "
+        f"(the decode computes the prompt; counted in {ProxyMetric.FALLBACKS}_total), 'reject' answers an "
         "error at once. The gates run with 'reject'")
     connect_timeout_s: float = Field(10.0, gt=0, description="upstream TCP connect")
     first_byte_timeout_s: float = Field(600.0, gt=0, description="request sent -> first byte of the answer "

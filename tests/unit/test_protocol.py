@@ -108,3 +108,16 @@ def test_the_connector_reads_what_the_plan_wrote():
     assert settings(config(extra)).kv_read_timeout_s == loaded.topology.connector.kv_read_timeout_s
     with pytest.raises(SettingsError, match=r"\['pdctl'\]: missing: pdctl's plan writes these settings"):
         settings(config({}))  # the connector started without pdctl's plan
+
+
+def test_a_server_stopped_for_its_connector_settings_names_the_key_as_its_root_cause():
+    from pdctl.launch.logs import root_cause
+    from pdctl.protocol import ConnectorSettings, SettingsError
+
+    try:
+        ConnectorSettings.from_dict({**ConnectorSettings().to_dict(), "pin_transfer_thread": True})
+    except SettingsError as e:
+        line = f"(EngineCore_DP0 pid=7) ERROR 12-07 09:00:00 [core.py:1] pdctl.protocol.SettingsError: {e}"
+    log = ["INFO loading", "Traceback (most recent call last):", '  File "x.py", line 1', line]
+    assert root_cause(log).startswith("pdctl.protocol.SettingsError: pdctl connector: settings "
+                                      "kv_connector_extra_config['pdctl']['pin_transfer_thread']: unknown setting")

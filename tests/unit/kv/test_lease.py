@@ -108,10 +108,10 @@ def test_a_read_past_the_timeout_is_failed_through_vllms_path(worker, caplog):
         w._give_up_late_reads()
     assert w.nixl_wrapper.released == [7, 8]
     assert "r1" not in w._recving_transfers and "r1" in w._recv_failures  # vLLM reports it failed next poll
-    assert w.xfer_stats.data["pdctl_reads_timed_out"] == [1]
+    assert w.xfer_stats.data[protocol.READS_TIMED_OUT] == [1]
     assert protocol.READ_TIMED_OUT_MARK in caplog.text and "127.0.0.1:5600" in caplog.text
     w._give_up_late_reads()  # once
-    assert w.xfer_stats.data["pdctl_reads_timed_out"] == [1]
+    assert w.xfer_stats.data[protocol.READS_TIMED_OUT] == [1]
 
 
 def test_a_gone_prefills_reads_are_given_up_at_once_and_the_others_kept(worker, caplog):
@@ -128,12 +128,12 @@ def test_a_gone_prefills_reads_are_given_up_at_once_and_the_others_kept(worker, 
         w._give_up_late_reads()
     assert w._recv_failures == {"r1"} and w.nixl_wrapper.released == [7] and w._recving_transfers == {"r2": [9]}
     assert protocol.PEER_GONE_MARK in caplog.text and "r1" in caplog.text
-    assert w.xfer_stats.data["pdctl_reads_peer_gone"] == [1] and not w.xfer_stats.data.get("pdctl_reads_timed_out")
+    assert w.xfer_stats.data[protocol.READS_PEER_GONE] == [1] and not w.xfer_stats.data.get(protocol.READS_TIMED_OUT)
     clock[0] = 106.0  # r2's own timeout still applies, once
     w._give_up_late_reads()
     w._give_up_late_reads()
-    assert w._recv_failures == {"r1", "r2"} and w.xfer_stats.data["pdctl_reads_timed_out"] == [1]
-    assert w.xfer_stats.data["pdctl_reads_peer_gone"] == [1]
+    assert w._recv_failures == {"r1", "r2"} and w.xfer_stats.data[protocol.READS_TIMED_OUT] == [1]
+    assert w.xfer_stats.data[protocol.READS_PEER_GONE] == [1]
 
 
 def test_a_read_nixl_cannot_cancel_keeps_its_blocks_until_it_ends(worker):
@@ -166,7 +166,7 @@ def test_a_read_whose_lease_is_not_known_alive_is_never_posted(worker, monkeypat
         assert w._read_blocks_for_req("old", _meta()) is None  # seen 30 s ago: the lease may be gone
         w._read_blocks_for_req("new", _meta())
     assert posted == ["new"] and w._posted_at == {"new": 100.0}
-    assert "old" in w._recv_failures and w.xfer_stats.data["pdctl_reads_refused_lease"] == [1]
+    assert "old" in w._recv_failures and w.xfer_stats.data[protocol.READS_REFUSED_LEASE] == [1]
     assert protocol.LEASE_REFUSED_MARK in caplog.text
     w._read_blocks_for_req("old", _meta())  # never posted afterwards either
     assert posted == ["new"]
@@ -188,8 +188,8 @@ def test_before_the_handshake_the_lease_is_not_decided_yet(worker, monkeypatch):
 def test_the_counters_travel_with_vllms_stats():
     a, b = PdctlKVConnectorStats(), PdctlKVConnectorStats()
     assert a.is_empty()
-    b.record("pdctl_reads_timed_out")
-    b.record("pdctl_recomputed")
+    b.record(protocol.READS_TIMED_OUT)
+    b.record(protocol.RECOMPUTED)
     assert not b.is_empty()
     a.aggregate(PdctlKVConnectorStats(data=dict(b.data)))
     reduced = a.reduce()
