@@ -24,7 +24,7 @@ from pdctl.topology import (
     resolved_model,
 )
 from pdctl.topology.facts import flag_name
-from pdctl.topology.transport import transport_env
+from pdctl.topology.transport import NET_DEVICES_ENV, transport_env
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference", "baseline", "monitor"]
 
@@ -37,6 +37,7 @@ KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # How each platform is told which devices an instance owns.
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # CPU: the cores of each TP rank's threads, '0|1' (vLLM also takes 0-3)
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"  # where a server's NIXL side channel listens (its host)
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,8 @@ class Plan:
             elif SPEC_FLAG in argv:  # pdctl's proxy
                 argv = with_spec(argv, spec_of(argv).model_copy(update={"host": h}))
             env = dict(s.env)
-            if "VLLM_NIXL_SIDE_CHANNEL_HOST" in env:
-                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = h
+            if SIDE_CHANNEL_HOST_ENV in env:
+                env[SIDE_CHANNEL_HOST_ENV] = h
             new = replace(s, host=h, argv=argv, env=env,
                           readiness_url=s.readiness_url.replace(s.http_url, f"http://{h}:{s.ports['http']}", 1))
             moved[s.http_url] = new.http_url
@@ -265,7 +266,7 @@ def queue_spin_s(t: Topology, pool: Pool) -> float | None:
 def _server_env(t: Topology, pool: Pool, index: int, queue_spin: float | None = None) -> dict[str, str]:
     env = {
         "PYTHONUNBUFFERED": "1",
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(pool.host),
+        SIDE_CHANNEL_HOST_ENV: connect_host(pool.host),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(pool.side_channel_port_of(index)),
         **transport_env(t),
     }
@@ -278,7 +279,7 @@ def _server_env(t: Topology, pool: Pool, index: int, queue_spin: float | None = 
     elif devices is not None:
         env[DEVICE_ENV[pool.platform]] = ",".join(str(d) for d in devices)
     if pool.net_devices:
-        env["UCX_NET_DEVICES"] = pool.net_devices
+        env[NET_DEVICES_ENV] = pool.net_devices
     if queue_spin is not None:
         env[QUEUE_SPIN_ENV] = f"{queue_spin:g}"
     env.update(pool.env)

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdctl.gates.gsm8k import local_task_yaml
+from pdctl.gates.gsm8k import OFFLINE_ENV, local_task_yaml
 
 # pdctl's own table: inside the package, so a gate finds it from any working directory and in an installed wheel.
 DEFAULT_TABLE = Path(__file__).with_name("expected.yaml")
@@ -233,7 +233,7 @@ def run_lm_eval(base_url: str, model: str, out_dir: Path, *, tokenizer: str | No
     args += ["--model_args", model_args, "--tasks", task]
     if limit:
         args += ["--limit", str(limit)]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1" if data_dir else os.environ.get("HF_DATASETS_OFFLINE", "0"),
+    env = {**os.environ, OFFLINE_ENV: "1" if data_dir else os.environ.get(OFFLINE_ENV, "0"),
            "TOKENIZERS_PARALLELISM": "false", **({"OPENAI_API_KEY": api_key} if api_key else {})}
     with open(out_dir / "lm_eval.log", "w") as log:
         proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)

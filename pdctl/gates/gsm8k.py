@@ -66,6 +66,7 @@ def local_task_yaml(data_dir: Path, task_name: str = "gsm8k_local") -> str:
 # Where the data comes from, decided before anything starts
 
 
+OFFLINE_ENV = "HF_DATASETS_OFFLINE"  # the datasets library reads no hub: set where the data is local or cached
 HUB_DATASET = "openai/gsm8k"  # lm-eval's gsm8k.yaml: dataset_path openai/gsm8k, dataset_name main
 HUB_PROBE_TIMEOUT_S = 3.0
 HOW_TO_POINT = ("point pdctl at local files: --data-dir DIR (or GSM8K_DIR=DIR) where DIR holds train.jsonl and "
@@ -85,7 +86,7 @@ class DataSource:
     @property
     def env(self) -> dict[str, str]:
         """Environment lm-eval needs for this source: a cached copy must be read offline (no hub to ask)."""
-        return {"HF_DATASETS_OFFLINE": "1"} if self.kind == "cache" else {}
+        return {OFFLINE_ENV: "1"} if self.kind == "cache" else {}
 
 
 def check_jsonl(path: Path) -> int:
@@ -151,7 +152,7 @@ def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
     """Whether the dataset hub answers for openai/gsm8k within timeout_s, all told (name resolution included:
     the probe runs in a thread that is left behind when it does not answer in time). Offline settings are
     honoured without asking."""
-    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if os.environ.get(OFFLINE_ENV) == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     url = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/") + f"/api/datasets/{HUB_DATASET}"
     answer: list[bool] = []

@@ -17,10 +17,10 @@ import json
 import re
 from pathlib import PurePosixPath
 
-from pdctl.plan import CPU_BIND_ENV, DEVICE_ENV, Plan, ProcessSpec
+from pdctl.plan import CPU_BIND_ENV, DEVICE_ENV, SIDE_CHANNEL_HOST_ENV, Plan, ProcessSpec
 from pdctl.proxy.config import spec_of, upstream, with_spec
 from pdctl.topology import DEFAULT_POOL, ROLES, Pool, Topology, is_local_path
-from pdctl.topology.transport import UCX_ACROSS_HOSTS, UCX_ONE_HOST
+from pdctl.topology.transport import NET_DEVICES_ENV, UCX_ACROSS_HOSTS, UCX_ONE_HOST
 
 # The extended resource each platform's device plugin offers.
 DEVICE_RESOURCE = {"cuda": "nvidia.com/gpu", "hpu": "habana.ai/gaudi", "xpu": "gpu.intel.com/i915"}
@@ -28,7 +28,7 @@ DEFAULT_IMAGE = "vllm/vllm-openai:v0.11.0"
 MODELS_MOUNT = "/models"
 MODELS_CLAIM = "pdctl-models"
 # Set by the plan for one host; in a pod the device plugin and the kubelet decide these.
-HOST_ONLY_ENV = {CPU_BIND_ENV, "UCX_NET_DEVICES", *DEVICE_ENV.values()}
+HOST_ONLY_ENV = {CPU_BIND_ENV, NET_DEVICES_ENV, *DEVICE_ENV.values()}
 SECRET_KEY = "api-key"  # the key within the topology's Secret (secret_name) that holds the API key
 
 
@@ -78,8 +78,8 @@ def _server_container(t: Topology, pool: Pool, spec: ProcessSpec, image: str) ->
     # (a pool's own env still wins).
     own = {k: v for k, v in spec.env.items() if not (k in UCX_ONE_HOST and v == UCX_ONE_HOST[k])}
     env = [{"name": k, "value": v} for k, v in {**UCX_ACROSS_HOSTS, **own}.items()
-           if k not in HOST_ONLY_ENV and k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
-    env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+           if k not in HOST_ONLY_ENV and k != SIDE_CHANNEL_HOST_ENV]
+    env.append({"name": SIDE_CHANNEL_HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     env += secret_env(t, spec)
     if pool.platform in DEVICE_RESOURCE:
         n = str(pool.tp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdctl.topology.problems import Problem, pool_loc
 from pdctl.topology.schema import ROLES, Topology
-from pdctl.topology.transport import pool_ucx, ucx_problem
+from pdctl.topology.transport import MM_ERROR_ENV, TLS_ENV, pool_ucx, ucx_problem
 
 
 def _transport_problems(t: Topology) -> list[Problem]:
@@ -15,6 +15,6 @@ def _transport_problems(t: Topology) -> list[Problem]:
         for g in t.pools(role):
             found = ucx_problem(pool_ucx(t, g), crosses)
             if found:
-                key = "UCX_TLS" if "UCX_TLS" in g.env else "UCX_MM_ERROR_HANDLING"
+                key = TLS_ENV if TLS_ENV in g.env else MM_ERROR_ENV
                 out.append(Problem((*pool_loc(t, role, g), "env", key), *found))
     return out

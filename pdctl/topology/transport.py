@@ -12,7 +12,8 @@ from pdctl.topology.schema import ROLES, Pool, Topology
 
 # One host, KV in host memory: shared-memory lanes with peer-failure handling, no TCP lane for UCX (NIXL's side
 # channel stays ZMQ over TCP); reads go over cma (process_vm_readv by the reader).
-UCX_ONE_HOST = {"UCX_TLS": "posix,cma,self", "UCX_MM_ERROR_HANDLING": "y", "UCX_RESOLVE_REMOTE_EP_ID": "n"}
+TLS_ENV, MM_ERROR_ENV, NET_DEVICES_ENV = "UCX_TLS", "UCX_MM_ERROR_HANDLING", "UCX_NET_DEVICES"
+UCX_ONE_HOST = {TLS_ENV: "posix,cma,self", MM_ERROR_ENV: "y", "UCX_RESOLVE_REMOTE_EP_ID": "n"}
 # Anything else: UCX picks its transports (RDMA where there is some); a TCP endpoint connects without blocking the
 # worker (a blocking connect() to a dead peer follows Linux's SYN retries, 1+2+4+8+16 = 31 s).
 UCX_ACROSS_HOSTS = {"UCX_TCP_CONN_NB": "y"}
@@ -34,7 +35,7 @@ def transport_env(t: Topology) -> dict[str, str]:
 
 def pool_ucx(t: Topology, pool: Pool) -> dict[str, str]:
     """The UCX settings a pool's servers get: pdctl's for the placement, then the pool's own `env`."""
-    env = {**transport_env(t), **({"UCX_NET_DEVICES": pool.net_devices} if pool.net_devices else {})}
+    env = {**transport_env(t), **({NET_DEVICES_ENV: pool.net_devices} if pool.net_devices else {})}
     return {**env, **{k: v for k, v in pool.env.items() if k.startswith("UCX_")}}
 
 
@@ -48,7 +49,7 @@ def tls_list(value: str) -> set[str] | None:
 
 def ucx_problem(env: dict[str, str], crosses_hosts: bool) -> tuple[str, str] | None:
     """(why, fix) when these UCX settings cannot carry NIXL's transfers, else None."""
-    tls = tls_list(env.get("UCX_TLS", "all"))
+    tls = tls_list(env.get(TLS_ENV, "all"))
     if tls is None:
         return None
     network = tls - ONE_HOST_ONLY
@@ -58,7 +59,7 @@ def ucx_problem(env: dict[str, str], crosses_hosts: bool) -> tuple[str, str] | N
     if not network and not tls & SHARED_MEMORY_AM:
         return (f"UCX_TLS={env['UCX_TLS']} has no transport for NIXL's notifications (active messages: "
                 f"{', '.join(sorted(SHARED_MEMORY_AM))} or a network one)", "add posix, or leave UCX_TLS to pdctl")
-    if not network and env.get("UCX_MM_ERROR_HANDLING", "n").lower() not in ("y", "yes", "on", "1"):
+    if not network and env.get(MM_ERROR_ENV, "n").lower() not in ("y", "yes", "on", "1"):
         return (f"UCX_TLS={env['UCX_TLS']}: NIXL opens its endpoints with peer-failure handling, which UCX's "
                 "shared-memory transports serve only with UCX_MM_ERROR_HANDLING=y (vLLM fails at start: "
                 "'no peer failure handler')", "set UCX_MM_ERROR_HANDLING=y as well, or leave UCX_TLS to pdctl")
