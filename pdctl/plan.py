@@ -202,10 +202,10 @@ def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
     if c.kind == "pdctl":
         # The plugin's class is also named NixlConnector: vLLM's config checks test that name.
         cfg["kv_connector_module_path"] = CONNECTOR_MODULE
+        # The topology's connector fields of the same names, and what the plan decides per server.
+        given = {k: getattr(c, k) for k in ConnectorSettings().to_dict() if k in type(c).model_fields}
         extra[CONNECTOR_SETTINGS_KEY] = ConnectorSettings(
-            progress_thread=c.progress_thread, progress_delay_us=c.progress_delay_us,
-            staging_blocks=t.staging_blocks(pool) if role == "decode" else 0,
-            kv_read_timeout_s=c.kv_read_timeout_s, trace=c.trace).to_dict()
+            **given, staging_blocks=t.staging_blocks(pool) if role == "decode" else 0).to_dict()
     if role == "decode":
         # vLLM's default is "fail"; pdctl's connector reports every KV it cannot deliver (staging full, a
         # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.

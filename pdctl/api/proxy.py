@@ -31,17 +31,19 @@ def proxy_pairs(flags: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def proxy_options() -> dict[str, tuple[str, str | None]]:
-    """`pdctl proxy`'s option texts: per ProxyConfig field, its description and its default as --help shows it
-    (None: no default to show), from the one model that holds both."""
-    from pdctl.proxy.config import ProxyConfig
+def proxy_options() -> dict[str, tuple[str, str, str | None]]:
+    """`pdctl proxy`'s options: per ProxyConfig field, its flag, its description and its default as --help shows
+    it (None: no default to show), from the one model that holds them."""
+    from pdctl.proxy.config import FLAGS, ProxyConfig
 
     out = {}
     for name, f in ProxyConfig.model_fields.items():
         default = None if f.is_required() or f.default_factory is not None else f.default
         shown = {True: "on", False: "off"}[default] if isinstance(default, bool) else default
         if not f.exclude:
-            out[name] = (f.description or "", None if shown is None else str(shown))
+            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            flag = f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag
+            out[name] = (flag, f.description or "", None if shown is None else str(shown))
     return out
 
 

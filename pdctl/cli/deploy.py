@@ -147,33 +147,33 @@ def logs(
             pass
 
 
-PROXY = api.proxy_options()  # field -> (help, default shown): the proxy model's own
+PROXY = api.proxy_options()  # field -> (flag, help, default shown): the proxy model's own
 
 
-def proxy_opt(field: str, *names: str, more: str = ""):
-    """A `pdctl proxy` option for a field of the proxy's model: its description, and its default as the model has it."""
-    text, shown = PROXY[field]
-    return typer.Option(*names, help=(text + more).replace("[", "\\["), show_default=shown or False)
+def proxy_opt(field: str, more: str = ""):
+    """The `pdctl proxy` option of a field of the proxy's model: its flag, description and default."""
+    flag, text, shown = PROXY[field]
+    return typer.Option(flag, help=(text + more).replace("[", "\\["), show_default=shown or False)
 
 
 @app.command()
 def proxy(
-    decode: Annotated[list[str] | None, proxy_opt("decode", "--decode", more=" (repeatable)")] = None,
-    prefill: Annotated[list[str] | None, proxy_opt("prefill", "--prefill", more=" (repeatable)")] = None,
+    decode: Annotated[list[str] | None, proxy_opt("decode", more=" (repeatable)")] = None,
+    prefill: Annotated[list[str] | None, proxy_opt("prefill", more=" (repeatable)")] = None,
     spec: Annotated[str | None, typer.Option(help="the whole configuration as JSON (pdctl up's), not flags")] = None,
     host: Annotated[str | None, proxy_opt("host")] = None, port: Annotated[int | None, proxy_opt("port")] = None,
     policy: Annotated[str | None, proxy_opt("policy")] = None,
-    weight: Annotated[list[str] | None, proxy_opt("weights", "--weight", more=", as ROLE/POOL=W (repeatable)")] = None,
-    exclude_pair: Annotated[list[str] | None, proxy_opt("exclude_pairs", "--exclude-pair", more=", as P/D")] = None,
+    weights: Annotated[list[str] | None, proxy_opt("weights", more=", as ROLE/POOL=W (repeatable)")] = None,
+    exclude_pairs: Annotated[list[str] | None, proxy_opt("exclude_pairs", more=", as P/D")] = None,
     affinity_epsilon: Annotated[float | None, proxy_opt("affinity_epsilon")] = None,
     affinity_prefix_chars: Annotated[int | None, proxy_opt("affinity_prefix_chars")] = None,
     on_prefill_down: Annotated[str | None, proxy_opt("on_prefill_down")] = None,
-    connect_timeout: Annotated[float | None, proxy_opt("connect_timeout_s", more=", s")] = None,
-    first_byte_timeout: Annotated[float | None, proxy_opt("first_byte_timeout_s", more=", s")] = None,
-    read_timeout: Annotated[float | None, proxy_opt("read_timeout_s", more=", s")] = None,
+    connect_timeout_s: Annotated[float | None, proxy_opt("connect_timeout_s", more=", s")] = None,
+    first_byte_timeout_s: Annotated[float | None, proxy_opt("first_byte_timeout_s", more=", s")] = None,
+    read_timeout_s: Annotated[float | None, proxy_opt("read_timeout_s", more=", s")] = None,
     breaker_failures: Annotated[int | None, proxy_opt("breaker_failures")] = None,
-    breaker_open: Annotated[float | None, proxy_opt("breaker_open_s", more=", s")] = None,
-    health_interval: Annotated[float | None, proxy_opt("health_interval_s", more=", s")] = None,
+    breaker_open_s: Annotated[float | None, proxy_opt("breaker_open_s", more=", s")] = None,
+    health_interval_s: Annotated[float | None, proxy_opt("health_interval_s", more=", s")] = None,
     access_log: Annotated[bool | None, proxy_opt("access_log")] = None,
     api_key_env: Annotated[str | None, typer.Option(help="require the key this environment variable holds "
                                                     "(Bearer, on /v1/*) and send it to the instances")] = None,
@@ -194,11 +194,7 @@ def proxy(
       pdctl proxy --prefill p32=http://h:8100 --prefill p128=http://h:8101 --decode d64=http://h:8200 \\
         --decode d32=http://h:8201 --exclude-pair p128/d32 --weight decode/d64=2 --policy prefix_affinity
     """
-    api.serve_proxy(prefill, decode, spec=spec, host=host, port=port, policy=policy,
-                    on_prefill_down=on_prefill_down, connect_timeout_s=connect_timeout,
-                    read_timeout_s=read_timeout, first_byte_timeout_s=first_byte_timeout,
-                    breaker_failures=breaker_failures, breaker_open_s=breaker_open, health_interval_s=health_interval,
-                    weights=api.proxy_weights(weight) if weight else None,
-                    exclude_pairs=api.proxy_pairs(exclude_pair) if exclude_pair else None,
-                    affinity_epsilon=affinity_epsilon, affinity_prefix_chars=affinity_prefix_chars,
-                    access_log=access_log, api_key_env=api_key_env, first_token=first_token)
+    settings = {k: v for k, v in locals().items() if k in PROXY and k not in ("prefill", "decode")}
+    settings["weights"] = api.proxy_weights(weights) if weights else None
+    settings["exclude_pairs"] = api.proxy_pairs(exclude_pairs) if exclude_pairs else None
+    api.serve_proxy(prefill, decode, spec=spec, **settings)

@@ -121,3 +121,12 @@ def test_a_server_stopped_for_its_connector_settings_names_the_key_as_its_root_c
     log = ["INFO loading", "Traceback (most recent call last):", '  File "x.py", line 1', line]
     assert root_cause(log).startswith("pdctl.protocol.SettingsError: pdctl connector: settings "
                                       "kv_connector_extra_config['pdctl']['pin_transfer_thread']: unknown setting")
+
+
+def test_a_connector_setting_is_a_topology_field_the_plan_copies_or_one_the_plan_decides():
+    from pdctl.protocol import ConnectorSettings
+    from pdctl.topology.schema import ConnectorSpec
+
+    decided = {"version", "staging_blocks"}  # the contract's own, and per decode from the pairs that reach it
+    assert set(ConnectorSettings().to_dict()) - decided <= set(ConnectorSpec.model_fields)
+    assert not decided & set(ConnectorSpec.model_fields)

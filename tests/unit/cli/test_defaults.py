@@ -61,7 +61,7 @@ def test_pdctl_proxy_has_an_option_for_every_field_of_the_proxy_model(run_cli, m
     # Each option's help and shown default are the model's.
     opts = {p.name: p for c, p in options() if c == "proxy"}
     assert opts["port"].show_default == "8000" and opts["access_log"].show_default == "on"
-    assert opts["health_interval"].help.startswith(ProxyConfig.model_fields["health_interval_s"].description)
+    assert opts["health_interval_s"].help.startswith(ProxyConfig.model_fields["health_interval_s"].description)
 
 
 @pytest.mark.parametrize("field", ["port", "health_interval_s"])
