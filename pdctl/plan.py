@@ -38,6 +38,7 @@ KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # CPU: the cores of each TP rank's threads, '0|1' (vLLM also takes 0-3)
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"  # where a server's NIXL side channel listens (its host)
+KV_TRANSFER_ENV = ("VLLM_NIXL_", "UCX_")  # the prefixes of the settings only P/D servers get (never a reference)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def _servers(t: Topology, base_dir: Path, logs: Path, python: str, baseline: boo
                 env = _server_env(t, g, i, queue_spin_s(t, g))
                 ports = {"http": g.http_port_of(i)}
                 if baseline:
-                    env = {k: v for k, v in env.items() if not k.startswith(("VLLM_NIXL_", "UCX_"))}
+                    env = {k: v for k, v in env.items() if not k.startswith(KV_TRANSFER_ENV)}
                 else:
                     ports["side_channel"] = g.side_channel_port_of(i)
                 out.append(ProcessSpec(
@@ -404,7 +405,7 @@ def reference_spec(t: Topology, *, base_dir: Path, state_dir: Path, port: int, p
     argv = _server_argv(t, "decode", g, 0, model, python, connector=False)
     argv[argv.index("--port") + 1] = str(port)
     env = {k: v for k, v in _server_env(t, g, 0, queue_spin_s(t, g)).items()
-           if not k.startswith(("VLLM_NIXL_", "UCX_"))}
+           if not k.startswith(KV_TRANSFER_ENV)}
     return ProcessSpec(name="reference", role="reference", index=0, argv=argv, env=env, host=g.host,
                        ports={"http": port}, log_path=str(state_dir / "logs" / "reference.log"),
                        readiness_url=f"http://{connect_host(g.host)}:{port}/health", platform=g.platform,

