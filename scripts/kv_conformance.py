@@ -5,7 +5,7 @@ connector code, checked token by token against the prompt's KV in token order.
     python scripts/kv_conformance.py --prefill FORM:BLOCK --decode FORM:BLOCK [--tokens N] [--prefix-hit BLOCKS]
         [--dtype bf16|fp16|fp8] [--window W] [--tp P:D] [--corrupt] [--json] [--device cpu|cuda]
     python scripts/kv_conformance.py --list
-    python scripts/kv_conformance.py [--json]        # the whole matrix
+    python scripts/kv_conformance.py [--json]        # the whole matrix (its JSON also in results/)
 
 FORM: vLLM's KVCacheLayout names LBHNC, LBNHC, BLHNC, BLNHC (a GPU backend's joined cache), or cpu_vec, cpu_amx
 (CPU_ATTN's cache packed for that ISA; an AMX host packs bf16 blocks of 32k tokens for amx, every other block for
@@ -731,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [Case(pre, dec, args.dtype, tokens, args.prefix_hit, args.window)]
     else:
         cases = fast_cases() if args.fast else matrix()
+    whole = not args.prefill and not args.fast
     cases = [replace(c, corrupt=args.corrupt) for c in cases]
     if args.list:
         for c in cases:
@@ -747,10 +748,15 @@ def main(argv: list[str] | None = None) -> int:
 
     results = run_cases(cases, args.device, progress)
     report = summary(results, time.perf_counter() - started)
+    doc = json.dumps({"summary": report, "device": args.device, "cases": [
+        {**asdict(c), "result": o.result, "seconds": round(o.seconds, 4), "read_s": round(o.read_s, 5),
+         "receive_s": round(o.receive_s, 5), "bytes": o.bytes} for c, o in results]}, indent=1)
+    if whole:  # the whole matrix: its JSON is kept beside the table
+        out = ROOT / "results" / f"kv_conformance-{args.device}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(doc)
     if args.json:
-        print(json.dumps({"summary": report, "cases": [
-            {**asdict(c), "result": o.result, "seconds": round(o.seconds, 4), "read_s": round(o.read_s, 5),
-             "receive_s": round(o.receive_s, 5), "bytes": o.bytes} for c, o in results]}, indent=1))
+        print(doc)
     else:
         print(f"{report['cells']} cells: {report['exact']} exact, {report['refused']} refused, {report['wrong']} "
               f"wrong ({report['seconds']} s)")
