@@ -195,29 +195,31 @@ class Blocks:
     listed: list[int]  # absolute block numbers, in order
     ids: list[int]  # their cache block ids (NULL_BLOCK: vLLM's null block, a window entry already left)
     total: int  # blocks in the cache
+    staging: int = 0  # the cache's last blocks, withheld as the staging area
+
+
+def listed_blocks(case: Case, block: int) -> list[int]:
+    """The request's blocks a side lists: all of them, or a sliding-window group's tail as vLLM cuts it."""
+    count = cdiv(case.tokens, block)
+    return list(range(max(0, count - cdiv(case.window, block) - 1), count)) if case.window else list(range(count))
 
 
 def prefill_blocks(case: Case) -> Blocks:
-    n, t = case.prefill.block, case.tokens
-    count = cdiv(t, n)
-    if case.window:  # vLLM lists the window's tail; blocks the window has left are its null block
-        listed = list(range(max(0, count - cdiv(case.window, n) - 1), count))
-    else:
-        listed = list(range(count))
+    n = case.prefill.block
+    listed = listed_blocks(case, n)
     total = len(listed) + 5
     order = torch.randperm(total - 1, generator=torch.Generator().manual_seed(case.seed + 1)).tolist()
-    need_from = max(0, t - case.window + 1) if case.window else 0
+    need_from = max(0, case.tokens - case.window + 1) if case.window else 0
+    # blocks the window has left are vLLM's null block
     ids = [NULL_BLOCK if (a + 1) * n <= need_from else 1 + order[i] for i, a in enumerate(listed)]
     return Blocks(listed, ids, total)
 
 
 def decode_blocks(case: Case, staging: int) -> Blocks:
-    n, t = case.decode.block, case.tokens
-    count = cdiv(t, n)
-    listed = list(range(max(0, count - cdiv(case.window, n) - 1), count)) if case.window else list(range(count))
+    listed = listed_blocks(case, case.decode.block)
     total = len(listed) + staging + 5
     order = torch.randperm(total - staging, generator=torch.Generator().manual_seed(case.seed + 2)).tolist()
-    return Blocks(listed, order[:len(listed)], total)
+    return Blocks(listed, order[:len(listed)], total, staging)
 
 
 # -- the prefill process ------------------------------------------------------------------------------------------
@@ -406,7 +408,7 @@ class Decode:
                         vals[row, :, :hi - lo] = kv[layer, lo:hi, heads].transpose(0, 1)
                     write_tokens(cache, form, ids, vals)
         before = [[c.clone() for c, _ in caches] for caches in ranks]
-        plan = self.plan(case, blocks, prefill_ids, ratio, split, staging)
+        plan = self.plan(case, blocks, prefill_ids, ratio, split)
         if isinstance(plan, str):
             return Outcome(plan)
         name = self.agent.add_remote_agent(agent_meta)
@@ -433,7 +435,7 @@ class Decode:
         wrong = self.verify(case, ranks, before, blocks, kv, plan)
         return Outcome(wrong or "exact", read_s=read_s, receive_s=receive_s, bytes=moved)
 
-    def plan(self, case: Case, blocks: Blocks, prefill_ids: list[int], ratio: int, split: bool, staging: int):
+    def plan(self, case: Case, blocks: Blocks, prefill_ids: list[int], ratio: int, split: bool):
         """The read planning the connector runs (pdctl.kv.reads), on one KV group."""
         local = blocks.ids[case.prefix_hit:]
         if split:
@@ -441,7 +443,7 @@ class Decode:
             if case.window:
                 tails[0] = reads.window_tails(blocks.ids, prefill_ids, tokens=case.tokens, window=case.window,
                                               prefill_block=case.prefill.block, decode_block=case.decode.block)
-            pool = StagingPool.last_blocks(blocks.total, staging)
+            pool = StagingPool.last_blocks(blocks.total, blocks.staging)
             try:
                 read = reads.plan_split([blocks.ids if case.window else local], [prefill_ids], ratio=ratio,
                                         block_size=case.decode.block, tokens=case.tokens, cached=[case.prefix_hit],
@@ -449,7 +451,7 @@ class Decode:
             except reads.WindowNotHeld:
                 return "refused: pdctl: the sliding-window tails do not hold the window"
             except reads.StagingFull as e:
-                return f"wrong: the staging area ({staging} blocks, the least accepted) cannot hold {e} chunks"
+                return f"wrong: the staging area ({blocks.staging} blocks, the least accepted) cannot hold {e} chunks"
             chunks = read.plan.groups[0]
             pairs = [(c.dest, c.src) for c in chunks]
             return {"pairs": pairs, "chunks": chunks, "fills": read.fills.get(0), "ids": None}
@@ -546,13 +548,12 @@ class Decode:
             lo = next(a for a, i in zip(pb.listed, pb.ids, strict=True) if i != NULL_BLOCK) * case.prefill.block
         merge_end = cdiv(t_all, case.prefill.block) * case.prefill.block if case.prefill.block <= nd and \
             not case.window else t_all
-        staging = set(range(blocks.total - (2 * (case.prefill.block // nd - 1) if case.prefill.block > nd else 0),
-                            blocks.total))
+        held = set(blocks.ids) | set(range(blocks.total - blocks.staging, blocks.total))
+        others = [b for b in range(blocks.total) if b not in held]
         for rank, caches in enumerate(ranks):
             heads = slice(rank * HEADS // case.decode.tp, (rank + 1) * HEADS // case.decode.tp)
             for layer, (cache, form) in enumerate(caches):
-                got = read_tokens(cache, form, blocks.ids).view(torch.uint8) if cache.dtype == torch.uint8 else \
-                    read_tokens(cache, form, blocks.ids)
+                got = read_tokens(cache, form, blocks.ids)
                 for row, a in enumerate(blocks.listed):
                     for s in range(nd):
                         t = a * nd + s
@@ -566,7 +567,6 @@ class Decode:
                             want = torch.zeros_like(kv[layer, 0, heads])
                         if not torch.equal(_bits(got[row, :, s]), _bits(want)):
                             return f"wrong: rank {rank} layer {layer} block {blocks.ids[row]} slot {s} (token {t})"
-                others = [b for b in range(blocks.total) if b not in set(blocks.ids) | staging]
                 if others and not torch.equal(_bits(cache[others]), _bits(before[rank][layer][others])):
                     return f"wrong: rank {rank} layer {layer}: a block outside the request changed"
         return None
@@ -624,6 +624,22 @@ def fast_cases() -> list[Case]:
             case_for("cpu_vec", "cpu_amx", "merge", 2, "bf16", "prefix", (1, 1)),
             case_for("cpu_amx", "cpu_amx", "split", 2, "bf16", "window", (1, 1)),
             case_for("LBNHC", "LBHNC", "merge", 2, "bf16", "full", (1, 1))]
+
+
+def case_problem(case: Case) -> str | None:
+    """What makes a case given by flags one the harness cannot run, naming the flag; None when it can."""
+    if min(case.prefill.tp, case.decode.tp) < 1:
+        return f"--tp {case.prefill.tp}:{case.decode.tp}: each side needs at least one rank"
+    if case.tokens < 1:
+        return f"--tokens {case.tokens}: a prompt has at least one token"
+    if not 0 <= case.prefix_hit < cdiv(case.tokens, case.decode.block):
+        return (f"--prefix-hit {case.prefix_hit}: the decode holds 0 to {cdiv(case.tokens, case.decode.block) - 1} "
+                "of the prompt's blocks (the last one always arrives)")
+    if case.window is not None and (case.window < 1 or case.prefix_hit):
+        return f"--window {case.window}: a window of at least one token, without --prefix-hit"
+    if case.window and case.prefill.block == case.decode.block:
+        return "--window: at equal block sizes vLLM pairs the window's tails itself; pdctl plans only other sizes"
+    return None
 
 
 def parse_side(text: str, flag: str, tp: int) -> Side:
@@ -727,8 +743,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.prefill:
         pre, dec = parse_side(args.prefill, "--prefill", p_tp), parse_side(args.decode, "--decode", d_tp)
-        tokens = args.tokens or 3 * max(pre.block, dec.block) + max(pre.block, dec.block) // 2 + 1
+        big = max(pre.block, dec.block)
+        tokens = args.tokens if args.tokens is not None else 3 * big + big // 2 + 1
         cases = [Case(pre, dec, args.dtype, tokens, args.prefix_hit, args.window)]
+        problem = case_problem(cases[0])
+        if problem:
+            print(f"kv_conformance: {problem}", file=sys.stderr)
+            return 2
     else:
         cases = fast_cases() if args.fast else matrix()
     whole = not args.prefill and not args.fast

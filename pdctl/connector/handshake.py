@@ -70,8 +70,6 @@ class Handshake:
             self._note_isa(nixl_agent_meta.block_size, remote_isa, refuse)
         if nixl_agent_meta.block_size > self.block_size:
             ratio = nixl_agent_meta.block_size // self.block_size
-            if seam.permutes_local_kv(self):
-                refuse("prefill block > decode block needs the same KV layout on both sides")
             if self._staging_blocks < 2 * (ratio - 1):
                 refuse(f"the decode reserved {self._staging_blocks} staging blocks, it needs at least "
                        f"{2 * (ratio - 1)} (connector extra config pdctl.staging_blocks; pdctl's plan sets it)")

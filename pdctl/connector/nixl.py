@@ -65,7 +65,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         os.sched_setaffinity(0, affinity)
         self._cpu_attn = self.backend_name == "CPU_ATTN"
         if os.environ.get(protocol.QUEUE_SPIN_ENV) and not seam.spin_wait_patched():
-                log.warning("pdctl connector: %s is set but vLLM's executor queues were not calmed: "
+            log.warning("pdctl connector: %s is set but vLLM's executor queues were not calmed: "
                         "pdctl's vLLM plugin did not load (pdctl not installed in this Python, or VLLM_PLUGINS "
                         "does not name pdctl_calm_queues); the queue readers spin", protocol.QUEUE_SPIN_ENV)
         self._trace = s.trace
@@ -273,10 +273,9 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         return [(self.device_kv_caches[name], self._form(name)) for name in names]
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
-        if seam.permutes_local_kv(self):  # vLLM permutes the received KV into its local layout itself
-            return super().post_process_device_kv_on_receive(block_size_ratio, block_ids_list, convert)
         # Every form pdctl.kv models: merge sub-blocks and zero the uncovered tail in the cache's own form
-        # (CPU_ATTN's per-ISA packing included; vLLM's generic merge corrupts CPU KV silently), on its device.
+        # (CPU_ATTN's per-ISA packing included; vLLM's generic merge corrupts CPU KV silently), on its device. Pairs
+        # whose layouts differ are refused at the handshake (pdctl.kv.reads.refusal), so vLLM never permutes here.
         for group, block_ids, covered_sub_blocks in block_ids_list:
             fills = self._window_fills.pop((group, block_ids[0]), None) if block_ids else None
             receive_merged(self._layers(seam.group_layer_names(self, group)), list(block_ids), block_size_ratio,

@@ -144,7 +144,6 @@ INTERNALS: tuple[Internal, ...] = (
             why="pdctl's NixlConnector returns its stats and metrics classes"),
     *_attrs("attr", BASE_WORKER, "_physical_blocks_per_logical_kv_block",
             "kernel blocks per logical block: P > D needs 1; sub-block pairing scales by it"),
-    *_attrs("attr", BASE_WORKER, "enable_permute_local_kv", "vLLM permutes the local layout: pdctl steps aside"),
     *_attrs("attr", BASE_WORKER, "xfer_handshake_metadata",
             "written: the handshake payload, re-encoded with the CPU attention ISA"),
     *_attrs("attr", BASE_WORKER, "kv_cache_config", "transfer_groups[g].layer_names: the layers of a group"),
@@ -250,11 +249,6 @@ def reads_in(meta: Any) -> list[str]:
 def kernel_blocks_per_block(worker: Any) -> int:
     """Kernel blocks per logical KV block on this worker (vLLM's `_physical_blocks_per_logical_kv_block`)."""
     return int(worker._physical_blocks_per_logical_kv_block)
-
-
-def permutes_local_kv(worker: Any) -> bool:
-    """vLLM permutes the received KV into the local layout itself (`enable_permute_local_kv`)."""
-    return bool(worker.enable_permute_local_kv)
 
 
 def group_count(spec_holder: Any) -> int:

@@ -199,7 +199,6 @@ def split_addresses(meta, ratio: int, descs: np.ndarray) -> np.ndarray:
 
 # -- which pairs are read ------------------------------------------------------------------------------------
 
-CPU_BACKEND = "CPU_ATTN"
 HEADS_OUTSIDE = ("LBHNC", "BLHNC", "HND")  # vLLM's layouts whose page holds each head's tokens together
 
 
@@ -212,10 +211,6 @@ class Peer:
     block_size: int
     tp: int
     isa: str | None = None  # CPU_ATTN: the ISA its pages are packed for
-
-    def describe(self) -> str:
-        return (f"{self.backend}" + (f" ({self.isa})" if self.isa else "") +
-                f", layout {self.layout}, block {self.block_size}, TP {self.tp}")
 
 
 def refusal(prefill: Peer, decode: Peer, decode_isa_at: str | None = None) -> str | None:

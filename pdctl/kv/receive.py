@@ -62,9 +62,9 @@ def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int,
     idx = block_ids(ids[:written], layers[0][0])
     stale = block_ids(ids[written:], layers[0][0])
     for cache, form in layers:
-        local = form.side()
-        if written and merge and _moves_bytes(form.side(form.block_size // ratio, packed), local):
-            blocks = merge_in_place(form.pages(cache, idx), ratio, form.side(form.block_size // ratio, packed), local)
+        local, received = form.side(), form.side(form.block_size // ratio, packed)
+        if written and merge and _moves_bytes(received, local):
+            blocks = merge_in_place(form.pages(cache, idx), ratio, received, local)
             if zero_from is not None:
                 _zero_slots(blocks[-1], local, [(zero_from, None)])
             form.put_pages(cache, idx, blocks)

@@ -101,4 +101,8 @@ def test_cli_errors_name_the_flag(capsys):
     with pytest.raises(SystemExit, match="--decode LBHNC: expected FORM:BLOCK"):
         kc.main(["--prefill", "LBHNC:16", "--decode", "LBHNC"])
     assert kc.main(["--tp", "x", "--list"]) == 2
+    assert kc.main(["--prefill", "LBHNC:16", "--decode", "LBHNC:32", "--tokens", "0"]) == 2
+    assert "--tokens 0: a prompt has at least one token" in capsys.readouterr().err
+    assert kc.main(["--prefill", "LBHNC:16", "--decode", "LBHNC:16", "--window", "40"]) == 2
+    assert "--window: at equal block sizes" in capsys.readouterr().err
     assert kc.main(["--list", "--fast"]) == 0 and "6 cells" in capsys.readouterr().out

@@ -111,7 +111,7 @@ def test_worker_accessors():
                         kv_cache_config=SimpleNamespace(transfer_groups=(SimpleNamespace(layer_names=["l0", "l1"]),)),
                         _handle_failed_transfer=lambda *a, **k: calls.append((a, k)))
     assert seam.has_remote_agent(w, "p1") and not seam.has_remote_agent(w, "p2")
-    assert seam.kernel_blocks_per_block(w) == 2 and seam.permutes_local_kv(w) is False
+    assert seam.kernel_blocks_per_block(w) == 2
     assert seam.group_layer_names(w, 0) == ["l0", "l1"]
     seam.fail_recv(w, "r1")
     assert calls == [(("r1", None, {"old"}), {"record_failed_transfer": True})]

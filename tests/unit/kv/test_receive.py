@@ -286,6 +286,19 @@ def test_zero_fills_clear_exactly_the_slots_they_name(form):
                                                                                    raw_page(before, 3))
 
 
+def window_request(form, p_block: int, d_block: int, dtype, seed: int, lead: int):
+    """A prompt of `lead` to lead + 2 bigger blocks and a window of one to two of them, its KV in a prefill cache,
+    and where each side's tail of the window starts: (tokens, need_from, src, k, v, local_first, remote_first,
+    n_local)."""
+    big = max(p_block, d_block)
+    tokens = lead * big + 1 + seed % (2 * big - 1)
+    window = big + 1 + (seed // 7) % big
+    need_from = max(0, tokens - window + 1)
+    src, k, v = prefill(form, p_block, tokens, dtype, seed)
+    local_first, remote_first = need_from // d_block, need_from // p_block
+    return tokens, need_from, src, k, v, local_first, remote_first, -(-tokens // d_block) - local_first
+
+
 @settings(max_examples=50)  # the larger blocks (amx x8): a few ms per example
 @given(st.sampled_from(FORMS), st.sampled_from((2, 4, 8)), st.sampled_from(DTYPES), st.integers(0, 2**16))
 def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefill_no_longer_held(form, ratio,
@@ -297,12 +310,8 @@ def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefil
 
     p_block = smallest_block(form)
     d_block = p_block * ratio
-    tokens = 3 * d_block + 1 + seed % (2 * d_block - 1)
-    window = d_block + 1 + (seed // 7) % d_block
-    need_from = max(0, tokens - window + 1)
-    src, k, v = prefill(form, p_block, tokens, dtype, seed)
-    local_first, remote_first = need_from // d_block, need_from // p_block
-    n_local = -(-tokens // d_block) - local_first
+    tokens, need_from, src, k, v, local_first, remote_first, n_local = window_request(form, p_block, d_block, dtype,
+                                                                                     seed, lead=3)
     cache = make_cache(form, n_local + 4, d_block, dtype)
     garbage(cache, seed + 3)
     local = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(seed))[:n_local].tolist()
@@ -322,8 +331,8 @@ def test_a_sliding_window_merge_gives_the_window_back_and_zeroes_what_the_prefil
        st.integers(0, 2**16))
 def test_a_merge_past_a_decode_prefix_hit_gives_every_new_token_back(form, ratio, hit, dtype, seed):
     """P < D where the decode already holds `hit` blocks of the prompt: the sub-blocks past them paired as the
-    connector pairs them (pdctl.kv.index.pair_past_prefix_hit over vLLM's mapping), then the merge."""
-    from pdctl.kv.index import pair_past_prefix_hit
+    connector pairs them (pdctl.kv.reads.merge_mapping, then vLLM's end-trim), then the merge."""
+    from pdctl.kv.reads import end_trimmed, merge_mapping
 
     p_block = smallest_block(form)
     d_block = p_block * ratio
@@ -336,10 +345,9 @@ def test_a_merge_past_a_decode_prefix_hit_gives_every_new_token_back(form, ratio
     for t in range(hit * d_block):  # the decode's own prefix hit
         write_token(cache, form, ids[t // d_block], t % d_block, k[t], v[t])
     new, remote = ids[hit:], list(range(src.shape[0]))
-    mapped = [b * ratio + j for b in new for j in range(ratio)][:len(remote)]  # vLLM's mapping, clipped
-    fixed, _ = pair_past_prefix_hit([mapped], [remote], [hit], ratio)
+    fixed, _ = merge_mapping([new], [remote], ratio, [hit])
     subs = fixed[0]
-    pairs = list(zip(subs, remote[len(remote) - len(subs):], strict=True))
+    pairs = list(zip(subs, end_trimmed([subs], [remote])[0], strict=True))
     e_p = raw_page(src, 0).numel()
     for sub, rid in pairs:
         raw_page(cache, sub // ratio)[(sub % ratio) * e_p:(sub % ratio + 1) * e_p] = raw_page(src, rid)
@@ -358,12 +366,8 @@ def test_a_sliding_window_split_gives_the_window_back_and_zeroes_what_the_prefil
 
     d_block = smallest_block(form)
     p_block = d_block * ratio
-    tokens = 2 * p_block + 1 + seed % (2 * p_block - 1)
-    window = p_block + 1 + (seed // 7) % p_block
-    need_from = max(0, tokens - window + 1)
-    src, k, v = prefill(form, p_block, tokens, dtype, seed)
-    local_first, remote_first = need_from // d_block, need_from // p_block
-    n_local = -(-tokens // d_block) - local_first
+    tokens, need_from, src, k, v, local_first, remote_first, n_local = window_request(form, p_block, d_block, dtype,
+                                                                                     seed, lead=2)
     cache = make_cache(form, n_local + 2 * ratio + 2, d_block, dtype)
     garbage(cache, seed + 5)
     order = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(seed)).tolist()
