@@ -7,7 +7,7 @@ TINY := .pdctl/models/tiny
 TINY_HYBRID := .pdctl/models/tiny-hybrid
 STAMP := $(VENV)/.pdctl-installed
 
-.PHONY: setup model demo test test-all unit e2e lint clean cluster-tools tools
+.PHONY: setup model demo test test-all unit e2e lint clean cluster-tools tools check-vllm
 
 setup: $(STAMP)
 
@@ -57,6 +57,11 @@ unit: setup
 
 e2e: setup model cluster-tools tools
 	$(PY) -m pytest tests/e2e -m e2e
+
+# pdctl's seam against a vLLM release's sources, e.g. `make check-vllm VLLM=0.34.0` (a ~240 MB download, cached):
+# before admitting a release in pyproject's [cuda] extra. Not part of `make test`.
+check-vllm: setup
+	bash scripts/check_vllm_release.sh $(VLLM)
 
 lint: setup
 	$(VENV)/bin/ruff check pdctl tests scripts

