@@ -7,9 +7,13 @@ connector code, checked token by token against the prompt's KV in token order.
     python scripts/kv_conformance.py --list
     python scripts/kv_conformance.py [--json]        # the whole matrix (its JSON also in results/)
 
-FORM: vLLM's KVCacheLayout names LBHNC, LBNHC, BLHNC, BLNHC (a GPU backend's joined cache), or cpu_vec, cpu_amx
+FORM: vLLM's KVCacheLayout names LBHNC, LBNHC, BLHNC, BLNHC (a GPU backend's joined cache), cpu_vec, cpu_amx
 (CPU_ATTN's cache packed for that ISA; an AMX host packs bf16 blocks of 32k tokens for amx, every other block for
-vec). --prefix-hit: decode blocks the decode already holds; --window W: a sliding-window group of W tokens.
+vec), hpu (vllm-gaudi's device cache: per layer separate K and V tensors of token-major slots with a padding block
+at the end, two regions per layer), or a host buffer as a device's connector allocates it with
+`kv_buffer_device: cpu`: host:LBHNC, host:LBNHC (vLLM's, one allocation per layer in the device's layout),
+host:hpu (vllm-gaudi's: K and V head-major, two regions per layer). --prefix-hit: decode blocks the decode already
+holds; --window W: a sliding-window group of W tokens.
 
 Two processes, each a NIXL agent (UCX on loopback: posix, cma, self; ../shared/ENVIRONMENT.md): the prefill process
 lays its caches out byte for byte as its form says (one buffer per rank, every layer's view of it, vLLM's layout),
@@ -56,19 +60,26 @@ import torch  # noqa: E402
 
 from pdctl import protocol  # noqa: E402
 from pdctl.kv import reads  # noqa: E402
-from pdctl.kv.forms import CacheForm, form_of, joined_caches  # noqa: E402
+from pdctl.kv.forms import CacheForm, KvPair, form_of, joined_caches, kv_pair_form, kv_pairs  # noqa: E402
 from pdctl.kv.index import StagingPool  # noqa: E402
 from pdctl.kv.receive import receive_merged, receive_split  # noqa: E402
 from pdctl.kv.window import window_pairs  # noqa: E402
 
 JOINED = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
 CPU_FORMS = {"cpu_vec": "vec", "cpu_amx": "amx"}
-FORMS = (*JOINED, *CPU_FORMS)
+# vllm-gaudi's forms -> pdctl.kv's (K, V)-pair form; host buffers of joined caches -> the device layout they keep.
+KV_PAIRS = {"hpu": "hpu", "host:hpu": "hpu_host"}
+HOST_JOINED = {"host:LBHNC": "LBHNC", "host:LBNHC": "LBNHC"}
+FORMS = (*JOINED, *CPU_FORMS, *KV_PAIRS, *HOST_JOINED)
+# vLLM allocates a BL* cache's host buffer per layer in logical [B, H, N, 2D] order (LBHNC) yet advertises the
+# device's layout name: a BLNHC decode would read its HND pages as NHD. Refused, as pdctl's validate refuses it.
+HOST_REFUSED = {"host:BLHNC", "host:BLNHC"}
 # name -> (the cache tensor's dtype as vLLM allocates it, the dtype the values are made in)
 DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torch.float16),
           "fp8": (torch.uint8, torch.float8_e4m3fn)}
 LAYERS, HEADS, HEAD_DIM = 2, 4, 32  # head_dim 32: the smallest amx packs
 JOINED_BACKEND = "FLASH_ATTN"
+GAUDI_BACKEND, GAUDI_LAYOUT = "CUSTOM", "LBNHC"  # vllm-gaudi's backend name; its examples set VLLM_KV_CACHE_LAYOUT=NHD
 NULL_BLOCK = 0  # vLLM's null block: a sliding-window entry the window has left
 READ_WAIT_S = 20.0
 
@@ -118,6 +129,9 @@ def isa_at(form: str, dtype: str, block: int) -> str | None:
 
 def form_problem(side: Side, dtype: str) -> str | None:
     """Why `side` is not a form a host can have, or None."""
+    if side.form in HOST_REFUSED:
+        return (f"vLLM allocates a {side.form[5:]} cache's host buffer head-major per layer (LBHNC) but advertises "
+                f"{side.form[5:]}: set kv_layout LBHNC or LBNHC with kv_buffer_device: cpu")
     if side.form not in FORMS:
         return f"unknown form {side.form} (known: {', '.join(FORMS)})"
     if side.form in CPU_FORMS and dtype == "fp8":
@@ -130,9 +144,11 @@ def form_problem(side: Side, dtype: str) -> str | None:
 
 
 def peer(side: Side, dtype: str) -> reads.Peer:
+    if side.form in KV_PAIRS:
+        return reads.Peer(GAUDI_BACKEND, GAUDI_LAYOUT, side.block, side.tp, KV_PAIRS[side.form])
     cpu = side.form in CPU_FORMS
-    return reads.Peer("CPU_ATTN" if cpu else JOINED_BACKEND, "LBHNC" if cpu else side.form, side.block, side.tp,
-                      isa_at(side.form, dtype, side.block))
+    return reads.Peer("CPU_ATTN" if cpu else JOINED_BACKEND, "LBHNC" if cpu else HOST_JOINED.get(side.form, side.form),
+                      side.block, side.tp, isa_at(side.form, dtype, side.block))
 
 
 def rank_caches(side: Side, dtype: str, blocks: int, device: str) -> list[tuple[torch.Tensor, CacheForm]]:
@@ -140,6 +156,12 @@ def rank_caches(side: Side, dtype: str, blocks: int, device: str) -> list[tuple[
     pdctl.kv.forms chooses from their strides."""
     cache_dtype = DTYPES[dtype][0]
     heads = HEADS // side.tp
+    if side.form in KV_PAIRS:
+        pairs = kv_pairs(KV_PAIRS[side.form], blocks, heads, side.block, HEAD_DIM, LAYERS, cache_dtype, device)
+        return [(c, kv_pair_form(c)) for c in pairs]
+    if side.form in HOST_JOINED:  # one allocation per layer
+        return [(c, form_of(c, JOINED_BACKEND)) for _ in range(LAYERS) for c in joined_caches(
+            HOST_JOINED[side.form], blocks, heads, side.block, HEAD_DIM, 1, cache_dtype, device)]
     cpu = side.form in CPU_FORMS
     caches = joined_caches("LBHNC" if cpu else side.form, blocks, heads, side.block, HEAD_DIM, LAYERS, cache_dtype,
                            device)
@@ -148,10 +170,20 @@ def rank_caches(side: Side, dtype: str, blocks: int, device: str) -> list[tuple[
     return [(c, form_of(c, JOINED_BACKEND)) for c in caches]
 
 
+def plain(cache, form: CacheForm) -> bool:
+    """A joined cache, whose logical view is the tensor itself (not packed per ISA, not a (K, V) pair)."""
+    return isinstance(cache, torch.Tensor) and form.isa_of is None
+
+
+def tensors(cache) -> list[torch.Tensor]:
+    """The tensors a layer's cache is: itself, or a (K, V) pair's two."""
+    return list(cache) if isinstance(cache, KvPair) else [cache]
+
+
 def read_tokens(cache: torch.Tensor, form: CacheForm, ids: list[int]) -> torch.Tensor:
     """Blocks `ids` as [len(ids), H, N, 2D] in token order: vLLM's logical view (CPU_ATTN: unpacked per ISA)."""
     idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
-    if form.isa_of is None:
+    if plain(cache, form):
         return cache.index_select(0, idx)
     side = form.side()
     k, v = side.layout.unpack(form.pages(cache, idx), side.shape)
@@ -161,7 +193,7 @@ def read_tokens(cache: torch.Tensor, form: CacheForm, ids: list[int]) -> torch.T
 def write_tokens(cache: torch.Tensor, form: CacheForm, ids: list[int], values: torch.Tensor) -> None:
     """The inverse of read_tokens."""
     idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
-    if form.isa_of is None:
+    if plain(cache, form):
         cache.index_copy_(0, idx, values)
         return
     side = form.side()
@@ -181,8 +213,27 @@ def stale(caches: list[tuple[torch.Tensor, CacheForm]], seed: int) -> None:
     """Random bytes everywhere: what other requests left in the cache."""
     gen = torch.Generator().manual_seed(seed)
     for cache, _ in caches:
-        raw = torch.randint(0, 256, tuple(cache.shape), dtype=torch.uint8, generator=gen)
-        cache.copy_(raw.view(cache.dtype) if cache.dtype == torch.uint8 else (raw.float() / 64 - 2).to(cache.dtype))
+        for t in storages(cache):
+            raw = torch.randint(0, 256, tuple(t.shape), dtype=torch.uint8, generator=gen)
+            t.copy_(raw.view(t.dtype) if t.dtype == torch.uint8 else (raw.float() / 64 - 2).to(t.dtype))
+
+
+def pads(cache, form: CacheForm) -> list[torch.Tensor]:
+    """vllm-gaudi's padding block past each of K's and V's blocks (`hpu`; none in other forms)."""
+    if form.name != "hpu":
+        return []
+    return [flat[t.numel():] for t, flat in zip(tensors(cache), storages(cache), strict=True)]
+
+
+def storages(cache) -> list[torch.Tensor]:
+    """Every element of the allocations a layer's cache is a view of, as flat tensors of its dtype (vllm-gaudi's
+    padding block included)."""
+    out = []
+    for t in tensors(cache):
+        flat = torch.empty(0, dtype=t.dtype, device=t.device)
+        flat.set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes() // t.element_size(),))
+        out.append(flat)
+    return out
 
 
 # -- the blocks a request holds on each side ----------------------------------------------------------------------
@@ -275,7 +326,7 @@ def advertise(agent, name: str, caches: list[tuple[torch.Tensor, CacheForm]], si
               ) -> AgentMetadata:
     """The handshake metadata pdctl's connector advertises for one rank's caches (the CPU ISA tagged onto the
     backend name)."""
-    regions = [reads.region_of(c, f) for c, f in caches]
+    regions = [r for c, f in caches for r in reads.regions_of(c, f)]
     p = peer(side, dtype)
     return AgentMetadata(
         engine_id=name, agent_metadata=agent.get_agent_metadata(), kv_caches_base_addr=[r.base for r in regions],
@@ -290,8 +341,9 @@ def register(agent, caches: list[tuple[torch.Tensor, CacheForm]], mem: str):
     storage)."""
     seen = {}
     for cache, _ in caches:
-        storage = cache.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for t in tensors(cache):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     dev = torch.cuda.current_device() if mem == "VRAM" else 0
     descs = agent.get_reg_descs([(addr, size, dev, "") for addr, size in seen.items()], mem)
     agent.register_memory(descs)
@@ -407,7 +459,8 @@ class Decode:
                         lo, hi = a * nd, min(case.tokens, (a + 1) * nd)
                         vals[row, :, :hi - lo] = kv[layer, lo:hi, heads].transpose(0, 1)
                     write_tokens(cache, form, ids, vals)
-        before = [[c.clone() for c, _ in caches] for caches in ranks]
+        before = [[([t.clone() for t in tensors(c)], [p.clone() for p in pads(c, f)]) for c, f in caches]
+                  for caches in ranks]
         plan = self.plan(case, blocks, prefill_ids, ratio, split)
         if isinstance(plan, str):
             return Outcome(plan)
@@ -418,11 +471,12 @@ class Decode:
             moved = 0
             for rank, caches in enumerate(ranks):
                 for src, local_part, remote_part in sources(case.prefill.tp, case.decode.tp, rank):
-                    moved += self.read(name, caches, remote[src], plan, ratio, split, local_part, remote_part)
+                    moved += self.read(name, caches, remote[src], plan, ratio, split, local_part, remote_part,
+                                       pieces=2 if pre.kv_pair or dec.kv_pair else 1)
             read_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             for caches in ranks:
-                self.receive(case, caches, plan, ratio, split, remote_isa)
+                self.receive(case, caches, plan, ratio, split, pre.packing)
             if self.device == "cuda":
                 torch.cuda.synchronize()
             receive_s = time.perf_counter() - t1
@@ -468,9 +522,12 @@ class Decode:
         trimmed = reads.end_trimmed([subs], remote)[0]  # vLLM's _apply_prefix_caching
         return {"pairs": list(zip(subs, trimmed, strict=True)), "fills": None, "ids": local}
 
-    def read(self, name: str, caches, meta, plan: dict, ratio: int, split: bool, local_part, remote_part) -> int:
-        """Post one READ of every layer's planned units from one prefill rank, wait for it; the bytes moved."""
+    def read(self, name: str, caches, meta, plan: dict, ratio: int, split: bool, local_part, remote_part,
+             pieces: int = 1) -> int:
+        """Post one READ of every layer's planned units from one prefill rank, wait for it; the bytes moved. A unit
+        is `pieces` descriptors (reads.in_pieces: two where a side is a (K, V) pair)."""
         local_rows, remote_rows = [], []
+        layers = len(caches)
         if split:
             # vLLM's _build_fa_remote on the decode-sized metadata, then the connector's addresses for its chunks.
             sized = reads.as_decode_sized(meta, ratio)
@@ -479,24 +536,27 @@ class Decode:
                 for base, length, stride, n in zip(sized.kv_caches_base_addr, sized.block_lens, sized.block_strides,
                                                    sized.region_num_blocks, strict=True)])
             vllm_rows[:, 0] = reads.split_addresses(sized, ratio, vllm_rows)
-            remote_descs = vllm_rows
-            per_remote = sized.region_num_blocks[0]
-            local_descs = np.concatenate([reads.descriptors(reads.region_of(c, f), 1, local_part) for c, f in caches])
-            per_local = caches[0][1].num_blocks(caches[0][0])
+            remote_regions = np.split(vllm_rows, np.cumsum(sized.region_num_blocks)[:-1])
+            local_regions = [[reads.descriptors(r, 1, local_part) for r in reads.regions_of(c, f)] for c, f in caches]
         else:
             regions = [reads.Region(*r) for r in zip(meta.kv_caches_base_addr, meta.block_lens, meta.block_strides,
                                                      meta.region_num_blocks, strict=True)]
-            remote_descs = np.concatenate([reads.descriptors(r, 1, remote_part) for r in regions])
-            per_remote = meta.region_num_blocks[0]
-            local_descs = np.concatenate([reads.descriptors(reads.region_of(c, f), ratio, local_part)
-                                          for c, f in caches])
-            per_local = caches[0][1].num_blocks(caches[0][0]) * ratio
+            remote_regions = [reads.descriptors(r, 1, remote_part) for r in regions]
+            local_regions = [[reads.descriptors(r, ratio, local_part) for r in reads.regions_of(c, f)]
+                             for c, f in caches]
+        per_layer = len(remote_regions) // layers
+        remote_descs = np.stack([reads.in_pieces(remote_regions[i * per_layer:(i + 1) * per_layer], pieces)
+                                 for i in range(layers)])  # [layers, units, pieces, 2]
+        local_descs = np.stack([reads.in_pieces(rows, pieces) for rows in local_regions])
+        per_remote, per_local = remote_descs.shape[1], local_descs.shape[1]
+        remote_descs, local_descs = remote_descs.reshape(-1, 2), local_descs.reshape(-1, 2)
         if not plan["pairs"]:
             return 0
-        for layer in range(len(caches)):
+        for layer in range(layers):
             for loc, rem in plan["pairs"]:
-                local_rows.append(layer * per_local + loc)
-                remote_rows.append(layer * per_remote + rem)
+                for piece in range(pieces):
+                    local_rows.append((layer * per_local + loc) * pieces + piece)
+                    remote_rows.append((layer * per_remote + rem) * pieces + piece)
         if not np.array_equal(local_descs[local_rows, 1], remote_descs[remote_rows, 1]):
             raise ValueError("local and remote read units differ in length")
         dev = torch.cuda.current_device() if self.device == "cuda" else 0
@@ -518,12 +578,13 @@ class Decode:
         return int(local_descs[local_rows, 1].sum())
 
     @staticmethod
-    def receive(case: Case, caches, plan: dict, ratio: int, split: bool, remote_isa: str | None) -> None:
-        """The connector's receive processing on one rank's caches (one KV group)."""
+    def receive(case: Case, caches, plan: dict, ratio: int, split: bool, packed: str) -> None:
+        """The connector's receive processing on one rank's caches (one KV group); `packed`: the prefill's page
+        packing (reads.Peer.packing)."""
         if split:
-            receive_split(caches, plan["chunks"], ratio, case.tokens, plan["fills"])
+            receive_split(caches, plan["chunks"], ratio, case.tokens, plan["fills"], packed)
         elif plan["ids"]:
-            receive_merged(caches, list(plan["ids"]), ratio, len(plan["pairs"]), plan["fills"], remote_isa)
+            receive_merged(caches, list(plan["ids"]), ratio, len(plan["pairs"]), plan["fills"], packed)
 
     @staticmethod
     def corrupt(case: Case, ranks, blocks: Blocks) -> None:
@@ -567,8 +628,13 @@ class Decode:
                             want = torch.zeros_like(kv[layer, 0, heads])
                         if not torch.equal(_bits(got[row, :, s]), _bits(want)):
                             return f"wrong: rank {rank} layer {layer} block {blocks.ids[row]} slot {s} (token {t})"
-                if others and not torch.equal(_bits(cache[others]), _bits(before[rank][layer][others])):
+                views, pads_before = before[rank][layer]
+                if others and any(not torch.equal(_bits(t[others]), _bits(b[others]))
+                                  for t, b in zip(tensors(cache), views, strict=True)):
                     return f"wrong: rank {rank} layer {layer}: a block outside the request changed"
+                if any(not torch.equal(_bits(p), _bits(b)) for p, b in zip(pads(cache, form), pads_before,
+                                                                            strict=True)):
+                    return f"wrong: rank {rank} layer {layer}: the padding block changed"
         return None
 
 
@@ -585,6 +651,13 @@ def case_for(pf: str, df: str, direction: str, ratio: int, dtype: str, kind: str
     small = 32 if "cpu_amx" in (pf, df) else 16
     big = small * ratio
     pb, db = {"equal": (small, small), "merge": (small, big), "split": (big, small)}[direction]
+    return sized_case(pf, pb, df, db, dtype, kind, tp)
+
+
+def sized_case(pf: str, pb: int, df: str, db: int, dtype: str, kind: str, tp: tuple[int, int]) -> Case:
+    """One cell at given block sizes: `case_for`'s case kinds."""
+    small, big = min(pb, db), max(pb, db)
+    ratio, direction = big // small, "split" if pb > db else "merge"
     tail = 3 * big + big // 2 + small // 2 + 1
     tokens, hit, window = {"full": (3 * big, 0, None), "tail": (tail, 0, None),
                            "prefix": (tail, (ratio + 1) if direction == "split" else 1, None),
@@ -592,14 +665,39 @@ def case_for(pf: str, df: str, direction: str, ratio: int, dtype: str, kind: str
     return Case(Side(pf, pb, tp[0]), Side(df, db, tp[1]), dtype, tokens, hit, window)
 
 
-SAME = [(f, f) for f in FORMS]
+SAME = [(f, f) for f in (*JOINED, *CPU_FORMS, *HOST_JOINED)]
 MIXED = [("LBNHC", "LBHNC"), ("LBHNC", "BLHNC"), ("cpu_vec", "cpu_amx"), ("cpu_amx", "cpu_vec"),
          ("LBHNC", "cpu_vec"), ("cpu_vec", "LBHNC")]
 TPS = [(1, 1), (1, 2), (2, 1)]
+# Gaudi's cache (block 128, its only kernel block size) with CUDA's (block 16), CPU's (32) and itself, device caches
+# and host buffers; each pair at the other side's own block size and at 128.
+GAUDI_BLOCK = 128
+GAUDI = [("LBHNC", "hpu"), ("LBNHC", "hpu"), ("hpu", "LBHNC"), ("hpu", "LBNHC"), ("cpu_vec", "hpu"),
+         ("cpu_amx", "hpu"), ("hpu", "cpu_vec"), ("hpu", "cpu_amx"), ("hpu", "hpu"), ("hpu", "host:hpu"),
+         ("host:hpu", "hpu"), ("host:LBHNC", "host:hpu"), ("host:hpu", "host:LBHNC"), ("host:LBNHC", "host:hpu"),
+         ("host:hpu", "host:LBNHC"), ("cpu_vec", "host:hpu"), ("LBNHC", "host:hpu")]
+
+
+def own_block(form: str) -> int:
+    return GAUDI_BLOCK if form in KV_PAIRS else 32 if form in CPU_FORMS else 16
+
+
+def gaudi_cases() -> list[Case]:
+    cases = []
+    for pf, df in GAUDI:
+        cpu = {pf, df} & set(CPU_FORMS)
+        sizes = {(own_block(pf), own_block(df)), (GAUDI_BLOCK, GAUDI_BLOCK)}
+        for pb, db in sorted(sizes):
+            for dtype in ["bf16"] if cpu else ["bf16", "fp8"]:
+                for kind in ("full", "tail", "prefix", *(("window",) if pb != db else ())):
+                    for tp in TPS:
+                        cases.append(sized_case(pf, pb, df, db, dtype, kind, tp))
+    return cases
 
 
 def matrix() -> list[Case]:
-    """Forms (each with itself, and mixed pairs) x directions x ratios 2/4/8 x dtype x case kind x TP."""
+    """Forms (each with itself, and mixed pairs) x directions x ratios 2/4/8 x dtype x case kind x TP; Gaudi's
+    pairs (`GAUDI`) at their own block sizes."""
     cases = []
     for pf, df in SAME + MIXED:
         cpu = {pf, df} & set(CPU_FORMS)
@@ -613,7 +711,7 @@ def matrix() -> list[Case]:
                     for kind in ("full", "tail", "prefix", *(("window",) if direction != "equal" else ())):
                         for tp in TPS:
                             cases.append(case_for(pf, df, direction, ratio, dtype, kind, tp))
-    return cases
+    return cases + gaudi_cases()
 
 
 def fast_cases() -> list[Case]:
@@ -623,7 +721,9 @@ def fast_cases() -> list[Case]:
             case_for("LBHNC", "LBHNC", "merge", 2, "fp16", "tail", (1, 2)),
             case_for("cpu_vec", "cpu_amx", "merge", 2, "bf16", "prefix", (1, 1)),
             case_for("cpu_amx", "cpu_amx", "split", 2, "bf16", "window", (1, 1)),
-            case_for("LBNHC", "LBHNC", "merge", 2, "bf16", "full", (1, 1))]
+            case_for("LBNHC", "LBHNC", "merge", 2, "bf16", "full", (1, 1)),
+            sized_case("LBNHC", 16, "hpu", GAUDI_BLOCK, "fp8", "prefix", (1, 1)),
+            sized_case("host:hpu", GAUDI_BLOCK, "host:LBHNC", 16, "bf16", "window", (1, 1))]
 
 
 def case_problem(case: Case) -> str | None:
@@ -716,9 +816,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "\n  ".join(["python scripts/kv_conformance.py --prefill BLHNC:32 --decode BLHNC:16 "
                                               "--prefix-hit 3", "python scripts/kv_conformance.py --prefill "
                                               "cpu_vec:16 --decode cpu_amx:64 --corrupt",
+                                              "python scripts/kv_conformance.py --prefill LBNHC:16 --decode hpu:128 "
+                                              "--prefix-hit 1 --dtype fp8",
                                               "python scripts/kv_conformance.py --json > matrix.json"]))
-    ap.add_argument("--prefill", metavar="FORM:BLOCK")
-    ap.add_argument("--decode", metavar="FORM:BLOCK")
+    ap.add_argument("--prefill", metavar="FORM:BLOCK", help=f"FORM: {', '.join(FORMS)}")
+    ap.add_argument("--decode", metavar="FORM:BLOCK", help="as --prefill")
     ap.add_argument("--tokens", type=int, default=None, help="prompt tokens (default: 3.5 of the larger block + 1)")
     ap.add_argument("--prefix-hit", type=int, default=0, metavar="BLOCKS", help="decode blocks the decode holds")
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
@@ -752,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         cases = fast_cases() if args.fast else matrix()
-    whole = not args.prefill and not args.fast
+    whole = not args.prefill and not args.fast and not args.corrupt
     cases = [replace(c, corrupt=args.corrupt) for c in cases]
     if args.list:
         for c in cases:

@@ -12,7 +12,10 @@ registers and moves for it: the bytes of one (layer, block), in memory order. Th
 - CPU_ATTN's packings: logically LBHNC, but each (block, head) holds its K region then its V region in the order of
   the attention ISA vLLM chose for the block size (vec, vec16: K transposed; amx: 16-token tiles). The ISA depends
   on the block size, so the form asks `isa_of(block_size)` (received blocks may be another size than the cache's);
-- separate K and V tensors, token-major (Gaudi): a later form; `form_of` refuses what it does not model.
+- separate K and V tensors (Gaudi, `KvPairForm`): vllm-gaudi hands a layer as a (K, V) pair, each
+  `[B, N, H, D]` (its flat `(blocks * N, H, D)` slots viewed per block, the padding block left out) and registers
+  each as its own region. Its device cache is token-major (`hpu`: a page is `[N, H, D]` in each), its host buffer
+  head-major (`hpu_host`: `[H, N, D]` in each). pdctl.kv sees the page as the K page then the V page.
 
 The form is chosen once, from the tensor's shape, strides and the attention backend (`form_of`), never from a
 layout name. Pure torch: no vLLM, no NIXL.
@@ -85,10 +88,98 @@ class CacheForm:
         """Block `block`'s page as a flat view (writes reach the cache) in memory order."""
         return cache[block].permute(*(d - 1 for d in self.page_dims)).view(-1)
 
+    def zero_blocks(self, cache: torch.Tensor, ids: torch.Tensor) -> None:
+        """Zero blocks `ids` whole."""
+        cache.index_fill_(0, ids, 0)
+
     def region(self, cache: torch.Tensor, block: int) -> tuple[int, int]:
         """Block `block`'s page as NIXL registers and reads it: (byte address, byte length)."""
         size = cache.element_size()
         return cache.data_ptr() + block * cache.stride(0) * size, self.page_elems * size
+
+
+@dataclass(frozen=True)
+class KvPair:
+    """One layer's cache handed as separate K and V tensors, each [B, N, H, D] (a view of vllm-gaudi's slots)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def __iter__(self):
+        return iter((self.k, self.v))
+
+
+@dataclass(frozen=True)
+class KvPairForm(CacheForm):
+    """A layer's (K, V) pair (`KvPair`): its page is the K page then the V page, each of `half` elements in memory
+    order (`page_dims` of the K tensor's [B, N, H, D] axes: (1, 2, 3) token-major, (2, 1, 3) head-major)."""
+
+    def side(self, block_size: int | None = None, packed: str | None = None) -> Side:
+        n = block_size or self.block_size
+        return Side(layout(packed or self.name), BlockShape(self.heads, n, self.head_dim))
+
+    @property
+    def half(self) -> int:
+        return self.page_elems // 2
+
+    def num_blocks(self, cache: KvPair) -> int:  # type: ignore[override]
+        return cache.k.shape[0]
+
+    def pages(self, cache: KvPair, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.cat([t.index_select(0, ids).permute(0, *self.page_dims).reshape(ids.numel(), -1)
+                          for t in cache], dim=1)
+
+    def put_pages(self, cache: KvPair, ids: torch.Tensor, pages: torch.Tensor) -> None:  # type: ignore[override]
+        dims = [cache.k.shape[d] for d in self.page_dims]
+        back = [0] * 4
+        for pos, d in enumerate((0, *self.page_dims)):
+            back[d] = pos
+        for t, half in zip(cache, pages.reshape(ids.numel(), 2, -1).unbind(1), strict=True):
+            t.index_copy_(0, ids, half.reshape(ids.numel(), *dims).permute(*back))
+
+    def page(self, cache: KvPair, block: int) -> torch.Tensor:  # type: ignore[override]
+        raise FormError("a K/V pair's page spans two tensors: no single view of it (use pages/put_pages)")
+
+    def zero_blocks(self, cache: KvPair, ids: torch.Tensor) -> None:  # type: ignore[override]
+        for t in cache:
+            t.index_fill_(0, ids, 0)
+
+    def region(self, cache: KvPair, block: int) -> tuple[int, int]:  # type: ignore[override]
+        raise FormError("a K/V pair registers two regions per layer (pdctl.kv.reads.regions_of)")
+
+
+def kv_pair_form(cache: KvPair) -> KvPairForm:
+    """The form of a layer handed as a (K, V) pair of [B, N, H, D] tensors. FormError when K and V differ in shape,
+    dtype or strides, or when a block's page in either is not one contiguous run of bytes."""
+    k, v = cache
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.stride() != v.stride():
+        raise FormError(f"a K/V pair of shapes {tuple(k.shape)} / {tuple(v.shape)}, strides {k.stride()} / "
+                        f"{v.stride()}: pdctl.kv models K and V as [B, N, H, D] tensors laid out alike")
+    _, n, h, d = k.shape
+    order = tuple(dim for dim in _memory_order(k) if dim)
+    sizes = {1: n, 2: h, 3: d}
+    inner = 1
+    for dim in reversed(order):
+        if sizes[dim] > 1 and k.stride(dim) != inner:
+            order = ()
+            break
+        inner *= sizes[dim]
+    if order == (1, 2, 3):
+        name = "hpu"
+    elif order == (2, 1, 3):
+        name = "hpu_host"
+    else:
+        raise FormError(f"a K/V pair with strides {k.stride()} for shape {tuple(k.shape)}: a block's K page is not "
+                        "one contiguous run of bytes in token-major [N, H, D] or head-major [H, N, D] order")
+    return KvPairForm(name, h, n, d, order)  # type: ignore[arg-type]
 
 
 def _memory_order(cache: torch.Tensor) -> tuple[int, ...]:
@@ -167,6 +258,26 @@ def joined_cache(form: str, blocks: int, heads: int, block_size: int, head_dim: 
     return joined_caches(form, blocks, heads, block_size, head_dim, layers, dtype, device)[layer]
 
 
-def block_ids(values: Sequence[int], cache: torch.Tensor) -> torch.Tensor:
+def kv_pairs(form: str, blocks: int, heads: int, block_size: int, head_dim: int, layers: int = 1,
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> list[KvPair]:
+    """Every layer's (K, V) pair as vllm-gaudi lays `form` out: `hpu`, its device cache (each of K and V its own
+    flat `(blocks + 1) * block_size` slots of [H, D], viewed per block without the padding block at the end), or
+    `hpu_host`, its host buffer (per layer one [2, B, H, N, D] allocation viewed as [2, B, N, H, D]). Zeroed; for
+    tests and checks."""
+    pairs = []
+    for _ in range(layers):
+        if form == "hpu":
+            k, v = (torch.zeros((blocks + 1) * block_size, heads, head_dim, dtype=dtype, device=device)
+                    .view(-1, block_size, heads, head_dim)[:blocks] for _ in range(2))
+        elif form == "hpu_host":
+            buf = torch.zeros(2, blocks, heads, block_size, head_dim, dtype=dtype, device=device)
+            k, v = buf.permute(0, 1, 3, 2, 4).unbind(0)
+        else:
+            raise FormError(f"unknown K/V pair form {form!r} (hpu, hpu_host)")
+        pairs.append(KvPair(k, v))
+    return pairs
+
+
+def block_ids(values: Sequence[int], cache: torch.Tensor | KvPair) -> torch.Tensor:
     """Block ids as an index tensor on the cache's device."""
     return torch.tensor(list(values), dtype=torch.long, device=cache.device)

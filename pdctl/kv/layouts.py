@@ -35,6 +35,9 @@ class Layout:
     # A block's tokens are its outermost axis: blocks cut or joined along tokens are the same bytes (a merge or
     # split within the layout moves nothing).
     token_major = False
+    # How many registered regions a page spans: 1 (one tensor per layer), or 2 for a cache handed as separate K
+    # and V tensors, whose page is the K page then the V page (each in its own region, equal in size).
+    regions = 1
 
     def unpack(self, raw: torch.Tensor, s: BlockShape) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -147,7 +150,39 @@ class CpuAmx(Layout):
                 x[:, :, 1].unflatten(-1, (d // 16, n // unit, unit * 16))]
 
 
-LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (HND(), NHD(), CpuVec(), CpuAmx())}
+class KvSplit(Layout):
+    """A cache handed as separate K and V tensors (Gaudi): a page is K's page then V's page, each in its own region.
+    `heads_outer`: each of them [H, N, D] (the host buffer vllm-gaudi allocates), else [N, H, D] (its device cache,
+    token-major)."""
+
+    regions = 2
+
+    def __init__(self, name: str, heads_outer: bool):
+        self.name = name
+        self.heads_outer = heads_outer
+
+    def _dims(self, s: BlockShape) -> tuple[int, int]:
+        return (s.heads, s.block_size) if self.heads_outer else (s.block_size, s.heads)
+
+    def unpack(self, raw, s):
+        x = raw.reshape(-1, 2, *self._dims(s), s.head_dim)
+        if not self.heads_outer:
+            x = x.transpose(2, 3)
+        return x[:, 0], x[:, 1]
+
+    def pack(self, k, v, s):
+        x = torch.stack([k, v], dim=1)
+        return (x if self.heads_outer else x.transpose(2, 3)).reshape(k.shape[0], -1)
+
+    def token_views(self, raw, s, unit):
+        if self.heads_outer:
+            return [raw.reshape(-1, 2, s.heads, s.block_size // unit, unit * s.head_dim)]
+        return [raw.reshape(-1, 2, s.block_size // unit, unit * s.heads * s.head_dim)]
+
+
+# vllm-gaudi's two forms: its device cache (token-major K and V) and its host buffer (head-major K and V).
+HPU, HPU_HOST = KvSplit("hpu", heads_outer=False), KvSplit("hpu_host", heads_outer=True)
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (HND(), NHD(), CpuVec(), CpuAmx(), HPU, HPU_HOST)}
 # The CPU attention ISAs that share a layout.
 ISA_LAYOUT = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 

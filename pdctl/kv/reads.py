@@ -2,8 +2,8 @@
 of every read. The connector's mixins (pdctl.connector) and the conformance harness (scripts/kv_conformance.py)
 both plan their reads here, so what the harness proves over real NIXL transfers is what the connector does.
 
-- `Region`, `region_of`: one layer's registered cache as the handshake advertises it (base address, page bytes,
-  bytes from one block's page to the next, blocks);
+- `Region`, `region_of`, `regions_of`: one layer's registered cache as the handshake advertises it (base address,
+  page bytes, bytes from one block's page to the next, blocks): one region, or two for a (K, V) pair (Gaudi);
 - `descriptors`: the (address, length) of every read unit of a region: whole pages, or each page cut into `chunks`
   equal byte runs (a decode page receiving `chunks` smaller prefill pages; a prefill page read as decode-sized
   chunks), optionally one TP rank's part of each. Chunk c of block b lies at base + b * stride + c * page / chunks:
@@ -14,6 +14,8 @@ both plan their reads here, so what the harness proves over real NIXL transfers 
 - `window_tails`: a sliding-window group's two tails as pdctl.kv.window takes them (both directions);
 - `plan_split`: prefill block > decode block: every prefill block a request touches read whole as decode-sized
   chunks, staging for the chunks no decode block takes, window tails by token (pdctl.kv.index, pdctl.kv.window);
+- `in_pieces`: a layer's read units across its regions, cut so that a (K, V) pair's unit pairs with a joined
+  page's: K's piece with the page's first half, V's with its second (receive processing regroups them);
 - `refusal`: whether a prefill/decode pair is read at all: pdctl's rules, and vLLM 0.32's handshake rules a pair
   meets before pdctl's code runs, each with its reason.
 
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from pdctl.kv.index import SplitPlan, pair_past_prefix_hit, split_plan, split_staging_needed
-from pdctl.kv.layouts import layout
+from pdctl.kv.layouts import VLLM_LAYOUTS, layout
 from pdctl.kv.window import WindowFill, window_split_plan, window_staging_needed
 
 
@@ -52,6 +54,34 @@ def region_of(cache, form) -> Region:
     """The region of one registered cache tensor of form `form` (pdctl.kv.forms.CacheForm)."""
     size = cache.element_size()
     return Region(cache.data_ptr(), form.page_elems * size, cache.stride(0) * size, form.num_blocks(cache))
+
+
+def regions_of(cache, form) -> list[Region]:
+    """Every region one layer's cache registers: one, or K's then V's for a (K, V) pair (pdctl.kv.forms.KvPair)."""
+    if form.side().layout.regions == 1:
+        return [region_of(cache, form)]
+    size = cache.dtype.itemsize
+    return [Region(t.data_ptr(), form.half * size, t.stride(0) * size, form.num_blocks(cache)) for t in cache]
+
+
+def in_pieces(rows: Sequence[np.ndarray], count: int) -> np.ndarray:
+    """One layer's read units as `count` pieces each: rows[i] [units, 2] are the (address, length) of every unit in
+    the layer's region i; each cut into count // len(rows) equal byte runs, regions in order -> [units, count, 2].
+    A unit of a (K, V) pair is its K piece then its V piece; a joined page's unit cut in two pairs with it piece
+    by piece, so the page's first half lands in K and its second in V, as the K page then the V page would."""
+    per, rest = divmod(count, len(rows))
+    if rest:
+        raise ValueError(f"{len(rows)} regions do not share {count} pieces")
+    out = []
+    for r in rows:
+        if np.any(r[:, 1] % per):
+            raise ValueError(f"a unit of {int(r[0, 1])} bytes does not cut into {per} equal pieces")
+        length = r[:, 1] // np.uint64(per)
+        cut = np.empty((len(r), per, 2), dtype=np.uint64)
+        cut[:, :, 0] = r[:, :1] + np.arange(per, dtype=np.uint64) * length[:, None]
+        cut[:, :, 1] = length[:, None]
+        out.append(cut)
+    return np.concatenate(out, axis=1)
 
 
 def descriptors(region: Region, chunks: int = 1, part: tuple[int, int] = (0, 1)) -> np.ndarray:
@@ -210,12 +240,32 @@ class Peer:
     layout: str  # vLLM's kv_cache_layout name
     block_size: int
     tp: int
-    isa: str | None = None  # CPU_ATTN: the ISA its pages are packed for
+    isa: str | None = None  # the packing vLLM's metadata cannot say: CPU_ATTN's ISA, or a (K, V) pair's form
+
+    @property
+    def packing(self) -> str:
+        """The pdctl.kv.layouts name a page of this side is packed in."""
+        return self.isa or VLLM_LAYOUTS[self.layout]
+
+    @property
+    def kv_pair(self) -> bool:
+        """A cache handed as (K, V) pairs (Gaudi), whose layer registers two regions."""
+        return layout(self.packing).regions == 2
 
 
 def refusal(prefill: Peer, decode: Peer, decode_isa_at: str | None = None) -> str | None:
     """Why the pair is not read (the handshake fails with this reason), or None. `decode_isa_at`: the ISA the decode's
-    host uses for the prefill's block size (CPU_ATTN: a prefill packed otherwise is converted only by a merge)."""
+    host uses for the prefill's block size (CPU_ATTN: a prefill packed otherwise is converted only by a merge).
+
+    A pair with a (K, V)-pair side (Gaudi) is pdctl's alone: vLLM's backend and layout checks cannot hold across
+    devices, and its pages are converted from and to every form pdctl models, whole pages only (equal TP)."""
+    if prefill.kv_pair or decode.kv_pair:
+        if prefill.tp != decode.tp:
+            return (f"pdctl: TP {prefill.tp} -> {decode.tp} reads head slices, which a (K, V)-pair cache (Gaudi) "
+                    "does not keep together: use equal TP")
+        if max(prefill.block_size, decode.block_size) % min(prefill.block_size, decode.block_size):
+            return "pdctl: one block size must divide the other"
+        return None
     if prefill.backend != decode.backend:
         return (f"vLLM: the attention backends differ ({prefill.backend} -> {decode.backend}); NIXL's compatibility "
                 "hash covers the backend, and CPU_ATTN pages are packed per ISA")

@@ -46,6 +46,31 @@ def _zero_slots(page: torch.Tensor, side: Side, slots: Sequence[tuple[int, int |
         page.masked_fill_(_mask_on(side, start, stop, page.device), 0)
 
 
+def _zero_block_slots(cache, form: CacheForm, block: int, side: Side,
+                      slots: Sequence[tuple[int, int | None]]) -> None:
+    """`_zero_slots` on block `block` of a cache: through a view of its page, or for a (K, V) pair, whose page
+    spans two tensors, through a copy written back."""
+    if side.layout.regions == 1:
+        _zero_slots(form.page(cache, block), side, slots)
+        return
+    ids = block_ids([block], cache)
+    page = form.pages(cache, ids)
+    _zero_slots(page[0], side, slots)
+    form.put_pages(cache, ids, page)
+
+
+def _received_order(rows: torch.Tensor, ratio: int, regions: int, merged: bool) -> torch.Tensor:
+    """Rows of `ratio` received units as the pages they were: a unit read into (or from) a (K, V) pair lies as its K
+    piece in the K page and its V piece in the V page, so a merged row [K1..Kr, V1..Vr] is regrouped to
+    [K1 V1 .. Kr Vr] (r received pages back to back), and split rows [K1 V1 .. Kr Vr] to the prefill's page
+    [K1..Kr V1..Vr]. One region: already in order."""
+    if regions == 1 or ratio == 1:
+        return rows
+    b = rows.shape[0]
+    shape = (b, regions, ratio, -1) if merged else (b, ratio, regions, -1)
+    return rows.reshape(shape).transpose(1, 2).reshape(b, -1)
+
+
 def _moves_bytes(received: Side, local: Side) -> bool:
     """Whether regrouping received pages along tokens changes bytes: not for token-major pages packed as this cache
     packs them (back to back they are the bigger page; cut, the smaller ones)."""
@@ -64,14 +89,15 @@ def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int,
     for cache, form in layers:
         local, received = form.side(), form.side(form.block_size // ratio, packed)
         if written and merge and _moves_bytes(received, local):
-            blocks = merge_in_place(form.pages(cache, idx), ratio, received, local)
+            rows = _received_order(form.pages(cache, idx), ratio, local.layout.regions, merged=True)
+            blocks = merge_in_place(rows, ratio, received, local)
             if zero_from is not None:
                 _zero_slots(blocks[-1], local, [(zero_from, None)])
             form.put_pages(cache, idx, blocks)
         elif written and zero_from is not None:
-            _zero_slots(form.page(cache, ids[written - 1]), local, [(zero_from, None)])
+            _zero_block_slots(cache, form, ids[written - 1], local, [(zero_from, None)])
         if stale.numel():
-            cache.index_fill_(0, stale, 0)
+            form.zero_blocks(cache, stale)
 
 
 def split_received(layers: Layers, dests: Sequence[int], ratio: int, tail: tuple[int, int] | None = None,
@@ -90,9 +116,11 @@ def split_received(layers: Layers, dests: Sequence[int], ratio: int, tail: tuple
         received = form.side(form.block_size * ratio, packed)
         if not _moves_bytes(received, local):
             if tail is not None:
-                _zero_slots(form.page(cache, dests[tail[0]]), local, [(tail[1], None)])
+                _zero_block_slots(cache, form, dests[tail[0]], local, [(tail[1], None)])
             continue
-        blocks = split_in_place(form.pages(cache, ids).reshape(len(dests) // ratio, -1), ratio, received, local)
+        rows = _received_order(form.pages(cache, ids).reshape(len(dests) // ratio, -1), ratio,
+                               received.layout.regions, merged=False)
+        blocks = split_in_place(rows, ratio, received, local)
         if tail is not None:
             at, first = tail
             _zero_slots(blocks[at], local, [(first, None)])
@@ -113,7 +141,8 @@ def merge_window(layers: Layers, ids: Sequence[int], ratio: int, fills: Sequence
         if not (merge and ratio > 1 and _moves_bytes(received, local)):
             zero_fills([(cache, form)], fills)
             continue
-        blocks = merge_in_place(form.pages(cache, idx), ratio, received, local)
+        rows = _received_order(form.pages(cache, idx), ratio, local.layout.regions, merged=True)
+        blocks = merge_in_place(rows, ratio, received, local)
         for row, fill in zip(blocks, fills, strict=True):
             _zero_slots(row, local, fill.zero)
         form.put_pages(cache, idx, blocks)
@@ -125,7 +154,7 @@ def zero_fills(layers: Layers, fills: Sequence[WindowFill]) -> None:
         local = form.side()
         for fill in fills:
             if fill.zero:
-                _zero_slots(form.page(cache, fill.id), local, fill.zero)
+                _zero_block_slots(cache, form, fill.id, local, fill.zero)
 
 
 def receive_merged(layers: Layers, ids: Sequence[int], ratio: int, covered_sub_blocks: int,
@@ -138,8 +167,10 @@ def receive_merged(layers: Layers, ids: Sequence[int], ratio: int, covered_sub_b
     if fills is not None:
         merge_window(layers, ids, ratio, fills, packed, merge=convert)
         return
-    written, zero_from = merge_tail(covered_sub_blocks, ratio, layers[0][1].block_size)
-    merge_received(layers, ids, ratio, written, zero_from, packed, merge=convert and ratio > 1)
+    form = layers[0][1]
+    written, zero_from = merge_tail(covered_sub_blocks, ratio, form.block_size)
+    repacked = form.side(form.block_size // ratio, packed).layout is not form.side().layout  # at ratio 1 too
+    merge_received(layers, ids, ratio, written, zero_from, packed, merge=convert and (ratio > 1 or repacked))
 
 
 def receive_split(layers: Layers, chunks: Sequence[SplitChunk], ratio: int, tokens: int | None,

@@ -36,7 +36,8 @@ def test_fast_cells_are_exact_over_real_nixl_reads():
     rc, results = run()
     assert rc == 0, results
     assert results.pop("LBNHC->LBHNC:32").startswith("refused: vLLM: the KV cache layouts differ")
-    assert set(results.values()) == {"exact"} and len(results) == 5
+    assert set(results.values()) == {"exact"} and len(results) == 7
+    assert {"LBNHC->hpu:128", "host:hpu->host:LBHNC:16"} <= set(results)  # Gaudi's cache and host buffers
 
 
 @pytest.mark.unit_time_limit(30, reason=HARNESS)
@@ -56,6 +57,18 @@ def test_not_a_copy_a_merge_that_does_not_merge_is_wrong():
     assert results["cpu_vec->cpu_amx:64"].startswith("wrong")
     assert results["LBNHC->LBNHC:64"] == "exact"  # token-major pages back to back are the merged page already
     assert results["BLHNC->BLHNC:16"] == "exact"  # a split does not merge
+    assert results["LBNHC->hpu:128"].startswith("wrong")  # a joined page into K and V pages must be converted
+
+
+@pytest.mark.unit_time_limit(30, reason=HARNESS)
+def test_not_a_copy_kv_pair_units_left_as_nixl_placed_them_are_wrong():
+    # The regrouping of units read into (or from) a (K, V) pair's two regions skipped: the K pieces of every
+    # received page are taken for whole pages.
+    rc, results = run(patch="import pdctl.kv.receive as r; r._received_order = lambda rows, *a, **k: rows")
+    assert rc == 1
+    assert results["LBNHC->hpu:128"].startswith("wrong")
+    assert results["host:hpu->host:LBHNC:16"].startswith("wrong")
+    assert results["BLHNC->BLHNC:16"] == "exact"  # one region on both sides: nothing to regroup
 
 
 @pytest.mark.unit_time_limit(30, reason=HARNESS)
@@ -85,7 +98,12 @@ def test_the_advertised_metadata_is_vllms_field_for_field():
 
 def test_the_matrix_spans_what_the_issue_names():
     cells = kc.matrix()
-    assert {c.prefill.form for c in cells} == set(kc.FORMS)
+    assert {c.prefill.form for c in cells} == set(kc.FORMS) == {c.decode.form for c in cells}
+    gaudi = {(c.prefill.form, c.prefill.block, c.decode.form, c.decode.block) for c in cells}
+    for pair in (("LBHNC", 16, "hpu", 128), ("LBNHC", 16, "hpu", 128), ("hpu", 128, "LBHNC", 16),
+                 ("hpu", 128, "LBNHC", 16), ("cpu_vec", 32, "hpu", 128), ("host:LBHNC", 16, "host:hpu", 128),
+                 ("host:hpu", 128, "host:LBNHC", 16)):
+        assert pair in gaudi, pair
     assert {(c.prefill.tp, c.decode.tp) for c in cells} == {(1, 1), (1, 2), (2, 1)}
     ratios = {max(c.prefill.block, c.decode.block) // min(c.prefill.block, c.decode.block) for c in cells}
     assert ratios == {1, 2, 4, 8}
@@ -105,4 +123,4 @@ def test_cli_errors_name_the_flag(capsys):
     assert "--tokens 0: a prompt has at least one token" in capsys.readouterr().err
     assert kc.main(["--prefill", "LBHNC:16", "--decode", "LBHNC:16", "--window", "40"]) == 2
     assert "--window: at equal block sizes" in capsys.readouterr().err
-    assert kc.main(["--list", "--fast"]) == 0 and "6 cells" in capsys.readouterr().out
+    assert kc.main(["--list", "--fast"]) == 0 and "8 cells" in capsys.readouterr().out
