@@ -24,6 +24,7 @@ from pdctl.topology import (
     resolved_model,
 )
 from pdctl.topology.facts import flag_name
+from pdctl.topology.schema import KV_LAYOUT_ENV, VLLM_CACHE_LAYOUT
 from pdctl.topology.transport import NET_DEVICES_ENV, transport_env
 
 ProcessRole = Literal["prefill", "decode", "proxy", "reference", "baseline", "monitor"]
@@ -279,6 +280,9 @@ def _server_env(t: Topology, pool: Pool, index: int, queue_spin: float | None = 
             env[CPU_BIND_ENV] = "|".join(str(d) for d in devices)
     elif devices is not None:
         env[DEVICE_ENV[pool.platform]] = ",".join(str(d) for d in devices)
+    if pool.platform != "cpu":  # vLLM-CPU refuses the variable for any but its own layout
+        assert pool.kv_layout is not None
+        env[KV_LAYOUT_ENV] = VLLM_CACHE_LAYOUT[pool.kv_layout]
     if pool.net_devices:
         env[NET_DEVICES_ENV] = pool.net_devices
     if queue_spin is not None:

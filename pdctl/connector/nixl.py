@@ -45,7 +45,7 @@ from pdctl.connector.split import PrefillBlockSplit
 from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
 from pdctl.connector.windows import SlidingWindowReads
 from pdctl.kv import lease, reads
-from pdctl.kv.forms import CacheForm, form_of
+from pdctl.kv.forms import CacheForm, FormError, KvPair, form_of, kv_pair_form
 from pdctl.kv.index import SplitPlan, StagingPool
 from pdctl.kv.receive import receive_merged
 from pdctl.kv.window import WindowFill, WindowMerge
@@ -249,13 +249,24 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
     # -- receive ---------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches):
+        # Each cache's form, once, from its shape and strides (pdctl.kv.forms), before vLLM registers anything: one
+        # the connector cannot convert stops the server here, naming the form, rather than misreading KV later.
+        try:
+            self._forms = {name: self._form_of(cache) for name, cache in kv_caches.items()}
+        except FormError as e:
+            raise FormError(f"{protocol.REFUSED_MARK} KV cache: {e}") from None
         super().register_kv_caches(kv_caches)
-        # Each cache's form, once, from its shape and strides (pdctl.kv.forms): one the connector cannot convert
-        # stops the server here, naming the form, rather than misreading KV later.
-        self._forms = {name: self._form_of(cache) for name, cache in kv_caches.items()}
         log.info("pdctl connector: KV cache form %s", ", ".join(sorted({f.name for f in self._forms.values()})))
 
     def _form_of(self, cache: torch.Tensor) -> CacheForm:
+        if isinstance(cache, (tuple, list)):  # vllm-gaudi's TensorTuple: a layer's separate K and V tensors
+            form = kv_pair_form(KvPair(*cache)) if len(cache) == 2 else None
+            raise FormError(
+                f"a layer handed as {len(cache)} tensors"
+                + (f" (separate K and V: vllm-gaudi's {form.name} form)" if form else "")
+                + ". pdctl.kv converts Gaudi's K and V tensors (scripts/kv_conformance.py), but this connector does "
+                "not yet register and read two regions per layer: pair Gaudi pools with each other through "
+                "vllm-gaudi's connector (connector.kind: nixl); docs/connector.md, 'Gaudi'")
         if not self._cpu_attn:
             return form_of(cache, self.backend_name)
         cache_dtype = self.vllm_config.cache_config.cache_dtype

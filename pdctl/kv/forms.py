@@ -278,6 +278,18 @@ def kv_pairs(form: str, blocks: int, heads: int, block_size: int, head_dim: int,
     return pairs
 
 
+def registered_form(platform: str, layout: str, buffer_device: str, cpu_isa: str = "vec") -> str:
+    """The form NIXL moves for a server, in the conformance harness's names (scripts/kv_conformance.py): its
+    platform, its cache layout (vLLM's name, e.g. LBHNC) and where its KV is registered (`cpu` on an accelerator:
+    the host buffer its connector allocates). `cpu_isa`: the attention ISA a CPU host packs for."""
+    host = "host:" if buffer_device == "cpu" and platform != "cpu" else ""
+    if platform == "hpu":
+        return f"{host}hpu"
+    if platform == "cpu":
+        return f"cpu_{cpu_isa}"
+    return f"{host}{layout}"
+
+
 def block_ids(values: Sequence[int], cache: torch.Tensor | KvPair) -> torch.Tensor:
     """Block ids as an index tensor on the cache's device."""
     return torch.tensor(list(values), dtype=torch.long, device=cache.device)

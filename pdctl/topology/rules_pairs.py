@@ -10,7 +10,7 @@ from typing import Literal
 from pdctl.topology.facts import HMA_OFF_FLAG, _hma_flag, hma_enabled
 from pdctl.topology.problems import Loc, Problem, pool_field, pool_loc
 from pdctl.topology.rules_hybrid import _unsafe_stock_hybrid
-from pdctl.topology.schema import ROLES, Pool, Topology
+from pdctl.topology.schema import ROLES, VLLM_CACHE_LAYOUT, Pool, Topology
 
 
 def _pair_label(t: Topology, p: Pool, d: Pool) -> str:
@@ -41,11 +41,10 @@ def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) 
             add((*dl, "block_size"), f"prefill block {pb} and decode block {db} have no integer ratio",
                 "pick block sizes where one divides the other (e.g. 32 -> 64, or 128 -> 32)",
                 related=((*pl, "block_size"),))
-        elif pb > db and (p.tp != d.tp or p.kv_layout != d.kv_layout):
-            add((*dl, "tp") if p.tp != d.tp else (*dl, "kv_layout"),
-                f"prefill block {pb} > decode block {db} needs the same TP and KV layout on both "
-                f"sides (got TP {p.tp} -> {d.tp}, {p.kv_layout} -> {d.kv_layout})",
-                "use equal TP and layouts, or a decode block >= the prefill block",
+        elif pb > db and p.tp != d.tp:
+            add((*dl, "tp"),
+                f"prefill block {pb} > decode block {db} needs the same TP on both sides (got TP {p.tp} -> {d.tp})",
+                "use equal TP, or a decode block >= the prefill block",
                 related=((*pl, "block_size"), (*dl, "block_size")))
     else:
         if db % pb:
@@ -89,6 +88,21 @@ def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) 
             + ": vLLM puts the setting in NIXL's compatibility hash, so every handshake between them fails",
             f"pass {HMA_OFF_FLAG} in both pools' extra_args, or in neither",
             related=((*pool_loc(t, on_role, on), "extra_args") + ((on_flag[0],) if on_flag else ()),))
+
+    # KV layouts. vLLM's NIXL handshake refuses pools whose kv_cache_layout differs; a pair with a Gaudi pool is
+    # pdctl's connector's alone (it converts every form from and to Gaudi's K and V tensors, in whole pages).
+    gaudi = "hpu" in (p.platform, d.platform)
+    if not gaudi and p.kv_layout != d.kv_layout:
+        add((*dl, "kv_layout"),
+            f"prefill {VLLM_CACHE_LAYOUT[p.kv_layout]} and decode {VLLM_CACHE_LAYOUT[d.kv_layout]} KV cache layouts "
+            "differ: vLLM's NIXL handshake needs the same layout on both sides",
+            "set the same kv_layout on both pools (HND is every platform's default but Gaudi's)",
+            related=((*pl, "kv_layout"),))
+    if gaudi and t.connector.kind == "pdctl" and p.tp != d.tp:
+        add((*dl, "tp"),
+            f"prefill TP {p.tp} and decode TP {d.tp} differ: pdctl reads a Gaudi pool's separate K and V caches in "
+            "whole pages, not head slices",
+            "use the same tp on both pools", related=((*pl, "tp"),))
 
     # TP between the roles.
     if p.tp != d.tp:

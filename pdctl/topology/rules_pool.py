@@ -7,7 +7,16 @@ from pdctl.topology.facts import ModelInfo, hma_enabled, model_attention
 from pdctl.topology.problems import Problem, pool_loc
 from pdctl.topology.rules_capacity import _capacity_problems
 from pdctl.topology.rules_hybrid import _hybrid_cpu_blocks
-from pdctl.topology.schema import CPU_BLOCK_MULTIPLE, Pool, Role, Topology
+from pdctl.topology.schema import CPU_BLOCK_MULTIPLE, FIXED_LAYOUT, KV_LAYOUT_ENV, Pool, Role, Topology
+
+# vllm-gaudi's switches that replace methods of vLLM's NIXL worker (hetero_hpu_nixl_connector.py: registration,
+# descriptors, reads, a permute on save; a joint K|V staging region), which pdctl's connector subclasses.
+GAUDI_CONNECTOR_PATCHES = ("VLLM_HPU_HETERO_KV_LAYOUT", "VLLM_HPU_NIXL_JOINT_KV")
+
+# Why a platform's cache keeps its own layout (schema.FIXED_LAYOUT).
+_FIXED_WHY = {"cpu": "vLLM-CPU's attention backend (CPU_ATTN) packs its cache head-major, and vLLM-CPU refuses to "
+                     "start with VLLM_KV_CACHE_LAYOUT=NHD",
+              "hpu": "vllm-gaudi keeps each layer's K and V as separate token-major tensors whatever the setting"}
 
 
 def _pool_problems(t: Topology, role: Role, pool: Pool, info: ModelInfo) -> list[Problem]:
@@ -52,6 +61,29 @@ def _pool_problems(t: Topology, role: Role, pool: Pool, info: ModelInfo) -> list
         out.append(Problem((*loc, "devices"),
                            f"{pool.platform} instances need explicit device ids, or every instance takes them all",
                            f"add e.g. devices: {list(range(pool.count * pool.tp))}"))
+    fixed = FIXED_LAYOUT.get(pool.platform)
+    if fixed and pool.kv_layout != fixed:
+        out.append(Problem((*loc, "kv_layout"),
+                           f"{pool.kv_layout} cannot reach a {pool.platform} server's KV cache, which is {fixed}: "
+                           f"{_FIXED_WHY[pool.platform]}", f"leave kv_layout out (or set {fixed})",
+                           related=((*loc, "platform"),)))
+    if pool.platform == "hpu" and t.connector.kind == "pdctl":
+        out.append(Problem((*loc, "platform"),
+                           "pdctl's connector does not yet register a Gaudi server's separate K and V caches (two "
+                           "regions per layer): the server stops at start with 'pdctl connector: unsupported KV "
+                           "cache'. pdctl.kv converts them exactly (scripts/kv_conformance.py); the connector's "
+                           "registration and reads are the part still to come",
+                           "pair Gaudi pools with each other through vllm-gaudi's connector (connector.kind: nixl)",
+                           severity="warning"))
+    for name in GAUDI_CONNECTOR_PATCHES:
+        if t.connector.kind == "pdctl" and pool.env.get(name, "").lower() in ("1", "true"):
+            out.append(Problem((*loc, "env", name),
+                               "patches vLLM's NIXL worker at class level (vllm-gaudi's own mixed-device path), under "
+                               "pdctl's connector, which converts on the decode instead: the KV would be converted "
+                               "twice", "leave it out with connector.kind: pdctl"))
+    if KV_LAYOUT_ENV in pool.env:
+        out.append(Problem((*loc, "env", KV_LAYOUT_ENV), "is what pdctl sets from kv_layout on every server",
+                           "set kv_layout instead (HND or NHD)", related=((*loc, "kv_layout"),)))
     buf = t.kv_buffer_device(pool)
     if buf not in ("cpu", pool.platform):
         own = pool.kv_buffer_device is not None

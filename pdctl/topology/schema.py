@@ -22,6 +22,12 @@ ROLES: tuple[Role, Role] = ("prefill", "decode")
 # vLLM names the per-layer cache layout by its dimension order; HND/NHD are the short forms used by the
 # NIXL connector (kv_cache_layout), LBHNC/LBNHC the long ones.
 _LAYOUT_ALIASES = {"HND": "HND", "NHD": "NHD", "LBHNC": "HND", "LBNHC": "NHD"}
+# A pool's kv_layout as vLLM's VLLM_KV_CACHE_LAYOUT names it (vLLM 0.32-0.34: HND and NHD are aliases of these).
+VLLM_CACHE_LAYOUT = {"HND": "LBHNC", "NHD": "LBNHC"}
+KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+# Platforms whose cache layout is their attention backend's own, whatever VLLM_KV_CACHE_LAYOUT says: vLLM-CPU's
+# CPU_ATTN packs blocks head-major (and refuses to start with NHD); vllm-gaudi keeps K and V as token-major slots.
+FIXED_LAYOUT = {"cpu": "HND", "hpu": "NHD"}
 
 # Platform defaults when a role leaves block_size out (the attention backends' usual kernel block).
 DEFAULT_BLOCK_SIZE: dict[str, int] = {"cuda": 16, "cpu": 32, "xpu": 64, "hpu": 128}
@@ -119,8 +125,10 @@ class Pool(_Strict):
     devices: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="device ids (CPU: cores) for the pool's instances, tp per instance in order; default: "
         "none pinned (the platform's own choice)")
-    kv_layout: KvLayout = Field("HND", description="the KV cache's dimension order (HND or NHD; the connector "
-                                "converts between pools that differ)")
+    kv_layout: KvLayout | None = Field(
+        None, description="the KV cache layout, set as VLLM_KV_CACHE_LAYOUT on cuda and xpu: HND (vLLM's LBHNC, "
+        "heads outermost in a block: the default, and what TP between pools needs) or NHD (LBNHC, tokens "
+        "outermost). cpu is HND and hpu NHD whatever is set (their attention backends' own layouts)")
     host: str = Field("127.0.0.1", description="where the pool's servers listen (and, on the local engine, run)")
     http_port: Port | None = Field(None, description="first instance's HTTP port (instance i: +i); default: "
                                    "assigned after every explicit port")
@@ -163,6 +171,8 @@ class Pool(_Strict):
     def _platform_defaults(self) -> Pool:
         if self.block_size is None:
             self.block_size = DEFAULT_BLOCK_SIZE[self.platform]
+        if self.kv_layout is None:
+            self.kv_layout = FIXED_LAYOUT.get(self.platform, "HND")
         if self.enforce_eager is None:
             # Compiled and eager numerics differ on CPU; exact-match gates need every server in one mode.
             self.enforce_eager = self.platform == "cpu"

@@ -8,7 +8,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from pdctl.connector import seam
-from pdctl.connector.nixl import PdctlNixlWorker
+from pdctl.connector.nixl import NixlPullConnectorWorker, PdctlNixlWorker
 from pdctl.kv.forms import FormError, joined_cache
 from pdctl.kv.index import merge_tail, split_plan, split_staging_needed
 from pdctl.kv.receive import merge_received, merge_window, split_received, zero_fills
@@ -180,3 +180,21 @@ def test_the_connectors_split_makes_its_indices_and_masks_on_the_caches_device(m
     with MixedDevices("meta") as seen:
         w._split_received(plan, {})
     assert seen.mixed == []
+
+
+def test_a_layer_handed_as_k_and_v_tensors_is_refused_at_registration_naming_its_form(monkeypatch):
+    """vllm-gaudi hands each layer as (K, V): the connector refuses it before vLLM registers anything, with the
+    words pdctl up reports as the root cause, instead of vLLM's assertion on the tuple's shape."""
+    from pdctl import protocol
+    from pdctl.kv.forms import kv_pairs
+
+    w = worker(monkeypatch, "LBHNC", 4, 16)
+    monkeypatch.setattr(NixlPullConnectorWorker, "register_kv_caches",
+                        lambda self, caches: pytest.fail("vLLM's registration reached"))
+    pair = tuple(kv_pairs("hpu", 4, 2, 16, 4)[0])
+    with pytest.raises(FormError) as e:
+        w.register_kv_caches({"layer.0": pair})
+    assert str(e.value).startswith(protocol.REFUSED_MARK) and "vllm-gaudi's hpu form" in str(e.value)
+    assert protocol.CONNECTOR_FAILURE.search(str(e.value))
+    with pytest.raises(FormError, match="a layer handed as 3 tensors"):
+        w.register_kv_caches({"layer.0": (*pair, pair[0])})
