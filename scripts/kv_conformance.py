@@ -472,7 +472,7 @@ class Decode:
             for rank, caches in enumerate(ranks):
                 for src, local_part, remote_part in sources(case.prefill.tp, case.decode.tp, rank):
                     moved += self.read(name, caches, remote[src], plan, ratio, split, local_part, remote_part,
-                                       pieces=2 if pre.kv_pair or dec.kv_pair else 1)
+                                       pair=pre.kv_pair or dec.kv_pair)
             read_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             for caches in ranks:
@@ -523,40 +523,38 @@ class Decode:
         return {"pairs": list(zip(subs, trimmed, strict=True)), "fills": None, "ids": local}
 
     def read(self, name: str, caches, meta, plan: dict, ratio: int, split: bool, local_part, remote_part,
-             pieces: int = 1) -> int:
-        """Post one READ of every layer's planned units from one prefill rank, wait for it; the bytes moved. A unit
-        is `pieces` descriptors (reads.in_pieces: two where a side is a (K, V) pair)."""
+             pair: bool = False) -> int:
+        """Post one READ of every layer's planned units from one prefill rank, wait for it; the bytes moved. `pair`:
+        a (K, V)-pair side, so both sides' layers are read as two regions each (reads.halves, reads.as_halves)."""
         local_rows, remote_rows = [], []
-        layers = len(caches)
+        if pair and len(meta.kv_caches_base_addr) == len(caches):  # the prefill's joined pages, as halves
+            meta = reads.as_halves(meta)
+        local_regions = [r for c, f in caches for r in (reads.halves(reads.regions_of(c, f)) if pair else
+                                                         reads.regions_of(c, f))]
         if split:
             # vLLM's _build_fa_remote on the decode-sized metadata, then the connector's addresses for its chunks.
             sized = reads.as_decode_sized(meta, ratio)
-            vllm_rows = np.concatenate([
+            remote_descs = np.concatenate([
                 np.stack([base + np.arange(n, dtype=np.uint64) * stride, np.full(n, length, dtype=np.uint64)], 1)
                 for base, length, stride, n in zip(sized.kv_caches_base_addr, sized.block_lens, sized.block_strides,
                                                    sized.region_num_blocks, strict=True)])
-            vllm_rows[:, 0] = reads.split_addresses(sized, ratio, vllm_rows)
-            remote_regions = np.split(vllm_rows, np.cumsum(sized.region_num_blocks)[:-1])
-            local_regions = [[reads.descriptors(r, 1, local_part) for r in reads.regions_of(c, f)] for c, f in caches]
+            remote_descs[:, 0] = reads.split_addresses(sized, ratio, remote_descs)
+            per_remote = sized.region_num_blocks[0]
+            local_descs = np.concatenate([reads.descriptors(r, 1, local_part) for r in local_regions])
+            per_local = local_regions[0].blocks
         else:
             regions = [reads.Region(*r) for r in zip(meta.kv_caches_base_addr, meta.block_lens, meta.block_strides,
                                                      meta.region_num_blocks, strict=True)]
-            remote_regions = [reads.descriptors(r, 1, remote_part) for r in regions]
-            local_regions = [[reads.descriptors(r, ratio, local_part) for r in reads.regions_of(c, f)]
-                             for c, f in caches]
-        per_layer = len(remote_regions) // layers
-        remote_descs = np.stack([reads.in_pieces(remote_regions[i * per_layer:(i + 1) * per_layer], pieces)
-                                 for i in range(layers)])  # [layers, units, pieces, 2]
-        local_descs = np.stack([reads.in_pieces(rows, pieces) for rows in local_regions])
-        per_remote, per_local = remote_descs.shape[1], local_descs.shape[1]
-        remote_descs, local_descs = remote_descs.reshape(-1, 2), local_descs.reshape(-1, 2)
+            remote_descs = np.concatenate([reads.descriptors(r, 1, remote_part) for r in regions])
+            per_remote = meta.region_num_blocks[0]
+            local_descs = np.concatenate([reads.descriptors(r, ratio, local_part) for r in local_regions])
+            per_local = local_regions[0].blocks * ratio
         if not plan["pairs"]:
             return 0
-        for layer in range(layers):
+        for region in range(len(local_regions)):
             for loc, rem in plan["pairs"]:
-                for piece in range(pieces):
-                    local_rows.append((layer * per_local + loc) * pieces + piece)
-                    remote_rows.append((layer * per_remote + rem) * pieces + piece)
+                local_rows.append(region * per_local + loc)
+                remote_rows.append(region * per_remote + rem)
         if not np.array_equal(local_descs[local_rows, 1], remote_descs[remote_rows, 1]):
             raise ValueError("local and remote read units differ in length")
         dev = torch.cuda.current_device() if self.device == "cuda" else 0

@@ -14,8 +14,8 @@ both plan their reads here, so what the harness proves over real NIXL transfers 
 - `window_tails`: a sliding-window group's two tails as pdctl.kv.window takes them (both directions);
 - `plan_split`: prefill block > decode block: every prefill block a request touches read whole as decode-sized
   chunks, staging for the chunks no decode block takes, window tails by token (pdctl.kv.index, pdctl.kv.window);
-- `in_pieces`: a layer's read units across its regions, cut so that a (K, V) pair's unit pairs with a joined
-  page's: K's piece with the page's first half, V's with its second (receive processing regroups them);
+- `halves`, `as_halves`: a read with a (K, V)-pair side sees every layer as two regions: K and V, or the two halves
+  of a joined page, so region i pairs with region i as vLLM's descriptors do (receive processing regroups them);
 - `refusal`: whether a prefill/decode pair is read at all: pdctl's rules, and vLLM 0.32's handshake rules a pair
   meets before pdctl's code runs, each with its reason.
 
@@ -64,24 +64,30 @@ def regions_of(cache, form) -> list[Region]:
     return [Region(t.data_ptr(), form.half * size, t.stride(0) * size, form.num_blocks(cache)) for t in cache]
 
 
-def in_pieces(rows: Sequence[np.ndarray], count: int) -> np.ndarray:
-    """One layer's read units as `count` pieces each: rows[i] [units, 2] are the (address, length) of every unit in
-    the layer's region i; each cut into count // len(rows) equal byte runs, regions in order -> [units, count, 2].
-    A unit of a (K, V) pair is its K piece then its V piece; a joined page's unit cut in two pairs with it piece
-    by piece, so the page's first half lands in K and its second in V, as the K page then the V page would."""
-    per, rest = divmod(count, len(rows))
-    if rest:
-        raise ValueError(f"{len(rows)} regions do not share {count} pieces")
-    out = []
-    for r in rows:
-        if np.any(r[:, 1] % per):
-            raise ValueError(f"a unit of {int(r[0, 1])} bytes does not cut into {per} equal pieces")
-        length = r[:, 1] // np.uint64(per)
-        cut = np.empty((len(r), per, 2), dtype=np.uint64)
-        cut[:, :, 0] = r[:, :1] + np.arange(per, dtype=np.uint64) * length[:, None]
-        cut[:, :, 1] = length[:, None]
-        out.append(cut)
-    return np.concatenate(out, axis=1)
+def halves(regions: Sequence[Region]) -> list[Region]:
+    """A layer's regions as a read with a (K, V)-pair side sees them: two per layer, K's and V's for a pair, the two
+    halves of every page for a joined cache. Both sides then have as many regions of equal page sizes, and vLLM's
+    descriptors pair region i with region i as they always do: a joined page's first half with K, its second with
+    V. Receive processing regroups what lands where (pdctl.kv.receive)."""
+    if len(regions) == 2:
+        return list(regions)
+    (r,) = regions
+    if r.page_len % 2:
+        raise ValueError(f"a page of {r.page_len} bytes has no two equal halves")
+    half = r.page_len // 2
+    return [Region(r.base, half, r.stride, r.blocks), Region(r.base + half, half, r.stride, r.blocks)]
+
+
+def as_halves(meta):
+    """The handshake metadata of a one-region-per-layer side (vLLM's NixlAgentMetadata, or any dataclass with its
+    fields) as `halves` sees it: each region followed by its second half."""
+    counts = meta.region_num_blocks or [meta.num_blocks] * len(meta.kv_caches_base_addr)
+    split = [halves([Region(b, n, s, c)]) for b, n, s, c in zip(meta.kv_caches_base_addr, meta.block_lens,
+                                                                 meta.block_strides, counts, strict=True)]
+    regions = [r for pair in split for r in pair]
+    return dataclasses.replace(meta, kv_caches_base_addr=[r.base for r in regions],
+                               block_lens=[r.page_len for r in regions], block_strides=[r.stride for r in regions],
+                               region_num_blocks=[r.blocks for r in regions])
 
 
 def descriptors(region: Region, chunks: int = 1, part: tuple[int, int] = (0, 1)) -> np.ndarray:

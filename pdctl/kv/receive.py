@@ -60,10 +60,10 @@ def _zero_block_slots(cache, form: CacheForm, block: int, side: Side,
 
 
 def _received_order(rows: torch.Tensor, ratio: int, regions: int, merged: bool) -> torch.Tensor:
-    """Rows of `ratio` received units as the pages they were: a unit read into (or from) a (K, V) pair lies as its K
-    piece in the K page and its V piece in the V page, so a merged row [K1..Kr, V1..Vr] is regrouped to
-    [K1 V1 .. Kr Vr] (r received pages back to back), and split rows [K1 V1 .. Kr Vr] to the prefill's page
-    [K1..Kr V1..Vr]. One region: already in order."""
+    """Rows of `ratio` received units as the pages they were. A read with a (K, V)-pair side sees each page as two
+    regions (K and V, or a joined page's two halves: pdctl.kv.reads.halves), each read chunk by chunk, so a merged
+    row [K1..Kr, V1..Vr] is regrouped to [K1 V1 .. Kr Vr] (r received pages back to back), and split rows
+    [K1 V1 .. Kr Vr] to the prefill's page [K1..Kr V1..Vr]. One region per page: already in order."""
     if regions == 1 or ratio == 1:
         return rows
     b = rows.shape[0]
@@ -75,6 +75,11 @@ def _moves_bytes(received: Side, local: Side) -> bool:
     """Whether regrouping received pages along tokens changes bytes: not for token-major pages packed as this cache
     packs them (back to back they are the bigger page; cut, the smaller ones)."""
     return not (received.layout is local.layout and local.layout.token_major)
+
+
+def _regions(received: Side, local: Side) -> int:
+    """The regions per page a read between these sides used: two when either is a (K, V) pair."""
+    return max(received.layout.regions, local.layout.regions)
 
 
 def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int, zero_from: int | None,
@@ -89,7 +94,7 @@ def merge_received(layers: Layers, ids: Sequence[int], ratio: int, written: int,
     for cache, form in layers:
         local, received = form.side(), form.side(form.block_size // ratio, packed)
         if written and merge and _moves_bytes(received, local):
-            rows = _received_order(form.pages(cache, idx), ratio, local.layout.regions, merged=True)
+            rows = _received_order(form.pages(cache, idx), ratio, _regions(received, local), merged=True)
             blocks = merge_in_place(rows, ratio, received, local)
             if zero_from is not None:
                 _zero_slots(blocks[-1], local, [(zero_from, None)])
@@ -119,7 +124,7 @@ def split_received(layers: Layers, dests: Sequence[int], ratio: int, tail: tuple
                 _zero_block_slots(cache, form, dests[tail[0]], local, [(tail[1], None)])
             continue
         rows = _received_order(form.pages(cache, ids).reshape(len(dests) // ratio, -1), ratio,
-                               received.layout.regions, merged=False)
+                               _regions(received, local), merged=False)
         blocks = split_in_place(rows, ratio, received, local)
         if tail is not None:
             at, first = tail
@@ -141,7 +146,7 @@ def merge_window(layers: Layers, ids: Sequence[int], ratio: int, fills: Sequence
         if not (merge and ratio > 1 and _moves_bytes(received, local)):
             zero_fills([(cache, form)], fills)
             continue
-        rows = _received_order(form.pages(cache, idx), ratio, local.layout.regions, merged=True)
+        rows = _received_order(form.pages(cache, idx), ratio, _regions(received, local), merged=True)
         blocks = merge_in_place(rows, ratio, received, local)
         for row, fill in zip(blocks, fills, strict=True):
             _zero_slots(row, local, fill.zero)

@@ -1,13 +1,13 @@
 """pdctl.kv's (K, V)-pair form (vllm-gaudi's cache: separate K and V tensors per layer, two regions), its regions and
-read pieces, and its receive processing without NIXL: a unit's bytes placed where reads.in_pieces says, as NIXL would
-place them, then converted, are the prompt's KV in the decode's form."""
+halves, and its receive processing without NIXL: bytes placed region by region as NIXL would place them (reads.halves:
+a joined page's two halves pair with K and V), then converted, are the prompt's KV in the decode's form."""
 
 import numpy as np
 import pytest
 import torch
 
 from pdctl.kv.forms import FormError, KvPair, block_ids, form_of, joined_caches, kv_pair_form, kv_pairs
-from pdctl.kv.reads import Peer, descriptors, in_pieces, refusal, regions_of
+from pdctl.kv.reads import Peer, Region, as_halves, descriptors, halves, refusal, regions_of
 from pdctl.kv.receive import receive_merged, receive_split
 
 H, D = 2, 4
@@ -51,16 +51,34 @@ def test_forms_it_cannot_read_are_refused_by_name():
         kv_pair_form(KvPair(odd, odd.clone()))
 
 
-def test_a_pair_unit_pairs_with_a_joined_page_k_half_first():
-    joined = descriptors(regions_of(*joined_form("LBHNC", 8))[0], 1)
+def test_a_joined_page_is_read_as_two_halves_against_k_and_v():
+    cache, form = joined_form("LBHNC", 8)
+    (whole,) = regions_of(cache, form)
+    first, second = halves([whole])
+    assert (first.base, second.base - first.base, first.page_len, first.stride) == (
+        whole.base, whole.page_len // 2, whole.page_len // 2, whole.stride)
     pair = kv_pairs("hpu", blocks=4, heads=H, block_size=8, head_dim=D)[0]
-    k_rows, v_rows = (descriptors(r, 1) for r in regions_of(pair, kv_pair_form(pair)))
-    j, p = in_pieces([joined], 2), in_pieces([k_rows, v_rows], 2)
-    assert j.shape == p.shape == (4, 2, 2)
-    assert (j[:, 1, 0] - j[:, 0, 0] == j[:, 0, 1]).all()  # the page's two halves, in order
-    assert (p[:, 0] == k_rows).all() and (p[:, 1] == v_rows).all()
-    with pytest.raises(ValueError, match="do not share"):
-        in_pieces([k_rows, v_rows], 3)
+    k_region, v_region = regions_of(pair, kv_pair_form(pair))
+    assert halves([k_region, v_region]) == [k_region, v_region]
+    assert first.page_len == k_region.page_len  # region i pairs with region i, unit for unit
+    with pytest.raises(ValueError, match="no two equal halves"):
+        halves([Region(0, 9, 9, 1)])
+
+
+def test_advertised_metadata_as_halves_lists_each_layers_two_halves():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Meta:
+        kv_caches_base_addr: list
+        block_lens: list
+        block_strides: list
+        num_blocks: int
+        region_num_blocks: list | None = None
+
+    m = as_halves(Meta([1000, 5000], [64, 64], [128, 128], 3))
+    assert (m.kv_caches_base_addr, m.block_lens, m.block_strides, m.region_num_blocks) == (
+        [1000, 1032, 5000, 5032], [32] * 4, [128] * 4, [3] * 4)
 
 
 def joined_form(name, block, blocks=4):
@@ -72,9 +90,17 @@ def place(dst: np.ndarray, src: np.ndarray) -> None:
     """What a NIXL READ does: each src (address, length) run copied to its dst run."""
     import ctypes
 
-    for (da, n), (sa, m) in zip(dst.tolist(), src.tolist(), strict=True):
+    for (da, n), (sa, m) in zip(np.atleast_2d(dst).tolist(), np.atleast_2d(src).tolist(), strict=True):
         assert n == m
         ctypes.memmove(da, sa, n)
+
+
+def read_units(local_regions, local_chunks, remote_regions, remote_chunks, pairs):
+    """A READ of units `pairs` (local unit, remote unit), region i to region i, as vLLM's descriptors pair them."""
+    for lr, rr in zip(local_regions, remote_regions, strict=True):
+        local, remote = descriptors(lr, local_chunks), descriptors(rr, remote_chunks)
+        for loc, rem in pairs:
+            place(local[loc], remote[rem])
 
 
 @pytest.mark.parametrize("prefill", ["LBHNC", "LBNHC"])
@@ -88,10 +114,8 @@ def test_joined_pages_merged_into_a_pair_are_the_prompts_kv(prefill):
     for t in pair:
         t.fill_(7)
     dform = kv_pair_form(pair)
-    remote = in_pieces([descriptors(regions_of(src, sform)[0], 1)], 2)
-    local = in_pieces([descriptors(r, 2) for r in regions_of(pair, dform)], 2)
-    for sub, rem in zip([2, 3, 4], [2, 0, 3], strict=True):  # decode block b's sub-block j is b * 2 + j
-        place(local[sub], remote[rem])
+    # decode block b's sub-block j is b * 2 + j
+    read_units(regions_of(pair, dform), 2, halves(regions_of(src, sform)), 1, [(2, 2), (3, 0), (4, 3)])
     receive_merged([(pair, dform)], [1, 2], 2, 3, packed="HND" if prefill == "LBHNC" else "NHD")
     got_k, got_v = logical(pair, dform, [1, 2])
     want_k = torch.cat([k, torch.zeros(H, 4, D)], dim=1).reshape(H, 2, 8, D).transpose(0, 1)
@@ -109,10 +133,8 @@ def test_a_pair_split_into_joined_pages_is_the_prompts_kv():
     pair.v[1, :6] = v.transpose(0, 1)
     sform = kv_pair_form(pair)
     dst, dform = joined_form("LBNHC", 4)
-    remote = in_pieces([descriptors(r, 2) for r in regions_of(pair, sform)], 2)  # chunk c of block b: b * 2 + c
-    local = in_pieces([descriptors(regions_of(dst, dform)[0], 1)], 2)
-    place(local[3], remote[2])
-    place(local[0], remote[3])
+    # chunk c of prefill block b is b * 2 + c
+    read_units(halves(regions_of(dst, dform)), 1, regions_of(pair, sform), 2, [(3, 2), (0, 3)])
     chunks = [SplitChunk(src=2, dest=3, block=0, real=True), SplitChunk(src=3, dest=0, block=1, real=True)]
     receive_split([(dst, dform)], chunks, 2, 6, packed="hpu_host")
     assert torch.equal(dst[3], torch.cat([k[:, :4], v[:, :4]], dim=-1))
