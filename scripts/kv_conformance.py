@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pdctl import protocol  # noqa: E402
-from pdctl.kv import reads  # noqa: E402
+from pdctl.kv import fingerprint, reads  # noqa: E402
 from pdctl.kv.forms import CacheForm, KvPair, form_of, joined_caches, kv_pair_form, kv_pairs  # noqa: E402
 from pdctl.kv.index import StagingPool  # noqa: E402
 from pdctl.kv.receive import receive_merged, receive_split  # noqa: E402
@@ -236,6 +236,33 @@ def storages(cache) -> list[torch.Tensor]:
     return out
 
 
+def first_held(case: Case) -> int:
+    """The first token the prefill still holds: 0, or a sliding window's first held block's first token."""
+    if not case.window:
+        return 0
+    pb = prefill_blocks(case)
+    return next(a for a, i in zip(pb.listed, pb.ids, strict=True) if i != NULL_BLOCK) * case.prefill.block
+
+
+def held_fingerprint(case: Case, caches, rank: int, side: Side, blocks, start: int = 0) -> list[int]:
+    """pdctl.kv.fingerprint's partial sums of one rank's share of the prompt's KV from token `start`, read through
+    each layer's logical view of `blocks` (absolute block, cache block id) where they lie."""
+    n, heads = side.block, HEADS // side.tp
+    count = cdiv(case.tokens, fingerprint.CHUNK)
+    out: list[int] = []
+    held = [(a, i) for a, i in blocks if (a + 1) * n > start and a * n < case.tokens]
+    if not held:
+        return out
+    for layer, (cache, form) in enumerate(caches):
+        vals = read_tokens(cache, form, [i for _, i in held])  # [blocks, H, N, 2D]
+        for row, (a, _) in enumerate(held):
+            lo, hi = max(start, a * n), min(case.tokens, (a + 1) * n)
+            kv = vals[row, :, lo - a * n:hi - a * n]
+            out = fingerprint.add(out, fingerprint.partials(kv[..., :HEAD_DIM], kv[..., HEAD_DIM:], layer=layer,
+                                                            first_token=lo, first_head=rank * heads, chunks=count))
+    return out
+
+
 # -- the blocks a request holds on each side ----------------------------------------------------------------------
 
 
@@ -395,7 +422,11 @@ def prefill_serve(conn, device: str) -> None:
             metas.append(encode(advertise(agent, f"prefill-rank{rank}", caches, case.prefill, case.dtype)))
         if device == "cuda":
             torch.cuda.synchronize()
-        conn.send((metas, blocks.ids, agent.get_agent_metadata()))
+        fp = []  # the prompt's KV fingerprint, over every rank's held blocks where they lie
+        for rank, caches in enumerate(ranks):
+            fp = fingerprint.add(fp, held_fingerprint(case, caches, rank, case.prefill, [
+                (a, i) for a, i in zip(blocks.listed, blocks.ids, strict=True) if i != NULL_BLOCK]))
+        conn.send((metas, blocks.ids, agent.get_agent_metadata(), fp))
     conn.close()
 
 
@@ -409,6 +440,7 @@ class Outcome:
     read_s: float = 0.0
     receive_s: float = 0.0
     bytes: int = 0
+    fingerprint: str = ""  # equal, or where the decode's differs from the prefill's (empty: refused)
 
 
 def sources(p: int, d: int, rank: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
@@ -429,7 +461,8 @@ class Decode:
         self.mem = "VRAM" if device == "cuda" else "DRAM"
         self.agent = new_agent("decode")
 
-    def run(self, case: Case, metas: list[bytes], prefill_ids: list[int], agent_meta: bytes) -> Outcome:
+    def run(self, case: Case, metas: list[bytes], prefill_ids: list[int], agent_meta: bytes,
+            prefill_fp: list[int]) -> Outcome:
         remote = [decode_meta(m) for m in metas]
         backend, remote_isa = protocol.untag_backend(remote[0].attn_backend_name)
         pre = reads.Peer(backend, remote[0].kv_cache_layout, remote[0].block_size, case.prefill.tp, remote_isa)
@@ -487,7 +520,25 @@ class Decode:
         if case.corrupt:
             self.corrupt(case, ranks, blocks)
         wrong = self.verify(case, ranks, before, blocks, kv, plan)
-        return Outcome(wrong or "exact", read_s=read_s, receive_s=receive_s, bytes=moved)
+        fp = self.fingerprint_check(case, ranks, blocks, prefill_fp)
+        if wrong is None and fp != "equal":
+            wrong = f"wrong: the fingerprint {fp}"
+        return Outcome(wrong or "exact", read_s=read_s, receive_s=receive_s, bytes=moved, fingerprint=fp)
+
+    @staticmethod
+    def fingerprint_check(case: Case, ranks, blocks: Blocks, prefill_fp: list[int]) -> str:
+        """The decode's fingerprint of what it received (after conversion), every rank's share added, against the
+        prefill's, chunk by chunk from the first token it received: past its prefix hit, past a sliding window's
+        head on either side (what the prefill no longer held, and what the decode's window tail does not list)."""
+        start = max(case.prefix_hit * case.decode.block, first_held(case), blocks.listed[0] * case.decode.block)
+        got: list[int] = []
+        for rank, caches in enumerate(ranks):
+            got = fingerprint.add(got, held_fingerprint(case, caches, rank, case.decode,
+                                                        zip(blocks.listed, blocks.ids, strict=True), start))
+        at = fingerprint.first_difference(prefill_fp, got, start // fingerprint.CHUNK)
+        if at is None:
+            return "equal"
+        return f"differs at tokens {at * fingerprint.CHUNK}..{min(case.tokens, (at + 1) * fingerprint.CHUNK) - 1}"
 
     def plan(self, case: Case, blocks: Blocks, prefill_ids: list[int], ratio: int, split: bool):
         """The read planning the connector runs (pdctl.kv.reads), on one KV group."""
@@ -769,9 +820,9 @@ class Pair:
             if problem:
                 return Outcome(f"refused: {problem}", time.perf_counter() - t0)
         self.conn.send(case)
-        metas, prefill_ids, agent_meta = self.conn.recv()
+        metas, prefill_ids, agent_meta, prefill_fp = self.conn.recv()
         try:
-            out = self.decode.run(case, metas, prefill_ids, agent_meta)
+            out = self.decode.run(case, metas, prefill_ids, agent_meta, prefill_fp)
         except Exception as e:  # noqa: BLE001 - one case's failure is reported; the next one still runs
             out = Outcome(f"wrong: {type(e).__name__}: {e}")
         out.seconds = time.perf_counter() - t0
@@ -800,12 +851,16 @@ def run_cases(cases: list[Case], device: str, progress=None) -> list[tuple[Case,
 def summary(results: list[tuple[Case, Outcome]], seconds: float) -> dict:
     kinds = {"exact": 0, "refused": 0, "wrong": 0}
     reasons: dict[str, int] = {}
+    fingerprints = {"equal": 0, "differs": 0}
     for _, o in results:
         kind = o.result.split(":")[0]
         kinds[kind] += 1
+        if o.fingerprint:
+            fingerprints["equal" if o.fingerprint == "equal" else "differs"] += 1
         if kind == "refused":
             reasons[o.result[len("refused: "):]] = reasons.get(o.result[len("refused: "):], 0) + 1
-    return {"cells": len(results), **kinds, "refusals": reasons, "seconds": round(seconds, 1)}
+    return {"cells": len(results), **kinds, "fingerprints": fingerprints, "refusals": reasons,
+            "seconds": round(seconds, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -863,7 +918,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(i, n, case, out):
         if not args.json:
-            print(f"{case.describe():70s} {out.result}", flush=True)
+            caught = f" (fingerprint {out.fingerprint})" if out.result.startswith("wrong: rank") else ""
+            print(f"{case.describe():70s} {out.result}{caught}", flush=True)
         elif i % 100 == 0:
             print(f"kv_conformance: {i}/{n}", file=sys.stderr, flush=True)
 
@@ -871,7 +927,8 @@ def main(argv: list[str] | None = None) -> int:
     report = summary(results, time.perf_counter() - started)
     doc = json.dumps({"summary": report, "device": args.device, "cases": [
         {**asdict(c), "result": o.result, "seconds": round(o.seconds, 4), "read_s": round(o.read_s, 5),
-         "receive_s": round(o.receive_s, 5), "bytes": o.bytes} for c, o in results]}, indent=1)
+         "receive_s": round(o.receive_s, 5), "bytes": o.bytes, "fingerprint": o.fingerprint} for c, o in results]},
+        indent=1)
     if whole:  # the whole matrix: its JSON is kept beside the table
         out = ROOT / "results" / f"kv_conformance-{args.device}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -879,8 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(doc)
     else:
+        fp = report["fingerprints"]
         print(f"{report['cells']} cells: {report['exact']} exact, {report['refused']} refused, {report['wrong']} "
-              f"wrong ({report['seconds']} s)")
+              f"wrong; fingerprints {fp['equal']} equal, {fp['differs']} differ ({report['seconds']} s)")
     return 1 if report["wrong"] else 0
 
 

@@ -21,14 +21,20 @@ HARNESS = ("runs the harness in a subprocess: torch and NIXL imported by it and 
            "READ per cell")
 
 
+FINGERPRINTS: dict[str, str] = {}  # the last run's fingerprint comparison per cell
+
+
 def run(*args: str, patch: str = "") -> tuple[int, dict]:
     """The harness on the fast cells, in a subprocess; `patch`: Python run in the decode's process first."""
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import kv_conformance as kc\n{patch}\n"
             f"sys.exit(kc.main({['--fast', '--json', *args]!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.stdout.strip(), done.stderr[-3000:]
-    return done.returncode, {c["prefill"]["form"] + "->" + c["decode"]["form"] + f":{c['decode']['block']}":
-                             c["result"] for c in json.loads(done.stdout)["cases"]}
+    cases = {c["prefill"]["form"] + "->" + c["decode"]["form"] + f":{c['decode']['block']}": c
+             for c in json.loads(done.stdout)["cases"]}
+    FINGERPRINTS.clear()
+    FINGERPRINTS.update({name: c["fingerprint"] for name, c in cases.items()})
+    return done.returncode, {name: c["result"] for name, c in cases.items()}
 
 
 @pytest.mark.unit_time_limit(30, reason=HARNESS)
@@ -37,6 +43,7 @@ def test_fast_cells_are_exact_over_real_nixl_reads():
     assert rc == 0, results
     assert results.pop("LBNHC->LBHNC:32").startswith("refused: vLLM: the KV cache layouts differ")
     assert set(results.values()) == {"exact"} and len(results) == 7
+    assert {FINGERPRINTS[name] for name in results} == {"equal"}  # the prefill's and the decode's agree
     assert {"LBNHC->hpu:128", "host:hpu->host:LBHNC:16"} <= set(results)  # Gaudi's cache and host buffers
 
 
@@ -46,6 +53,20 @@ def test_a_flipped_byte_is_wrong_in_every_form():
     assert rc == 1
     results.pop("LBNHC->LBHNC:32")
     assert all(r.startswith("wrong: rank 0 layer 0 block") for r in results.values()), results
+    # ... and the fingerprint catches it too, in the chunk of the flipped token (the prompt's last)
+    assert all(FINGERPRINTS[name].startswith("differs at tokens") for name in results), FINGERPRINTS
+
+
+@pytest.mark.unit_time_limit(30, reason=HARNESS)
+def test_a_fingerprint_that_disagrees_alone_makes_a_cell_wrong():
+    # The decode's fingerprint computed over another layer's coordinates (its KV itself exact): every cell fails on
+    # the fingerprint, which the prefill process (unpatched) computed right.
+    patch = ("import pdctl.kv.fingerprint as f; real = f.partials\n"
+             "f.partials = lambda k, v, *, layer, **kw: real(k, v, layer=layer + 1, **kw)")
+    rc, results = run(patch=patch)
+    assert rc == 1
+    results.pop("LBNHC->LBHNC:32")
+    assert all(r.startswith("wrong: the fingerprint differs at tokens") for r in results.values()), results
 
 
 @pytest.mark.unit_time_limit(30, reason=HARNESS)
