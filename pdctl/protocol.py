@@ -166,6 +166,35 @@ def untag_backend(name: str) -> tuple[str, str | None]:
 REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
+# The prefill's KV fingerprint (pdctl.kv.fingerprint) in its kv_transfer_params, for the decode to check what it
+# received against: one hex word per fingerprint chunk of the prompt, every TP rank's share added. Hex, not JSON
+# integers: a 64-bit value would lose bits in a JSON reader that holds numbers as doubles (a router on the way).
+FINGERPRINT_KEY = "pdctl_kv_fingerprint"
+FINGERPRINT_VERSION = 1
+
+
+class FingerprintError(ValueError):
+    """A kv_transfer_params fingerprint that cannot be read: the message names the key and what is wrong."""
+
+
+def encode_fingerprint(partials: list[int]) -> dict:
+    """The value under FINGERPRINT_KEY for a prompt's partial sums (pdctl.kv.fingerprint.partials)."""
+    return {"v": FINGERPRINT_VERSION, "chunks": "".join(f"{x & 0xFFFFFFFFFFFFFFFF:016x}" for x in partials)}
+
+
+def decode_fingerprint(value: object) -> list[int]:
+    """The partial sums a prefill sent; FingerprintError naming what is wrong."""
+    if not isinstance(value, dict) or value.get("v") != FINGERPRINT_VERSION or not isinstance(value.get("chunks"),
+                                                                                           str):
+        raise FingerprintError(f"kv_transfer_params[{FINGERPRINT_KEY!r}]: expected {{'v': {FINGERPRINT_VERSION}, "
+                               f"'chunks': HEX}}, got {value!r:.80}")
+    text = value["chunks"]
+    if len(text) % 16 or any(c not in "0123456789abcdef" for c in text):
+        raise FingerprintError(f"kv_transfer_params[{FINGERPRINT_KEY!r}]['chunks']: not 16 lower-case hex digits per "
+                               f"chunk ({len(text)} characters)")
+    return [int(text[i:i + 16], 16) for i in range(0, len(text), 16)]
+
+
 # -- log lines --------------------------------------------------------------------------------------------------
 # pdctl's connector, with its `trace` setting: "... pdctl trace <stage> <vLLM request id> <wall-clock time>".
 TRACE_MARK = "pdctl trace"

@@ -426,7 +426,9 @@ def prefill_serve(conn, device: str) -> None:
         for rank, caches in enumerate(ranks):
             fp = fingerprint.add(fp, held_fingerprint(case, caches, rank, case.prefill, [
                 (a, i) for a, i in zip(blocks.listed, blocks.ids, strict=True) if i != NULL_BLOCK]))
-        conn.send((metas, blocks.ids, agent.get_agent_metadata(), fp))
+        # sent as a prefill's kv_transfer_params carry it (pdctl.protocol)
+        conn.send((metas, blocks.ids, agent.get_agent_metadata(), {protocol.FINGERPRINT_KEY:
+                                                                   protocol.encode_fingerprint(fp)}))
     conn.close()
 
 
@@ -820,7 +822,8 @@ class Pair:
             if problem:
                 return Outcome(f"refused: {problem}", time.perf_counter() - t0)
         self.conn.send(case)
-        metas, prefill_ids, agent_meta, prefill_fp = self.conn.recv()
+        metas, prefill_ids, agent_meta, params = self.conn.recv()
+        prefill_fp = protocol.decode_fingerprint(params[protocol.FINGERPRINT_KEY])
         try:
             out = self.decode.run(case, metas, prefill_ids, agent_meta, prefill_fp)
         except Exception as e:  # noqa: BLE001 - one case's failure is reported; the next one still runs
