@@ -34,6 +34,7 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_MODULE = "pdctl.connector.nixl"
 ROUTER_MODULE = "vllm_router.launch_router"  # vllm-router's console script, run by the servers' Python
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+HANDSHAKE_COMPAT_KEY = "enforce_handshake_compat"  # vLLM's kv_connector_extra_config switch (pdctl.connector.seam)
 
 # How each platform is told which devices an instance owns.
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
@@ -208,6 +209,11 @@ def kv_transfer_config(t: Topology, role: Role, pool: Pool) -> dict:
         given = {k: getattr(c, k) for k in ConnectorSettings().to_dict() if k in type(c).model_fields}
         extra[CONNECTOR_SETTINGS_KEY] = ConnectorSettings(
             **given, staging_blocks=t.staging_blocks(pool) if role == "decode" else 0).to_dict()
+        if len({g.platform for r in ROLES for g in t.pools(r)}) > 1:
+            # NIXL's compatibility hash covers the vLLM build and the attention backend, which differ between two
+            # kinds of device by design: every handshake across them would fail. pdctl's connector judges each
+            # pair itself (pdctl.kv.reads.refusal) and validate holds the model and cache dtype equal.
+            extra[HANDSHAKE_COMPAT_KEY] = False
     if role == "decode":
         # vLLM's default is "fail"; pdctl's connector reports every KV it cannot deliver (staging full, a
         # split it cannot plan, a failed read) as a failed load, so this one setting decides for all of them.

@@ -195,6 +195,8 @@ INTERNALS: tuple[Internal, ...] = (
              why="connector.progress_thread"),
     Internal("nixl_config_field", f"{NIXL_API}:nixlBind.nixlAgentConfig", "pthrDelay",
              why="connector.progress_delay_us: the progress thread sleeps between passes instead of spinning"),
+    Internal("source", BASE_WORKER, '"enforce_handshake_compat"',
+             why="the plan turns NIXL's compatibility hash off between two kinds of device (pdctl.plan)"),
     # -- vLLM's executor queues (pdctl.vllm_plugin) ------------------------------------------------------------
     *_attrs("attr", SPIN, "is_reader last_read poller local_notify_socket",
             "the bounded wait: readers only, time since the last read, the notify poll"),

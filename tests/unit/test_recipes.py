@@ -93,11 +93,12 @@ def test_the_cuda_to_gaudi_recipes_use_forms_the_harness_proves_exact():
     assert len(results) == 3 * len(cells) and all(r == "exact" for _, r in results), results
 
 
-def test_the_layout_reaches_each_accelerator_server_and_never_a_cpu_one(run_cli):
+def test_the_layout_and_the_handshake_setting_reach_the_servers_that_need_them(run_cli):
     code, out, err = run_cli("plan", CONFIGS / "cuda-to-gaudi.yaml", "--json", "--state-dir", "/tmp/pdctl-golden")
     assert code == 0, err
     env = {s["role"]: s["env"] for s in json.loads(out)["processes"] if s["role"] in ("prefill", "decode")}
     assert env == {**env, "prefill": {**env["prefill"], "VLLM_KV_CACHE_LAYOUT": "LBHNC"},
                    "decode": {**env["decode"], "VLLM_KV_CACHE_LAYOUT": "LBNHC"}}
+    assert '\\"enforce_handshake_compat\\":false' in out  # NIXL's hash cannot hold across two kinds of device
     code, out, err = run_cli("plan", CONFIGS / "cpu-demo.yaml", "--json", "--state-dir", "/tmp/pdctl-golden")
-    assert code == 0 and "VLLM_KV_CACHE_LAYOUT" not in out
+    assert code == 0 and "VLLM_KV_CACHE_LAYOUT" not in out and "enforce_handshake_compat" not in out
