@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_kv import Nixl  # noqa: E402
+from bench_kv import Nixl, timed  # noqa: E402
 from kv_conformance import UCX_LOOPBACK  # noqa: E402
 
 from pdctl.kv.fingerprint import partials  # noqa: E402
@@ -37,16 +36,6 @@ HEADS, HEAD_DIM = 8, 128
 # (form, its pdctl.kv layout, block size): CUDA's two joined layouts at 16, CPU_ATTN's packings at 32, Gaudi's at 128.
 FORMS = [("LBHNC", "HND", 16), ("LBNHC", "NHD", 16), ("cpu_vec", "cpu_vec", 32), ("cpu_amx", "cpu_amx", 32),
          ("hpu", "hpu", 128), ("host:hpu", "hpu_host", 128)]
-
-
-def best(fn, repeat: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def case(form: str, lay: str, block: int, tokens: int, repeat: int, nixl: Nixl | None) -> dict:
@@ -64,7 +53,7 @@ def case(form: str, lay: str, block: int, tokens: int, repeat: int, nixl: Nixl |
         return partials(kk, vv, layer=0, first_token=0)
 
     nbytes = pages.numel() * pages.element_size()
-    t_fp = best(fingerprint, repeat)
+    t_fp = timed(fingerprint, repeat)
     row = {"form": form, "block": block, "tokens": tokens, "bytes": nbytes, "fingerprint_ms": t_fp * 1e3,
            "fingerprint_gbps": nbytes / t_fp / 1e9}
     if nixl is not None:
