@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pdctl.auth import VLLM_KEY_ENV, key_env
 from pdctl.kv.lease import KV_LEASE_S
-from pdctl.protocol import CONNECTOR_SETTINGS_KEY, QUEUE_SPIN_ENV, ConnectorSettings
+from pdctl.protocol import CONNECTOR_SETTINGS_KEY, HANDSHAKE_COMPAT_KEY, QUEUE_SPIN_ENV, ConnectorSettings
 from pdctl.proxy.config import SPEC_FLAG, ProxyConfig, moved_upstreams, spec_of, upstream, with_spec
 from pdctl.topology import (
     DEFAULT_POOL,
@@ -34,7 +34,6 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 CONNECTOR_MODULE = "pdctl.connector.nixl"
 ROUTER_MODULE = "vllm_router.launch_router"  # vllm-router's console script, run by the servers' Python
 KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
-HANDSHAKE_COMPAT_KEY = "enforce_handshake_compat"  # vLLM's kv_connector_extra_config switch (pdctl.connector.seam)
 
 # How each platform is told which devices an instance owns.
 DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}

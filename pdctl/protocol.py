@@ -166,6 +166,10 @@ def untag_backend(name: str) -> tuple[str, str | None]:
 REMOTE_DECODE_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
+# vLLM's kv_connector_extra_config switch for NIXL's compatibility hash, which pdctl's plan turns off between two
+# kinds of device (the hash covers the vLLM build and the attention backend).
+HANDSHAKE_COMPAT_KEY = "enforce_handshake_compat"
+
 # The prefill's KV fingerprint (pdctl.kv.fingerprint) in its kv_transfer_params, for the decode to check what it
 # received against: one hex word per fingerprint chunk of the prompt, every TP rank's share added. Hex, not JSON
 # integers: a 64-bit value would lose bits in a JSON reader that holds numbers as doubles (a router on the way).

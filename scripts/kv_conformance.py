@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 from pdctl import protocol  # noqa: E402
 from pdctl.kv import fingerprint, reads  # noqa: E402
-from pdctl.kv.forms import CacheForm, KvPair, form_of, joined_caches, kv_pair_form, kv_pairs  # noqa: E402
+from pdctl.kv.forms import CacheForm, form_of, joined_caches, kv_pair_form, kv_pairs  # noqa: E402
 from pdctl.kv.index import StagingPool  # noqa: E402
 from pdctl.kv.receive import receive_merged, receive_split  # noqa: E402
 from pdctl.kv.window import window_pairs  # noqa: E402
@@ -151,6 +151,18 @@ def peer(side: Side, dtype: str) -> reads.Peer:
                       side.block, side.tp, isa_at(side.form, dtype, side.block))
 
 
+def registered_form(platform: str, layout: str, buffer_device: str, cpu_isa: str = "vec") -> str:
+    """The form NIXL moves for a server, in this harness's names: its platform, its cache layout (vLLM's name, e.g.
+    LBHNC) and where its KV is registered (`cpu` on an accelerator: the host buffer its connector allocates).
+    `cpu_isa`: the attention ISA a CPU host packs for."""
+    host = "host:" if buffer_device == "cpu" and platform != "cpu" else ""
+    if platform == "hpu":
+        return f"{host}hpu"
+    if platform == "cpu":
+        return f"cpu_{cpu_isa}"
+    return f"{host}{layout}"
+
+
 def rank_caches(side: Side, dtype: str, blocks: int, device: str) -> list[tuple[torch.Tensor, CacheForm]]:
     """One TP rank's caches as vLLM hands them to the connector (every layer a view of one buffer) with the forms
     pdctl.kv.forms chooses from their strides."""
@@ -172,12 +184,7 @@ def rank_caches(side: Side, dtype: str, blocks: int, device: str) -> list[tuple[
 
 def plain(cache, form: CacheForm) -> bool:
     """A joined cache, whose logical view is the tensor itself (not packed per ISA, not a (K, V) pair)."""
-    return isinstance(cache, torch.Tensor) and form.isa_of is None
-
-
-def tensors(cache) -> list[torch.Tensor]:
-    """The tensors a layer's cache is: itself, or a (K, V) pair's two."""
-    return list(cache) if isinstance(cache, KvPair) else [cache]
+    return len(form.tensors(cache)) == 1 and form.isa_of is None
 
 
 def read_tokens(cache: torch.Tensor, form: CacheForm, ids: list[int]) -> torch.Tensor:
@@ -212,8 +219,8 @@ def truth(case: Case, device: str) -> torch.Tensor:
 def stale(caches: list[tuple[torch.Tensor, CacheForm]], seed: int) -> None:
     """Random bytes everywhere: what other requests left in the cache."""
     gen = torch.Generator().manual_seed(seed)
-    for cache, _ in caches:
-        for t in storages(cache):
+    for cache, form in caches:
+        for t in storages(cache, form):
             raw = torch.randint(0, 256, tuple(t.shape), dtype=torch.uint8, generator=gen)
             t.copy_(raw.view(t.dtype) if t.dtype == torch.uint8 else (raw.float() / 64 - 2).to(t.dtype))
 
@@ -222,14 +229,14 @@ def pads(cache, form: CacheForm) -> list[torch.Tensor]:
     """vllm-gaudi's padding block past each of K's and V's blocks (`hpu`; none in other forms)."""
     if form.name != "hpu":
         return []
-    return [flat[t.numel():] for t, flat in zip(tensors(cache), storages(cache), strict=True)]
+    return [flat[t.numel():] for t, flat in zip(form.tensors(cache), storages(cache, form), strict=True)]
 
 
-def storages(cache) -> list[torch.Tensor]:
+def storages(cache, form: CacheForm) -> list[torch.Tensor]:
     """Every element of the allocations a layer's cache is a view of, as flat tensors of its dtype (vllm-gaudi's
     padding block included)."""
     out = []
-    for t in tensors(cache):
+    for t in form.tensors(cache):
         flat = torch.empty(0, dtype=t.dtype, device=t.device)
         flat.set_(t.untyped_storage(), 0, (t.untyped_storage().nbytes() // t.element_size(),))
         out.append(flat)
@@ -253,13 +260,15 @@ def held_fingerprint(case: Case, caches, rank: int, side: Side, blocks, start: i
     held = [(a, i) for a, i in blocks if (a + 1) * n > start and a * n < case.tokens]
     if not held:
         return out
+    if [a for a, _ in held] != list(range(held[0][0], held[0][0] + len(held))):
+        raise ValueError(f"blocks {[a for a, _ in held]} are not one run of the prompt")
+    first = held[0][0] * n  # the held blocks are consecutive: their tokens are one run from here
+    lo = max(start, first)
     for layer, (cache, form) in enumerate(caches):
         vals = read_tokens(cache, form, [i for _, i in held])  # [blocks, H, N, 2D]
-        for row, (a, _) in enumerate(held):
-            lo, hi = max(start, a * n), min(case.tokens, (a + 1) * n)
-            kv = vals[row, :, lo - a * n:hi - a * n]
-            out = fingerprint.add(out, fingerprint.partials(kv[..., :HEAD_DIM], kv[..., HEAD_DIM:], layer=layer,
-                                                            first_token=lo, first_head=rank * heads, chunks=count))
+        kv = vals.transpose(0, 1).reshape(heads, -1, 2 * HEAD_DIM)[:, lo - first:case.tokens - first]
+        out = fingerprint.add(out, fingerprint.partials(kv[..., :HEAD_DIM], kv[..., HEAD_DIM:], layer=layer,
+                                                        first_token=lo, first_head=rank * heads, chunks=count))
     return out
 
 
@@ -367,8 +376,8 @@ def register(agent, caches: list[tuple[torch.Tensor, CacheForm]], mem: str):
     """Register every allocation the caches are views of, once (vLLM's register_kv_caches: one region per
     storage)."""
     seen = {}
-    for cache, _ in caches:
-        for t in tensors(cache):
+    for cache, form in caches:
+        for t in form.tensors(cache):
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     dev = torch.cuda.current_device() if mem == "VRAM" else 0
@@ -494,7 +503,7 @@ class Decode:
                         lo, hi = a * nd, min(case.tokens, (a + 1) * nd)
                         vals[row, :, :hi - lo] = kv[layer, lo:hi, heads].transpose(0, 1)
                     write_tokens(cache, form, ids, vals)
-        before = [[([t.clone() for t in tensors(c)], [p.clone() for p in pads(c, f)]) for c, f in caches]
+        before = [[([t.clone() for t in f.tensors(c)], [p.clone() for p in pads(c, f)]) for c, f in caches]
                   for caches in ranks]
         plan = self.plan(case, blocks, prefill_ids, ratio, split)
         if isinstance(plan, str):
@@ -502,12 +511,13 @@ class Decode:
         name = self.agent.add_remote_agent(agent_meta)
         regs = [register(self.agent, caches, self.mem) for caches in ranks]
         t0 = time.perf_counter()
+        pair = pre.kv_pair or dec.kv_pair  # the joined side's pages are read as two halves
         try:
             moved = 0
             for rank, caches in enumerate(ranks):
                 for src, local_part, remote_part in sources(case.prefill.tp, case.decode.tp, rank):
                     moved += self.read(name, caches, remote[src], plan, ratio, split, local_part, remote_part,
-                                       pair=pre.kv_pair or dec.kv_pair)
+                                       halve=(pair and not dec.kv_pair, pair and not pre.kv_pair))
             read_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             for caches in ranks:
@@ -576,13 +586,15 @@ class Decode:
         return {"pairs": list(zip(subs, trimmed, strict=True)), "fills": None, "ids": local}
 
     def read(self, name: str, caches, meta, plan: dict, ratio: int, split: bool, local_part, remote_part,
-             pair: bool = False) -> int:
-        """Post one READ of every layer's planned units from one prefill rank, wait for it; the bytes moved. `pair`:
-        a (K, V)-pair side, so both sides' layers are read as two regions each (reads.halves, reads.as_halves)."""
+             halve: tuple[bool, bool] = (False, False)) -> int:
+        """Post one READ of every layer's planned units from one prefill rank, wait for it; the bytes moved.
+        `halve` (local, remote): that side's joined pages read as two regions, against the other side's (K, V)
+        pair (reads.halves, reads.as_halves)."""
+        halve_local, halve_remote = halve
         local_rows, remote_rows = [], []
-        if pair and len(meta.kv_caches_base_addr) == len(caches):  # the prefill's joined pages, as halves
+        if halve_remote:
             meta = reads.as_halves(meta)
-        local_regions = [r for c, f in caches for r in (reads.halves(reads.regions_of(c, f)) if pair else
+        local_regions = [r for c, f in caches for r in (reads.halves(reads.regions_of(c, f)) if halve_local else
                                                          reads.regions_of(c, f))]
         if split:
             # vLLM's _build_fa_remote on the decode-sized metadata, then the connector's addresses for its chunks.
@@ -681,7 +693,7 @@ class Decode:
                             return f"wrong: rank {rank} layer {layer} block {blocks.ids[row]} slot {s} (token {t})"
                 views, pads_before = before[rank][layer]
                 if others and any(not torch.equal(_bits(t[others]), _bits(b[others]))
-                                  for t, b in zip(tensors(cache), views, strict=True)):
+                                  for t, b in zip(form.tensors(cache), views, strict=True)):
                     return f"wrong: rank {rank} layer {layer}: a block outside the request changed"
                 if any(not torch.equal(_bits(p), _bits(b)) for p, b in zip(pads(cache, form), pads_before,
                                                                             strict=True)):

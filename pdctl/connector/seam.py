@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdctl.protocol import HANDSHAKE_COMPAT_KEY
+
 Kind = Literal["class", "hook", "method", "function", "attr", "field", "module_global", "nixl_config_field",
                "source"]
 
@@ -195,7 +197,7 @@ INTERNALS: tuple[Internal, ...] = (
              why="connector.progress_thread"),
     Internal("nixl_config_field", f"{NIXL_API}:nixlBind.nixlAgentConfig", "pthrDelay",
              why="connector.progress_delay_us: the progress thread sleeps between passes instead of spinning"),
-    Internal("source", BASE_WORKER, '"enforce_handshake_compat"',
+    Internal("source", BASE_WORKER, f'"{HANDSHAKE_COMPAT_KEY}"',
              why="the plan turns NIXL's compatibility hash off between two kinds of device (pdctl.plan)"),
     # -- vLLM's executor queues (pdctl.vllm_plugin) ------------------------------------------------------------
     *_attrs("attr", SPIN, "is_reader last_read poller local_notify_socket",

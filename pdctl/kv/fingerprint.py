@@ -28,15 +28,10 @@ CHUNK = 16  # tokens per partial sum
 SLICE_ELEMS = 1 << 18  # elements per pass: 2 MiB of int64 products
 MASK = (1 << 64) - 1
 
-# Odd 64-bit constants as signed int64 (torch's integer arithmetic wraps modulo 2**64).
+# Odd 64-bit constants, each within int64 (torch's integer arithmetic wraps modulo 2**64).
 _M1, _M2 = -7046029254386353131, -4658895280553007687  # 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
-_M3 = -7723592293110705685  # 0x94D049BB133111EB
 _LAYER, _TOKEN, _HEAD, _KV, _DIM = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D, 0x14057B7EF767814F,
                                     0x1B873593CC9E2D51, 0x68E31DA4B5297CC1)
-
-
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +55,7 @@ def _weights(layer: int, kv: int, first_head: int, heads: int, dim: int, device:
     """An odd int64 per (head, dimension) of one layer's K or V: [heads, 1, dim]."""
     h = (first_head + torch.arange(heads, dtype=torch.int64, device=device)).view(heads, 1, 1)
     d = torch.arange(dim, dtype=torch.int64, device=device).view(1, 1, dim)
-    return _mix(layer * _signed(_LAYER) + kv * _signed(_KV) + h * _signed(_HEAD) + d * _signed(_DIM)) | 1
+    return _mix(layer * _LAYER + kv * _KV + h * _HEAD + d * _DIM) | 1
 
 
 def partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: int, first_head: int = 0,
@@ -88,7 +83,7 @@ def partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: int, 
         for s in range(0, t, step):
             per_token[s:s + step] += (bits[:, s:s + step] * weights).sum(dim=(0, 2))
     tokens = first_token + torch.arange(t, device=dev, dtype=torch.int64)
-    per_token *= _mix(tokens * _signed(_TOKEN) + _M1) | 1
+    per_token *= _mix(tokens * _TOKEN + _M1) | 1
     first = first_token // CHUNK
     count = chunks if chunks is not None else first + -(-t // CHUNK)
     out = torch.zeros(count, dtype=torch.int64, device=dev)

@@ -68,29 +68,38 @@ class CacheForm:
             name = "HND" if self.page_dims == (1, 2, 3) else "NHD"
         return Side(layout(name), BlockShape(self.heads, n, self.head_dim))
 
-    def num_blocks(self, cache: torch.Tensor) -> int:
-        return cache.shape[0]
+    def tensors(self, cache) -> tuple[torch.Tensor, ...]:
+        """The tensors one layer's cache is, each its own registered region: the cache itself (a K/V pair: K, V)."""
+        return (cache,)
 
-    def pages(self, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def num_blocks(self, cache) -> int:
+        return self.tensors(cache)[0].shape[0]
+
+    def pages(self, cache, ids: torch.Tensor) -> torch.Tensor:
         """Blocks `ids` (an index tensor on the cache's device) as [len(ids), page_elems]: each row a copy of one
-        page in memory order, the bytes NIXL moved."""
-        return cache.index_select(0, ids).permute(0, *self.page_dims).reshape(ids.numel(), -1)
+        page in memory order, the bytes NIXL moved (a K/V pair: the K page, then the V page)."""
+        rows = [t.index_select(0, ids).permute(0, *self.page_dims).reshape(ids.numel(), -1)
+                for t in self.tensors(cache)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
-    def put_pages(self, cache: torch.Tensor, ids: torch.Tensor, pages: torch.Tensor) -> None:
+    def put_pages(self, cache, ids: torch.Tensor, pages: torch.Tensor) -> None:
         """Write rows of memory-order pages back into blocks `ids`."""
-        dims = [cache.shape[d] for d in self.page_dims]
+        tensors = self.tensors(cache)
+        dims = [tensors[0].shape[d] for d in self.page_dims]
         back = [0] * 4
         for pos, d in enumerate((0, *self.page_dims)):
             back[d] = pos
-        cache.index_copy_(0, ids, pages.reshape(ids.numel(), *dims).permute(*back))
+        for t, part in zip(tensors, pages.reshape(ids.numel(), len(tensors), -1).unbind(1), strict=True):
+            t.index_copy_(0, ids, part.reshape(ids.numel(), *dims).permute(*back))
 
     def page(self, cache: torch.Tensor, block: int) -> torch.Tensor:
         """Block `block`'s page as a flat view (writes reach the cache) in memory order."""
         return cache[block].permute(*(d - 1 for d in self.page_dims)).view(-1)
 
-    def zero_blocks(self, cache: torch.Tensor, ids: torch.Tensor) -> None:
+    def zero_blocks(self, cache, ids: torch.Tensor) -> None:
         """Zero blocks `ids` whole."""
-        cache.index_fill_(0, ids, 0)
+        for t in self.tensors(cache):
+            t.index_fill_(0, ids, 0)
 
     def region(self, cache: torch.Tensor, block: int) -> tuple[int, int]:
         """Block `block`'s page as NIXL registers and reads it: (byte address, byte length)."""
@@ -128,29 +137,14 @@ class KvPairForm(CacheForm):
 
     @property
     def half(self) -> int:
+        """Elements of each of a page's two parts (its K page, its V page)."""
         return self.page_elems // 2
 
-    def num_blocks(self, cache: KvPair) -> int:  # type: ignore[override]
-        return cache.k.shape[0]
-
-    def pages(self, cache: KvPair, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return torch.cat([t.index_select(0, ids).permute(0, *self.page_dims).reshape(ids.numel(), -1)
-                          for t in cache], dim=1)
-
-    def put_pages(self, cache: KvPair, ids: torch.Tensor, pages: torch.Tensor) -> None:  # type: ignore[override]
-        dims = [cache.k.shape[d] for d in self.page_dims]
-        back = [0] * 4
-        for pos, d in enumerate((0, *self.page_dims)):
-            back[d] = pos
-        for t, half in zip(cache, pages.reshape(ids.numel(), 2, -1).unbind(1), strict=True):
-            t.index_copy_(0, ids, half.reshape(ids.numel(), *dims).permute(*back))
+    def tensors(self, cache: KvPair) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return (cache.k, cache.v)
 
     def page(self, cache: KvPair, block: int) -> torch.Tensor:  # type: ignore[override]
         raise FormError("a K/V pair's page spans two tensors: no single view of it (use pages/put_pages)")
-
-    def zero_blocks(self, cache: KvPair, ids: torch.Tensor) -> None:  # type: ignore[override]
-        for t in cache:
-            t.index_fill_(0, ids, 0)
 
     def region(self, cache: KvPair, block: int) -> tuple[int, int]:  # type: ignore[override]
         raise FormError("a K/V pair registers two regions per layer (pdctl.kv.reads.regions_of)")
@@ -276,18 +270,6 @@ def kv_pairs(form: str, blocks: int, heads: int, block_size: int, head_dim: int,
             raise FormError(f"unknown K/V pair form {form!r} (hpu, hpu_host)")
         pairs.append(KvPair(k, v))
     return pairs
-
-
-def registered_form(platform: str, layout: str, buffer_device: str, cpu_isa: str = "vec") -> str:
-    """The form NIXL moves for a server, in the conformance harness's names (scripts/kv_conformance.py): its
-    platform, its cache layout (vLLM's name, e.g. LBHNC) and where its KV is registered (`cpu` on an accelerator:
-    the host buffer its connector allocates). `cpu_isa`: the attention ISA a CPU host packs for."""
-    host = "host:" if buffer_device == "cpu" and platform != "cpu" else ""
-    if platform == "hpu":
-        return f"{host}hpu"
-    if platform == "cpu":
-        return f"cpu_{cpu_isa}"
-    return f"{host}{layout}"
 
 
 def block_ids(values: Sequence[int], cache: torch.Tensor | KvPair) -> torch.Tensor:

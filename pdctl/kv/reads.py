@@ -50,18 +50,19 @@ class Region:
             raise ValueError(f"a region's pages overlap: stride {self.stride} < page {self.page_len}")
 
 
-def region_of(cache, form) -> Region:
-    """The region of one registered cache tensor of form `form` (pdctl.kv.forms.CacheForm)."""
-    size = cache.element_size()
-    return Region(cache.data_ptr(), form.page_elems * size, cache.stride(0) * size, form.num_blocks(cache))
-
-
 def regions_of(cache, form) -> list[Region]:
-    """Every region one layer's cache registers: one, or K's then V's for a (K, V) pair (pdctl.kv.forms.KvPair)."""
-    if form.side().layout.regions == 1:
-        return [region_of(cache, form)]
-    size = cache.dtype.itemsize
-    return [Region(t.data_ptr(), form.half * size, t.stride(0) * size, form.num_blocks(cache)) for t in cache]
+    """Every region one layer's cache registers (pdctl.kv.forms.CacheForm.tensors): one, or K's then V's for a
+    (K, V) pair, each holding its share of every page."""
+    tensors = form.tensors(cache)
+    size = tensors[0].element_size()
+    page = form.page_elems * size // len(tensors)
+    return [Region(t.data_ptr(), page, t.stride(0) * size, form.num_blocks(cache)) for t in tensors]
+
+
+def region_of(cache, form) -> Region:
+    """The region of one registered cache tensor of form `form` (a joined or CPU_ATTN cache)."""
+    (region,) = regions_of(cache, form)
+    return region
 
 
 def halves(regions: Sequence[Region]) -> list[Region]:

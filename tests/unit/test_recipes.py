@@ -60,8 +60,10 @@ HARNESS = REPO / "scripts" / "kv_conformance.py"
 
 def recipe_cells(name: str) -> list[tuple[str, str]]:
     """Each P/D pair of a recipe as the conformance harness's --prefill / --decode (form:block), from its plan."""
+    sys.path.insert(0, str(HARNESS.parent))
+    from kv_conformance import registered_form
+
     from pdctl import load
-    from pdctl.kv.forms import registered_form
     from pdctl.topology.schema import VLLM_CACHE_LAYOUT
 
     t = load(CONFIGS / name)
