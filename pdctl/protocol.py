@@ -174,29 +174,44 @@ HANDSHAKE_COMPAT_KEY = "enforce_handshake_compat"
 # received against: one hex word per fingerprint chunk of the prompt, every TP rank's share added. Hex, not JSON
 # integers: a 64-bit value would lose bits in a JSON reader that holds numbers as doubles (a router on the way).
 FINGERPRINT_KEY = "pdctl_kv_fingerprint"
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2
 
 
 class FingerprintError(ValueError):
     """A kv_transfer_params fingerprint that cannot be read: the message names the key and what is wrong."""
 
 
-def encode_fingerprint(partials: list[int]) -> dict:
-    """The value under FINGERPRINT_KEY for a prompt's partial sums (pdctl.kv.fingerprint.partials)."""
-    return {"v": FINGERPRINT_VERSION, "chunks": "".join(f"{x & 0xFFFFFFFFFFFFFFFF:016x}" for x in partials)}
+def _hex(a) -> str:
+    return a.astype(">u8").tobytes().hex()
 
 
-def decode_fingerprint(value: object) -> list[int]:
-    """The partial sums a prefill sent; FingerprintError naming what is wrong."""
-    if not isinstance(value, dict) or value.get("v") != FINGERPRINT_VERSION or not isinstance(value.get("chunks"),
-                                                                                           str):
-        raise FingerprintError(f"kv_transfer_params[{FINGERPRINT_KEY!r}]: expected {{'v': {FINGERPRINT_VERSION}, "
-                               f"'chunks': HEX}}, got {value!r:.80}")
-    text = value["chunks"]
-    if len(text) % 16 or any(c not in "0123456789abcdef" for c in text):
-        raise FingerprintError(f"kv_transfer_params[{FINGERPRINT_KEY!r}]['chunks']: not 16 lower-case hex digits per "
-                               f"chunk ({len(text)} characters)")
-    return [int(text[i:i + 16], 16) for i in range(0, len(text), 16)]
+def encode_fingerprint(fp) -> dict:
+    """The value under FINGERPRINT_KEY for a prompt's KV fingerprint (pdctl.kv.fingerprint.Fingerprint): its
+    uint64 sums as hex words (a JSON reader holding numbers as doubles would lose bits), row by row."""
+    return {"v": FINGERPRINT_VERSION, "heads": fp.heads, "chunks": _hex(fp.chunks), "layers": _hex(fp.layers)}
+
+
+def decode_fingerprint(value: object):
+    """The fingerprint a prefill sent (pdctl.kv.fingerprint.Fingerprint); FingerprintError naming what is wrong."""
+    import numpy as np
+
+    from pdctl.kv.fingerprint import Fingerprint
+
+    where = f"kv_transfer_params[{FINGERPRINT_KEY!r}]"
+    if not isinstance(value, dict) or value.get("v") != FINGERPRINT_VERSION:
+        raise FingerprintError(f"{where}: expected {{'v': {FINGERPRINT_VERSION}, 'heads': N, 'chunks': HEX, "
+                               f"'layers': HEX}}, got {value!r:.80}")
+    heads = value.get("heads")
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise FingerprintError(f"{where}['heads']: expected a positive integer, got {heads!r:.40}")
+    rows = []
+    for name in ("chunks", "layers"):
+        text = value.get(name)
+        if not isinstance(text, str) or len(text) % (16 * heads) or any(c not in "0123456789abcdef" for c in text):
+            raise FingerprintError(f"{where}[{name!r}]: not 16 lower-case hex digits per word, {heads} words per "
+                                   f"row ({len(text) if isinstance(text, str) else type(text).__name__})")
+        rows.append(np.frombuffer(bytes.fromhex(text), dtype=">u8").astype(np.uint64).reshape(-1, heads))
+    return Fingerprint(*rows)
 
 
 # -- log lines --------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Per cache form, one request of --tokens tokens, one layer of a Qwen3-0.6B-like c
 the times are per layer, so the ratios hold for any layer count):
 - transfer: a NIXL READ of the request's pages between two agents in this process (DRAM, UCX on loopback with the
   conformance harness's settings), best of --repeat;
-- fingerprint: pdctl.kv.fingerprint.partials over the request's KV read through the form's logical view of its
+- fingerprint: pdctl.kv.fingerprint.head_partials over the request's KV read through the form's logical view of its
   pages (what a side computes where its KV lies: the unpacking is in the time), best of --repeat;
 - the ratio of the two, and the fingerprint's bandwidth.
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_kv import Nixl, timed  # noqa: E402
 from kv_conformance import UCX_LOOPBACK  # noqa: E402
 
-from pdctl.kv.fingerprint import partials  # noqa: E402
+from pdctl.kv.fingerprint import head_partials  # noqa: E402
 from pdctl.kv.layouts import BlockShape, layout  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 128
@@ -50,7 +50,7 @@ def case(form: str, lay: str, block: int, tokens: int, repeat: int, nixl: Nixl |
         kk, vv = layout(lay).unpack(pages, shape)
         kk = kk.transpose(0, 1).reshape(HEADS, -1, HEAD_DIM)[:, :tokens]
         vv = vv.transpose(0, 1).reshape(HEADS, -1, HEAD_DIM)[:, :tokens]
-        return partials(kk, vv, layer=0, first_token=0)
+        return head_partials(kk, vv, layer=0, first_token=0)
 
     nbytes = pages.numel() * pages.element_size()
     t_fp = timed(fingerprint, repeat)

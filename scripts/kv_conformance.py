@@ -251,24 +251,21 @@ def first_held(case: Case) -> int:
     return next(a for a, i in zip(pb.listed, pb.ids, strict=True) if i != NULL_BLOCK) * case.prefill.block
 
 
-def held_fingerprint(case: Case, caches, rank: int, side: Side, blocks, start: int = 0) -> list[int]:
-    """pdctl.kv.fingerprint's partial sums of one rank's share of the prompt's KV from token `start`, read through
-    each layer's logical view of `blocks` (absolute block, cache block id) where they lie."""
+def held_fingerprint(case: Case, caches, rank: int, side: Side, blocks, start: int = 0) -> fingerprint.Fingerprint:
+    """pdctl.kv.fingerprint's sums of one rank's share of the prompt's KV from token `start`, read through each
+    layer's logical view of `blocks` (absolute block, cache block id) where they lie."""
     n, heads = side.block, HEADS // side.tp
     count = cdiv(case.tokens, fingerprint.CHUNK)
-    out: list[int] = []
+    out = fingerprint.Fingerprint.empty(count, len(caches), HEADS)
     held = [(a, i) for a, i in blocks if (a + 1) * n > start and a * n < case.tokens]
     if not held:
         return out
     if [a for a, _ in held] != list(range(held[0][0], held[0][0] + len(held))):
         raise ValueError(f"blocks {[a for a, _ in held]} are not one run of the prompt")
-    first = held[0][0] * n  # the held blocks are consecutive: their tokens are one run from here
-    lo = max(start, first)
     for layer, (cache, form) in enumerate(caches):
-        vals = read_tokens(cache, form, [i for _, i in held])  # [blocks, H, N, 2D]
-        kv = vals.transpose(0, 1).reshape(heads, -1, 2 * HEAD_DIM)[:, lo - first:case.tokens - first]
-        out = fingerprint.add(out, fingerprint.partials(kv[..., :HEAD_DIM], kv[..., HEAD_DIM:], layer=layer,
-                                                        first_token=lo, first_head=rank * heads, chunks=count))
+        out.add_layer(layer, rank * heads, fingerprint.blocks_partials(
+            cache, form, [i for _, i in held], first_block=held[0][0], start=max(start, held[0][0] * n),
+            end=case.tokens, layer=layer, first_head=rank * heads, chunks=count))
     return out
 
 
@@ -431,9 +428,9 @@ def prefill_serve(conn, device: str) -> None:
             metas.append(encode(advertise(agent, f"prefill-rank{rank}", caches, case.prefill, case.dtype)))
         if device == "cuda":
             torch.cuda.synchronize()
-        fp = []  # the prompt's KV fingerprint, over every rank's held blocks where they lie
-        for rank, caches in enumerate(ranks):
-            fp = fingerprint.add(fp, held_fingerprint(case, caches, rank, case.prefill, [
+        fp = fingerprint.Fingerprint.empty(cdiv(case.tokens, fingerprint.CHUNK), len(ranks[0]), HEADS)
+        for rank, caches in enumerate(ranks):  # the prompt's KV fingerprint, over every rank's held blocks
+            fp = fp + (held_fingerprint(case, caches, rank, case.prefill, [
                 (a, i) for a, i in zip(blocks.listed, blocks.ids, strict=True) if i != NULL_BLOCK]))
         # sent as a prefill's kv_transfer_params carry it (pdctl.protocol)
         conn.send((metas, blocks.ids, agent.get_agent_metadata(), {protocol.FINGERPRINT_KEY:
@@ -538,19 +535,20 @@ class Decode:
         return Outcome(wrong or "exact", read_s=read_s, receive_s=receive_s, bytes=moved, fingerprint=fp)
 
     @staticmethod
-    def fingerprint_check(case: Case, ranks, blocks: Blocks, prefill_fp: list[int]) -> str:
-        """The decode's fingerprint of what it received (after conversion), every rank's share added, against the
-        prefill's, chunk by chunk from the first token it received: past its prefix hit, past a sliding window's
-        head on either side (what the prefill no longer held, and what the decode's window tail does not list)."""
+    def fingerprint_check(case: Case, ranks, blocks: Blocks, prefill_fp: fingerprint.Fingerprint) -> str:
+        """Each decode rank's fingerprint of what it received (after conversion) against the prefill's, over that
+        rank's KV heads, as pdctl's connector checks it: chunk by chunk from the first token it received, past its
+        prefix hit, past a sliding window's head on either side (what the prefill no longer held, and what the
+        decode's window tail does not list)."""
         start = max(case.prefix_hit * case.decode.block, first_held(case), blocks.listed[0] * case.decode.block)
-        got: list[int] = []
+        heads = HEADS // case.decode.tp
         for rank, caches in enumerate(ranks):
-            got = fingerprint.add(got, held_fingerprint(case, caches, rank, case.decode,
-                                                        zip(blocks.listed, blocks.ids, strict=True), start))
-        at = fingerprint.first_difference(prefill_fp, got, start // fingerprint.CHUNK)
-        if at is None:
-            return "equal"
-        return f"differs at tokens {at * fingerprint.CHUNK}..{min(case.tokens, (at + 1) * fingerprint.CHUNK) - 1}"
+            got = held_fingerprint(case, caches, rank, case.decode, zip(blocks.listed, blocks.ids, strict=True), start)
+            at = prefill_fp.difference(got, from_chunk=start // fingerprint.CHUNK,
+                                       heads=range(rank * heads, (rank + 1) * heads))
+            if at is not None:
+                return f"differs at {at.describe(case.tokens)} (rank {rank})"
+        return "equal"
 
     def plan(self, case: Case, blocks: Blocks, prefill_ids: list[int], ratio: int, split: bool):
         """The read planning the connector runs (pdctl.kv.reads), on one KV group."""

@@ -7,9 +7,11 @@ So it depends only on what is where logically, never on the cache's layout, bloc
 adds its terms however its cache holds them, and TP ranks' shares (each over its own heads, named by their global
 index) add up to the whole.
 
-A request's fingerprint is a list of partial sums, one per `CHUNK` tokens of the prompt (the last one shorter), so
-a decode that holds a prefix itself compares only the chunks it received: every block size pdctl serves is a
-multiple of CHUNK, so a prefix hit ends on a chunk boundary.
+A request's fingerprint (`Fingerprint`) holds partial sums per `CHUNK` tokens of the prompt (the last one shorter)
+and per KV head, and per layer and KV head over the whole prompt. Per chunk, so a decode that holds a prefix itself
+compares only the chunks it received (every block size pdctl serves is a multiple of CHUNK, so a prefix hit ends on
+a chunk boundary); per head, so each decode TP rank checks the heads it holds, alone; per layer, so a mismatch names
+the first layer that differs. Its size is 8 bytes per (chunk, head) and per (layer, head).
 
 What changes it: any changed bit of any element (a flipped byte); an element at another token, head, layer or
 dimension (two tokens swapped, a block read from the wrong address, a head slice from the wrong rank); K and V
@@ -22,6 +24,10 @@ Pure torch on the tensors' own device: no vLLM, no NIXL.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 CHUNK = 16  # tokens per partial sum
@@ -58,14 +64,15 @@ def _weights(layer: int, kv: int, first_head: int, heads: int, dim: int, device:
     return _mix(layer * _LAYER + kv * _KV + h * _HEAD + d * _DIM) | 1
 
 
-def partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: int, first_head: int = 0,
-             chunks: int | None = None) -> list[int]:
-    """One layer's partial sums, one per CHUNK tokens from token 0: `k`, `v` [heads, tokens, head_dim] in token
-    order are tokens first_token.. of KV heads first_head.. (global indices). first_token must start a chunk;
-    `chunks`: how many partial sums to return (default: those the tokens reach), the ones without tokens 0.
+def head_partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: int, first_head: int = 0,
+                  chunks: int | None = None) -> torch.Tensor:
+    """One layer's partial sums per CHUNK tokens from token 0 and per KV head: int64 [chunks, heads] (wrapping:
+    the bits of the sums modulo 2**64). `k`, `v` [heads, tokens, head_dim] in token order are tokens first_token..
+    of KV heads first_head.. (global indices). first_token must start a chunk; `chunks`: how many partial sums to
+    return (default: those the tokens reach), the ones without tokens 0.
 
     An element's term is bits * w(layer, K or V, head, dim) * w(token): its bits as a signed integer times odd
-    weights of its coordinates, so the sum factors into a weighted sum over heads and dims per token (one pass over
+    weights of its coordinates, so the sum factors into a weighted sum over dims per (head, token) (one pass over
     the elements, the integer promotion fused into the multiply), then one weight per token. Any change of an
     element's bits changes its term (an odd weight times a nonzero difference below 2**32 is not 0 mod 2**64)."""
     if first_token % CHUNK:
@@ -74,36 +81,116 @@ def partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: int, 
     if v.shape != k.shape:
         raise ValueError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in shape")
     dev = k.device
-    per_token = torch.zeros(t, dtype=torch.int64, device=dev)
+    per_token = torch.zeros(h, t, dtype=torch.int64, device=dev)
     # In slices of tokens: the int64 products of a slice stay small (a whole layer's would be allocated and paged
     # in afresh on every call, which measured up to 10x slower on CPU).
     step = max(CHUNK, SLICE_ELEMS // max(1, h * d) // CHUNK * CHUNK)
     for kv, values in enumerate((k, v)):
         bits, weights = _bits(values), _weights(layer, kv, first_head, h, d, dev)
         for s in range(0, t, step):
-            per_token[s:s + step] += (bits[:, s:s + step] * weights).sum(dim=(0, 2))
+            per_token[:, s:s + step] += (bits[:, s:s + step] * weights).sum(dim=2)
     tokens = first_token + torch.arange(t, device=dev, dtype=torch.int64)
     per_token *= _mix(tokens * _TOKEN + _M1) | 1
     first = first_token // CHUNK
     count = chunks if chunks is not None else first + -(-t // CHUNK)
-    out = torch.zeros(count, dtype=torch.int64, device=dev)
+    out = torch.zeros(count, h, dtype=torch.int64, device=dev)
     index = tokens // CHUNK
     keep = index < count
-    out.index_add_(0, index[keep], per_token[keep])
-    return [x & MASK for x in out.tolist()]
+    out.index_add_(0, index[keep], per_token[:, keep].t())
+    return out
 
 
-def add(a: list[int], b: list[int]) -> list[int]:
-    """Two shares' partial sums (layers, TP ranks, K and V) as one."""
-    n = max(len(a), len(b))
-    a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
-    return [(x + y) & MASK for x, y in zip(a, b, strict=True)]
+def token_kv(cache, form, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks `ids` of one layer's cache of form `form` (pdctl.kv.forms) as K and V [heads, len(ids) * block, D]
+    in token order: the logical KV, however the form packs it (a copy)."""
+    idx = torch.tensor(list(ids), dtype=torch.long, device=form.tensors(cache)[0].device)
+    side = form.side()
+    k, v = side.layout.unpack(form.pages(cache, idx), side.shape)
+    heads, dim = side.shape.heads, side.shape.head_dim
+    return (k.transpose(0, 1).reshape(heads, -1, dim), v.transpose(0, 1).reshape(heads, -1, dim))
 
 
-def first_difference(want: list[int], got: list[int], from_chunk: int = 0) -> int | None:
-    """The first chunk at or past `from_chunk` whose partial sums differ (a missing one counts as 0), or None."""
-    n = max(len(want), len(got))
-    for i in range(from_chunk, n):
-        if (want[i] if i < len(want) else 0) != (got[i] if i < len(got) else 0):
-            return i
-    return None
+def blocks_partials(cache, form, ids: Sequence[int], *, first_block: int, start: int, end: int, layer: int,
+                    first_head: int, chunks: int) -> torch.Tensor:
+    """`head_partials` of tokens start..end-1 of one layer held in blocks `ids` (consecutive blocks of the prompt,
+    the first its block `first_block`) of a cache of form `form`: [chunks, heads]."""
+    n = form.block_size
+    if start >= end:
+        return torch.zeros(chunks, form.heads, dtype=torch.int64)
+    lo, hi = start // n - first_block, -(-end // n) - first_block
+    if lo < 0 or hi > len(ids):
+        raise ValueError(f"tokens {start}..{end - 1} are not in blocks {first_block}..{first_block + len(ids) - 1}")
+    k, v = token_kv(cache, form, ids[lo:hi])
+    at = (first_block + lo) * n
+    return head_partials(k[:, start - at:end - at], v[:, start - at:end - at], layer=layer, first_token=start,
+                         first_head=first_head, chunks=chunks)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where two fingerprints first differ: a chunk of CHUNK tokens and a KV head (the first differing pair past
+    the chunk the check starts at), and the first layer whose sums differ (None: not known, the decode held a
+    prefix itself)."""
+
+    chunk: int
+    head: int
+    layer: int | None
+
+    def describe(self, tokens: int) -> str:
+        last = min(tokens, (self.chunk + 1) * CHUNK) - 1
+        layer = "?" if self.layer is None else self.layer
+        return f"layer {layer}, tokens {self.chunk * CHUNK}..{last}, KV head {self.head}"
+
+
+@dataclass
+class Fingerprint:
+    """A request's prompt KV fingerprint: partial sums per (chunk, KV head) and per (layer, KV head), uint64 (sums
+    modulo 2**64). Per head, so a decode rank holding some heads (TP) checks its share alone; per layer, so a
+    mismatch names its first layer. Shares (layers, TP ranks, token splits) add up to the whole."""
+
+    chunks: np.ndarray  # [chunks, heads]
+    layers: np.ndarray  # [layers, heads]
+
+    @classmethod
+    def empty(cls, chunks: int, layers: int, heads: int) -> Fingerprint:
+        return cls(np.zeros((chunks, heads), np.uint64), np.zeros((layers, heads), np.uint64))
+
+    @property
+    def heads(self) -> int:
+        return self.chunks.shape[1]
+
+    def add_layer(self, layer: int, first_head: int, sums: torch.Tensor) -> None:
+        """Add one layer's head_partials [chunks, heads] of heads first_head.. (in place)."""
+        part = sums.cpu().numpy().view(np.uint64)
+        h = part.shape[1]
+        self.chunks[:part.shape[0], first_head:first_head + h] += part
+        with np.errstate(over="ignore"):
+            self.layers[layer, first_head:first_head + h] += part.sum(axis=0, dtype=np.uint64)
+
+    def __add__(self, other: Fingerprint) -> Fingerprint:
+        def grown(a: np.ndarray, rows: int) -> np.ndarray:
+            return np.concatenate([a, np.zeros((rows - a.shape[0], a.shape[1]), np.uint64)])
+        c, n = max(len(self.chunks), len(other.chunks)), max(len(self.layers), len(other.layers))
+        return Fingerprint(grown(self.chunks, c) + grown(other.chunks, c),
+                           grown(self.layers, n) + grown(other.layers, n))
+
+    def difference(self, got: Fingerprint, *, from_chunk: int = 0, heads: range | None = None) -> Difference | None:
+        """Where `got` (the decode's) first differs from this one (the prefill's), over chunks from `from_chunk`
+        (past the decode's own prefix) and heads `heads` (a TP rank's; default all), or None. The layer is named
+        when the decode's sums cover the whole prompt (from chunk 0)."""
+        heads = heads if heads is not None else range(self.heads)
+        if got.heads != self.heads:
+            return Difference(from_chunk, heads.start, None)
+        rows = max(len(self.chunks), len(got.chunks))
+        want, have = (np.concatenate([a, np.zeros((rows - len(a), a.shape[1]), np.uint64)])[from_chunk:,
+                                                                                            heads.start:heads.stop]
+                      for a in (self.chunks, got.chunks))
+        differ = np.argwhere(want != have)
+        if not len(differ):
+            return None
+        chunk, head = (int(x) for x in differ[0])
+        layer = None
+        if from_chunk == 0 and self.layers.shape == got.layers.shape:
+            bad = np.flatnonzero(self.layers[:, heads.start + head] != got.layers[:, heads.start + head])
+            layer = int(bad[0]) if len(bad) else None
+        return Difference(from_chunk + chunk, heads.start + head, layer)

@@ -54,19 +54,19 @@ def test_a_flipped_byte_is_wrong_in_every_form():
     results.pop("LBNHC->LBHNC:32")
     assert all(r.startswith("wrong: rank 0 layer 0 block") for r in results.values()), results
     # ... and the fingerprint catches it too, in the chunk of the flipped token (the prompt's last)
-    assert all(FINGERPRINTS[name].startswith("differs at tokens") for name in results), FINGERPRINTS
+    assert all(FINGERPRINTS[name].startswith("differs at layer ") for name in results), FINGERPRINTS
 
 
 @pytest.mark.unit_time_limit(30, reason=HARNESS)
 def test_a_fingerprint_that_disagrees_alone_makes_a_cell_wrong():
     # The decode's fingerprint computed over another layer's coordinates (its KV itself exact): every cell fails on
     # the fingerprint, which the prefill process (unpatched) computed right.
-    patch = ("import pdctl.kv.fingerprint as f; real = f.partials\n"
-             "f.partials = lambda k, v, *, layer, **kw: real(k, v, layer=layer + 1, **kw)")
+    patch = ("import pdctl.kv.fingerprint as f; real = f.head_partials\n"
+             "f.head_partials = lambda k, v, *, layer, **kw: real(k, v, layer=layer + 1, **kw)")
     rc, results = run(patch=patch)
     assert rc == 1
     results.pop("LBNHC->LBHNC:32")
-    assert all(r.startswith("wrong: the fingerprint differs at tokens") for r in results.values()), results
+    assert all(r.startswith("wrong: the fingerprint differs at layer") for r in results.values()), results
 
 
 @pytest.mark.unit_time_limit(30, reason=HARNESS)

@@ -130,14 +130,3 @@ def test_a_connector_setting_is_a_topology_field_the_plan_copies_or_one_the_plan
     decided = {"version", "staging_blocks"}  # the contract's own, and per decode from the pairs that reach it
     assert set(ConnectorSettings().to_dict()) - decided <= set(ConnectorSpec.model_fields)
     assert not decided & set(ConnectorSpec.model_fields)
-
-
-def test_a_fingerprint_travels_as_hex_and_comes_back_exact():
-    partials = [0, 1, (1 << 64) - 1, 0x0123456789ABCDEF]
-    value = protocol.encode_fingerprint(partials)
-    assert json.loads(json.dumps(value)) == value and protocol.decode_fingerprint(value) == partials
-    for bad, words in (({"v": 2, "chunks": ""}, "expected"), ("00", "expected"),
-                       ({"v": 1, "chunks": "0" * 15}, "16 lower-case hex"), ({"v": 1, "chunks": "G" * 16}, "hex")):
-        with pytest.raises(protocol.FingerprintError, match=words) as e:
-            protocol.decode_fingerprint(bad)
-        assert protocol.FINGERPRINT_KEY in str(e.value)

@@ -1,14 +1,23 @@
 """pdctl.kv.fingerprint: a function of the logical KV only (any split of tokens, heads or layers adds up to the
 same partial sums), exact, and changed by each corruption the issue names (negative controls)."""
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.kv.fingerprint import CHUNK, add, first_difference, partials
+from pdctl import protocol
+from pdctl.kv.fingerprint import CHUNK, MASK, Difference, Fingerprint, head_partials
 
 H, T, D = 4, 70, 8
+
+
+def partials(k, v, **where):
+    """One layer's sums per chunk, over its heads."""
+    return [x & MASK for x in head_partials(k, v, **where).sum(dim=1).tolist()]
 
 
 def kv(dtype=torch.bfloat16, seed=0):
@@ -29,9 +38,7 @@ def test_any_split_of_tokens_and_heads_adds_up_to_the_whole(cut_chunk, cut_head,
     parts = [partials(k[:cut_head, :t0], v[:cut_head, :t0], layer=0, first_token=0, chunks=n),
              partials(k[:cut_head, t0:], v[:cut_head, t0:], layer=0, first_token=t0, chunks=n),
              partials(k[cut_head:], v[cut_head:], layer=0, first_token=0, first_head=cut_head, chunks=n)]
-    total = [0] * n
-    for p in parts:
-        total = add(total, p)
+    total = [sum(column) & MASK for column in zip(*parts, strict=True)]
     assert total == whole(k, v) and len(total) == n
 
 
@@ -47,10 +54,10 @@ def test_it_is_the_same_on_every_run_and_every_chunk_is_used():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
 def test_each_corruption_changes_the_chunk_it_is_in(dtype):
     k, v = kv(dtype)
-    want = whole(k, v)
 
     def changed(k2, v2, layer=0):
-        return first_difference(want, whole(k2, v2, layer))
+        at = fingerprint_of(k, v).difference(fingerprint_of(k2, v2, layers=(layer,)))
+        return None if at is None else at.chunk
 
     flipped = k.clone()
     flipped.view(torch.uint8).view(-1)[flipped.element_size() * (2 * T * D + 40 * D + 3)] ^= 0x10  # head 2, token 40
@@ -75,7 +82,50 @@ def test_each_corruption_changes_the_chunk_it_is_in(dtype):
     assert changed(k, v) is None
 
 
-def test_a_shorter_list_counts_its_missing_chunks_as_zero():
-    assert first_difference([1, 2, 0], [1, 2]) is None
-    assert first_difference([1, 2, 3], [1, 2]) == 2 and first_difference([5, 2, 3], [1, 2], from_chunk=1) == 2
-    assert add([1, (1 << 64) - 1], [2, 1]) == [3, 0]
+def fingerprint_of(k, v, layers=(0,), heads=range(H), first_token=0, chunks=None):
+    fp = Fingerprint.empty(chunks or -(-T // CHUNK), max(layers) + 1, H)
+    for layer in layers:
+        fp.add_layer(layer, heads.start, head_partials(k[heads.start:heads.stop, first_token:],
+                                                       v[heads.start:heads.stop, first_token:], layer=layer,
+                                                       first_token=first_token, first_head=heads.start,
+                                                       chunks=chunks or -(-T // CHUNK)))
+    return fp
+
+
+def test_a_fingerprint_names_the_first_differing_layer_chunk_and_head_and_checks_a_ranks_heads_alone():
+    k, v = kv()
+    want = fingerprint_of(k, v, layers=(0, 1, 2))
+    assert want.difference(fingerprint_of(k, v, layers=(0, 1, 2))) is None
+    # two TP ranks' shares add up to the whole
+    assert want.difference(fingerprint_of(k, v, (0, 1, 2), range(0, 2)) + fingerprint_of(k, v, (0, 1, 2),
+                                                                                          range(2, 4))) is None
+    bad = k.clone()
+    bad[3, 37] += 1  # head 3, token 37, in every layer's share below; layer 1 alone differs in `mixed`
+    mixed = fingerprint_of(k, v, (0, 2)) + fingerprint_of(bad, v, (1,))
+    assert want.difference(mixed) == Difference(37 // CHUNK, 3, 1)
+    assert want.difference(mixed).describe(T) == "layer 1, tokens 32..47, KV head 3"
+    # a rank holding heads 0-1 sees nothing wrong; the rank holding 2-3 finds it
+    assert want.difference(fingerprint_of(k, v, (0, 2)) + fingerprint_of(bad, v, (1,), range(0, 2)),
+                           heads=range(0, 2)) is None
+    assert want.difference(fingerprint_of(bad, v, (0, 1, 2), range(2, 4)), heads=range(2, 4)).head == 3
+    # a decode holding the first 32 tokens itself: compared from chunk 2, the layer unknown
+    got = fingerprint_of(bad, v, (0, 1, 2), first_token=32)
+    assert want.difference(got, from_chunk=2) == Difference(2, 3, None)
+    assert want.difference(fingerprint_of(k, v, (0, 1, 2), first_token=48), from_chunk=3) is None
+    short = fingerprint_of(k, v, (0, 1, 2), chunks=2)  # sums missing past chunk 2 count as 0
+    assert want.difference(short).chunk == 2
+
+
+def test_the_wire_form_round_trips_every_bit_and_names_what_is_wrong():
+    k, v = kv()
+    fp = fingerprint_of(k, v, layers=(0, 1))
+    fp.chunks[0, 0] = (1 << 64) - 1  # a word a double would round
+    back = protocol.decode_fingerprint(json.loads(json.dumps(protocol.encode_fingerprint(fp))))
+    assert np.array_equal(back.chunks, fp.chunks) and np.array_equal(back.layers, fp.layers)
+    good = protocol.encode_fingerprint(fp)
+    for broken, what in [({**good, "v": 1}, "expected"), ({**good, "heads": 0}, "'heads'"),
+                         ({**good, "chunks": good["chunks"][:-1]}, "'chunks'"), ({**good, "layers": None}, "'layers'"),
+                         ("x", "expected")]:
+        with pytest.raises(protocol.FingerprintError, match=what) as e:
+            protocol.decode_fingerprint(broken)
+        assert protocol.FINGERPRINT_KEY in str(e.value)
