@@ -34,7 +34,7 @@ HOLD_ROUTE = "/pdctl/hold"
 CONNECTOR_SETTINGS_KEY = "pdctl"
 # Raised whenever a key is added, removed or changes meaning: a plan and a connector of other versions then fail
 # at the server's start, naming both, instead of half-working.
-CONNECTOR_SETTINGS_VERSION = 1
+CONNECTOR_SETTINGS_VERSION = 2
 
 
 class SettingsError(ValueError):
@@ -58,6 +58,7 @@ class ConnectorSettings:
     staging_blocks: int = 0  # decode: blocks withheld for prefill block > decode block (pdctl.kv.reads)
     kv_read_timeout_s: float = 5.0  # a read in progress this long is given up (pdctl.kv.lease)
     trace: bool = False  # per-request timing lines in the decode's log
+    kv_fingerprint: bool = False  # prefill: fingerprint each prompt's KV; decode: check what arrived against it
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -251,6 +252,12 @@ READS_TIMED_OUT = "vllm:pdctl_kv_reads_timed_out"
 READS_REFUSED_LEASE = "vllm:pdctl_kv_reads_refused_lease"
 READS_PEER_GONE = "vllm:pdctl_kv_reads_peer_gone"
 RECOMPUTED = "vllm:pdctl_kv_recomputed_requests"
+FINGERPRINTS_CHECKED = "vllm:pdctl_kv_fingerprints_checked"  # per decode TP rank
+FINGERPRINT_MISMATCHES = "vllm:pdctl_kv_fingerprint_mismatches"  # per decode TP rank
+# pdctl's connector, when the KV a decode received is not what the prefill computed (its load then fails).
+FINGERPRINT_MISMATCH_FORMAT = ("pdctl connector: KV fingerprint mismatch: request %s from engine %s at %s:%s, "
+                               "decode rank %d: first difference at %s; its KV load fails, kv_load_failure_policy %s")
+FINGERPRINT_MISMATCH_MARK = "pdctl connector: KV fingerprint mismatch"
 # pdctl's connector, when it refuses a P/D pair (the text after the mark says why, naming both sides).
 REFUSED_MARK = "pdctl connector: unsupported"
 # pdctl's connector's words when it stops a server (a pair refused, no room for staging, settings it does not

@@ -205,6 +205,8 @@ def status_view(out: Console, s, output: Output = Output.default) -> RenderableT
                                             r.kv_recomputed))]
     lines += [f"{n}: KV reads timed out {fmt(t, '.0f')}, given up (prefill gone) {fmt(g, '.0f')}, refused (lease) "
               f"{fmt(f, '.0f')}, requests recomputed {fmt(c, '.0f')}" for n, t, g, f, c in trouble]
+    lines += [f"{r.name}: received KV not the prefill's (fingerprint mismatches) {r.kv_fingerprint_mismatches:.0f}"
+              for r in s.instances if r.kv_fingerprint_mismatches]
     lines += [f"{r.name}: last exit: {r.last_exit or '-'}" + (f"; last error: {r.last_error}" if r.last_error else "")
               for r in s.instances if r.last_exit or r.last_error]
     return Group(table, *(Text(line) for line in lines))

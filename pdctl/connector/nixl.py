@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from pdctl import protocol
 from pdctl.connector import peers, seam
 from pdctl.connector.common import log, settings, trace
+from pdctl.connector.fingerprints import FingerprintWorker
 from pdctl.connector.handshake import Handshake
 from pdctl.connector.scheduler import ARRIVED_ATTR, PdctlNixlScheduler
 from pdctl.connector.split import PrefillBlockSplit
@@ -53,7 +54,7 @@ from pdctl.kv.window import WindowFill, WindowMerge
 __all__ = ["NixlConnector"]
 
 
-class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPullConnectorWorker):
+class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, FingerprintWorker, NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config):
         s = settings(vllm_config)
         self.pdctl_settings = s
@@ -98,6 +99,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         self._peers = peers.PeerWatch()  # whether a prefill whose read is in progress is still there
         self._forms: dict[str, CacheForm] = {}  # layer -> its cache's form, chosen when the caches are registered
         self.xfer_stats = PdctlKVConnectorStats()
+        self._fingerprint_init(s.kv_fingerprint)
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.progress_thread, s.progress_delay_us)
 
@@ -105,6 +107,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
 
     def start_load_kv(self, metadata):
         self._seen_at.update(getattr(metadata, ARRIVED_ATTR, None) or {})
+        self._fingerprint_metadata(metadata)
         return super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta):
@@ -127,6 +130,8 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         # sub-block pairing does not know it and shifts every pair when it is non-zero.
         prefix_hit = tuple(meta.local_num_computed_blocks or ())
         remote = meta.remote
+        if remote and seam.has_remote_agent(self, remote.engine_id):
+            self._fingerprint_read(req_id, meta, prefix_hit)
         ratio = self._split_ratio.get(remote.engine_id, 0) if remote else 0
         # Split once, after the handshake (the plan is pdctl's until the read completes; vLLM re-calls this
         # method for requests that waited for their handshake).
@@ -210,13 +215,12 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
         failed = set(results.failed_recving or ())
         done = list(dict.fromkeys([*(results.finished_recving or ()), *failed]))  # vLLM lists a failure in both
         now = time.monotonic()
+        read_s = {}
         for req_id in done:
             posted = self._posted_at.pop(req_id, None)
-            self._log_received(req_id, req_id not in failed, None if posted is None else now - posted)
+            read_s[req_id] = None if posted is None else now - posted
             self._seen_at.pop(req_id, None)
             self._gave_up.discard(req_id)
-            if req_id in failed and self._failure_policy == "recompute":
-                self.xfer_stats.record(protocol.RECOMPUTED)
             for key in self._window_keys.pop(req_id, ()):  # normally used up by the post-process already
                 self._window_fills.pop(key, None)
             fills = self._split_fills.pop(req_id, {})
@@ -226,6 +230,18 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
             if req_id not in failed:
                 self._split_received(plan, fills)
             self._release(plan)
+        for req_id in done:  # every conversion done: the KV the decode will attend to, checked
+            reads = self._fp_reads.get(req_id)
+            why = self._fingerprint_check(req_id) if req_id not in failed else None
+            self._fp_expected.pop(req_id, None)
+            self._fp_reads.pop(req_id, None)
+            if why is not None:
+                self._fingerprint_failed(req_id, why, reads[0])
+                failed.add(req_id)
+                results.failed_recving = {*(results.failed_recving or ()), req_id}
+            if req_id in failed and self._failure_policy == "recompute":
+                self.xfer_stats.record(protocol.RECOMPUTED)
+            self._log_received(req_id, req_id not in failed, read_s[req_id])
         if self._trace:
             for req_id in done:
                 trace("read_done", req_id, polled)
@@ -294,6 +310,14 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, NixlPull
 
 
 class NixlConnector(NixlPullConnector):
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.fingerprint_blocks = kv_cache_manager.get_block_ids
+
+    def build_connector_worker_meta(self):
+        return self.connector_worker.build_connector_worker_meta() if self.connector_worker is not None else None
+
     @classmethod
     def build_kv_connector_stats(cls, data=None):
         return PdctlKVConnectorStats(data=data) if data is not None else PdctlKVConnectorStats()

@@ -10,11 +10,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 
 from pdctl.connector import seam
 from pdctl.connector.common import log, settings, trace
+from pdctl.connector.fingerprints import FingerprintScheduler
 
 ARRIVED_ATTR = "pdctl_seen_at"  # on the connector metadata: req -> when the decode's scheduler saw its KV params
 
 
-class PdctlNixlScheduler(NixlPullConnectorScheduler):
+class PdctlNixlScheduler(FingerprintScheduler, NixlPullConnectorScheduler):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config):
         staging = settings(vllm_config).staging_blocks
         if staging and vllm_config.kv_transfer_config.kv_role in ("kv_consumer", "kv_both"):
@@ -30,6 +31,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         self._traced: set[str] = set()  # remote-KV requests seen, until their KV is ready
         self._seen_at: dict[str, float] = {}  # req -> when its KV parameters were seen here, until sent to workers
         self._kv_ready: set[str] = set()  # ... then until the step that computes their first token
+        self._fingerprint_init(settings(vllm_config).kv_fingerprint)
         super().__init__(vllm_config, engine_id, kv_cache_config)
 
     def _prefill_backoff(self) -> int:
@@ -46,6 +48,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params or {}
+        self._fingerprint_seen(request)
         if params.get("do_remote_prefill") and params.get("remote_engine_id"):
             self._seen_at.setdefault(request.request_id, time.monotonic())  # the prefill's lease began before
         if self._trace and request.request_id not in self._traced and params.get("do_remote_prefill"):
@@ -62,7 +65,9 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         self._traced.discard(request.request_id)  # aborted before its KV or first token: followed no further
         self._seen_at.pop(request.request_id, None)
         self._kv_ready.discard(request.request_id)
-        return super().request_finished(request, block_ids)
+        delay, params = super().request_finished(request, block_ids)
+        self._fingerprint_finished(request, params)
+        return delay, params
 
     def update_connector_output(self, connector_output) -> None:
         if self._trace:
@@ -71,6 +76,7 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
                     self._traced.discard(req_id)
                     self._kv_ready.add(req_id)
                     trace("sched_kv_ready", req_id)
+        self._fingerprint_output(connector_output)
         super().update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output):
@@ -82,4 +88,5 @@ class PdctlNixlScheduler(NixlPullConnectorScheduler):
         # The workers decide whether a read may start (the lease) from when this scheduler saw the request: one
         # host, one monotonic clock.
         setattr(meta, ARRIVED_ATTR, {r: self._seen_at.pop(r) for r in seam.reads_in(meta) if r in self._seen_at})
+        self._fingerprint_meta(meta, scheduler_output)
         return meta

@@ -145,6 +145,25 @@ INTERNALS: tuple[Internal, ...] = (
     *_hooks(f"{_N}.connector:NixlBaseConnector", ("build_kv_connector_stats", ("data",)),
             ("build_prom_metrics", ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")),
             why="pdctl's NixlConnector returns its stats and metrics classes"),
+    # -- the KV fingerprint (pdctl.connector.fingerprints) --------------------------------------------------
+    *_hooks(BASE_CONNECTOR, ("build_connector_worker_meta", ()), ("bind_kv_cache_manager", ("kv_cache_manager",)),
+            why="the prefill's workers hand each prompt's fingerprint share to the scheduler; the scheduler reads "
+            "a finishing prompt's block ids from the cache manager"),
+    Internal("class", "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata",
+             why="base of the fingerprint shares (vLLM adds up the TP ranks' with aggregate)"),
+    *_attrs("field", "vllm.v1.outputs:KVConnectorOutput", "kv_connector_worker_meta",
+            "the step's fingerprint shares, in the scheduler"),
+    Internal("method", "vllm.v1.core.kv_cache_manager:KVCacheManager", "get_block_ids", ("request_id",),
+             why="the blocks of a prompt the step computes, fingerprinted by the workers"),
+    Internal("source", "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+             "self._update_from_kv_xfer_finished(kv_connector_output)",
+             why="the step's connector output reaches the connector in the same call that finished its requests, "
+             "before their kv_transfer_params leave the engine: the fingerprint completes them there"),
+    Internal("class", "vllm.v1.kv_cache_interface", "FullAttentionSpec", why="the groups the fingerprint covers"),
+    Internal("method", "vllm.config.model:ModelConfig", "get_total_num_kv_heads", (),
+             why="a TP rank's first global KV head (the fingerprint's head coordinate)"),
+    *_attrs("attr", BASE_WORKER, "_invalid_block_ids _is_hma_required tp_rank",
+            "a failed fingerprint check reports the request's blocks as vLLM reports a failed read's"),
     *_attrs("attr", BASE_WORKER, "_physical_blocks_per_logical_kv_block",
             "kernel blocks per logical block: P > D needs 1; sub-block pairing scales by it"),
     *_attrs("attr", BASE_WORKER, "xfer_handshake_metadata",
@@ -269,6 +288,26 @@ def group_window(spec_holder: Any, group: int) -> int | None:
 
     spec = spec_holder.kv_cache_config.transfer_groups[group].kv_cache_spec
     return int(spec.sliding_window) if isinstance(spec, SlidingWindowSpec) else None
+
+
+def group_full_attention(spec_holder: Any, group: int) -> bool:
+    """Whether KV transfer group `group` is plain full attention (every token's K and V, as the KV fingerprint
+    covers them): not a sliding window, MLA, Mamba or another kind."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return type(spec_holder.kv_cache_config.transfer_groups[group].kv_cache_spec) is FullAttentionSpec
+
+
+def total_kv_heads(worker: Any) -> int:
+    """The model's KV heads over every TP rank."""
+    return int(worker.vllm_config.model_config.get_total_num_kv_heads())
+
+
+def report_invalid_blocks(worker: Any, block_ids: set[int]) -> None:
+    """A failed load's blocks, reported as vLLM reports a failed read's (get_block_ids_with_load_errors: the
+    scheduler drops them from the prefix cache); under HMA vLLM reports none, nor does this."""
+    if not worker._is_hma_required:
+        worker._invalid_block_ids.put(set(block_ids))
 
 
 def group_block_size(worker: Any, group: int) -> int:

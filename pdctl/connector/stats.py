@@ -19,6 +19,8 @@ COUNTERS = {
     protocol.READS_REFUSED_LEASE: "KV reads not started: the prefill's KV lease was not known to be alive",
     protocol.READS_PEER_GONE: "KV reads given up because their prefill is gone (its side channel refuses connections)",
     protocol.RECOMPUTED: "requests whose KV load failed and the decode computed the prompt itself (policy recompute)",
+    protocol.FINGERPRINTS_CHECKED: "received KV checked against the prefill's fingerprint (per TP rank)",
+    protocol.FINGERPRINT_MISMATCHES: "received KV that was not the prefill's: its load failed (per TP rank)",
 }
 
 

@@ -44,6 +44,7 @@ class PairReport:
                 "ok": self.passed, "tokens_by_transfer": proof.external_kv_tokens if proof else 0,
                 "tokens_computed": proof.local_compute_tokens if proof else 0,
                 "bytes_transferred": proof.bytes_transferred if proof else 0,
+                "fingerprints_checked": proof.fingerprints_checked if proof else 0,
                 "kv_travelled": bool(proof and proof.ok), "kv_proof": proof.message if proof else "no proof",
                 "kv_from": self.kv_from, "problems": self.problems}
 

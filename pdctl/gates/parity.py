@@ -16,7 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from pdctl import auth
+from pdctl import auth, protocol
 from pdctl.launch import probe
 from pdctl.protocol import (
     DECODE_SERVED_HEADER,
@@ -269,6 +269,10 @@ class TransferProof:
     failed_transfers: float = 0.0  # vLLM's nixl_num_failed_transfers over the run
     fallbacks: float | None = None  # requests the proxy sent to a decode alone (None: not a pdctl proxy)
     missing: list[str] = field(default_factory=list)  # metrics the proof needs and did not find
+    # pdctl's connector with connector.kv_fingerprint: received KV checked against the prefill's fingerprint, and
+    # found not to be it (per decode TP rank)
+    fingerprints_checked: float = 0.0
+    fingerprint_mismatches: float = 0.0
 
     @property
     def required(self) -> float:
@@ -278,7 +282,7 @@ class TransferProof:
     @property
     def ok(self) -> bool:
         return (not self.missing and self.external_kv_tokens >= self.required and self.bytes_transferred > 0
-                and self.failed_transfers == 0 and not self.fallbacks)
+                and self.failed_transfers == 0 and not self.fallbacks and not self.fingerprint_mismatches)
 
     @property
     def message(self) -> str:
@@ -292,6 +296,9 @@ class TransferProof:
         if self.fallbacks:
             return (f"{self.fallbacks:.0f} requests were served by a decode alone (proxy fallback, "
                     f"{PROXY_FALLBACKS}): not P/D")
+        if self.fingerprint_mismatches:
+            return (f"{self.fingerprint_mismatches:.0f} received KV not the prefill's (KV fingerprint mismatches, "
+                    f"{FINGERPRINT_MISMATCHES}): those loads failed")
         if self.failed_transfers:
             return (f"{self.failed_transfers:.0f} NIXL transfers failed ({VllmMetric.NIXL_FAILED}): their "
                     "prompts were recomputed or failed, not transferred")
@@ -300,8 +307,10 @@ class TransferProof:
                     f"{self.local_compute_tokens:.0f} computed locally")
         if self.bytes_transferred <= 0:
             return f"KV did not travel: the decodes' NIXL bytes did not grow ({VllmMetric.NIXL_BYTES})"
+        checked = (f"; KV fingerprints checked {self.fingerprints_checked:.0f}, all equal"
+                   if self.fingerprints_checked else "")
         return (f"KV travelled: {self.external_kv_tokens:.0f} prompt tokens by transfer, {bound}; "
-                f"{self.local_compute_tokens:.0f} computed locally, NIXL bytes {self.bytes_transferred:.0f}")
+                f"{self.local_compute_tokens:.0f} computed locally, NIXL bytes {self.bytes_transferred:.0f}{checked}")
 
 
 @dataclass
@@ -335,13 +344,16 @@ BY_SOURCE = f"{VllmMetric.PROMPT_BY_SOURCE}_total"
 NIXL_BYTES = f"{VllmMetric.NIXL_BYTES}_sum"
 NIXL_FAILED = f"{VllmMetric.NIXL_FAILED}_total"
 PROXY_FALLBACKS = f"{ProxyMetric.FALLBACKS}_total"
+FINGERPRINTS_CHECKED = f"{protocol.FINGERPRINTS_CHECKED}_total"
+FINGERPRINT_MISMATCHES = f"{protocol.FINGERPRINT_MISMATCHES}_total"
 
 
 def decode_counters(decode_urls: list[str], missing: list[str] | None = None,
                     headers: dict[str, str] | None = None) -> dict[str, float]:
     """Prompt tokens by source, NIXL bytes and failed transfers, summed over the decode instances (vLLM's own
     /metrics). What a proof needs and a decode does not expose is named in `missing` (when given)."""
-    total = {"external": 0.0, "local": 0.0, "cache_hit": 0.0, "bytes": 0.0, "failed": 0.0}
+    total = {"external": 0.0, "local": 0.0, "cache_hit": 0.0, "bytes": 0.0, "failed": 0.0, "checked": 0.0,
+             "mismatched": 0.0}
     for url in decode_urls:
         m = probe.metrics(url, headers=headers)
         if m is None:
@@ -358,6 +370,8 @@ def decode_counters(decode_urls: list[str], missing: list[str] | None = None,
         total["cache_hit"] += _by_source(m, "local_cache_hit")
         total["bytes"] += m.get(NIXL_BYTES, 0.0)
         total["failed"] += m.get(NIXL_FAILED, 0.0)
+        total["checked"] += m.get(FINGERPRINTS_CHECKED, 0.0)
+        total["mismatched"] += m.get(FINGERPRINT_MISMATCHES, 0.0)
     return total
 
 
@@ -574,4 +588,5 @@ def transfer_proof(results: list[PromptResult], before: dict[str, float], after:
     return TransferProof(after["external"] - before["external"], after["local"] - before["local"],
                          after["bytes"] - before["bytes"], fresh, shared, len(answered),
                          after["cache_hit"] - before["cache_hit"], after["failed"] - before["failed"], fallbacks,
-                         list(missing))
+                         list(missing), after["checked"] - before["checked"],
+                         after["mismatched"] - before["mismatched"])

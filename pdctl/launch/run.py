@@ -21,7 +21,14 @@ from pdctl.launch.state import LaunchState
 from pdctl.launch.waits import STOP_GRACE_S
 from pdctl.launch.warmup import warm_up
 from pdctl.plan import Plan, ProcessSpec, monitoring_dir
-from pdctl.protocol import READS_PEER_GONE, READS_REFUSED_LEASE, READS_TIMED_OUT, RECOMPUTED, VllmMetric
+from pdctl.protocol import (
+    FINGERPRINT_MISMATCHES,
+    READS_PEER_GONE,
+    READS_REFUSED_LEASE,
+    READS_TIMED_OUT,
+    RECOMPUTED,
+    VllmMetric,
+)
 from pdctl.topology import DEFAULT_POOL, Loaded, is_local_path, resolve_path
 
 
@@ -186,6 +193,7 @@ class InstanceStatus:
     kv_reads_refused: float | None = None
     kv_recomputed: float | None = None
     kv_reads_peer_gone: float | None = None  # given up because their prefill was gone
+    kv_fingerprint_mismatches: float | None = None  # received KV that was not the prefill's (connector.kv_fingerprint)
 
 
 def status(state: LaunchState, engine: Engine) -> list[InstanceStatus]:
@@ -206,6 +214,6 @@ def status(state: LaunchState, engine: Engine) -> list[InstanceStatus]:
             spec.pool, rec.restarts if rec else 0,
             rec.phase if rec else "-", rec.last_exit if rec else None, rec.last_error if rec else None,
             *((m or {}).get(f"{c}_total") for c in (READS_TIMED_OUT, READS_REFUSED_LEASE, RECOMPUTED,
-                                                    READS_PEER_GONE)),
+                                                    READS_PEER_GONE, FINGERPRINT_MISMATCHES)),
         ))
     return out

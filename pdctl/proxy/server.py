@@ -216,11 +216,35 @@ class Proxy(AdminRoutes):
         pre = await self._prefill(route, body, headers, key, pin, rt)
         if isinstance(pre, web.Response):
             return pre
-        return await self._decode_leg(req, route, body, headers, key, pin, rt, pre, first, t0)
+        resp = await self._decode_leg(req, route, body, headers, key, pin, rt, pre, first, t0)
+        if not resp.get(KV_LOAD_FAILED):
+            return resp
+        # The decode could not use the KV it was handed (a failed read, or KV that was not the prefill's: its
+        # fingerprint check). Nothing reached the client and a prefill only computes KV: once more, on another
+        # pair where there is one; else an error naming the pair and the request, never an answer.
+        pairs = [f"{rt.prefill.name} -> {rt.decode.name}"]
+        failed_p, failed_d = rt.prefill, rt.decode
+        other_p = self.router.pick_prefill(key, pin, exclude=[failed_p], usable_only=True)
+        other_d = self.router.pick_decode((other_p or failed_p).pool, key, pin, exclude=[failed_d])
+        if other_p is not None or other_d is not None:
+            self.metrics.retries += 1
+            log.warning("request %s: the KV load failed on %s; trying another pair", request_id, pairs[0])
+            pre = await self._prefill(route, body, headers, key, pin, rt, avoid=[failed_p] if other_p else [])
+            if isinstance(pre, web.Response):
+                return pre
+            resp = await self._decode_leg(req, route, body, headers, key, pin, rt, pre, first, t0,
+                                          avoid=[failed_d] if other_d else [])
+            if not resp.get(KV_LOAD_FAILED):
+                return resp
+            pairs.append(f"{rt.prefill.name} -> {rt.decode.name}")
+        return web.json_response(error_body(
+            f"request {request_id}: the decode could not use the prefill's KV on pair {' and then '.join(pairs)} "
+            f"(a failed KV read, or KV that was not the prefill's: the decode's log names which); last: "
+            f"{resp[KV_LOAD_FAILED]}", "kv_load_failed", resp.status), status=resp.status)
 
     async def _decode_leg(self, req: web.Request, route: str, body: dict, headers: dict[str, str], key: str | None,
                           pin: tuple[str, str] | None, rt: _Route, pre: dict | None, first: str,
-                          t0: float | None = None) -> web.StreamResponse:
+                          t0: float | None = None, avoid: list[Instance] | None = None) -> web.StreamResponse:
         """The decode leg: with the prefill's KV parameters, or without (decode-only, or aggregated serving), on
         one decode and once more on another when the first never saw the request."""
         router = self.router
@@ -235,7 +259,7 @@ class Proxy(AdminRoutes):
         tried: list[Instance] = []
         out, text = None, None
         while True:
-            d = router.pick_decode(rt.prefill.pool if rt.prefill else None, key, pin, exclude=tried)
+            d = router.pick_decode(rt.prefill.pool if rt.prefill else None, key, pin, exclude=tried + (avoid or []))
             if d is None:
                 last = tried[-1]
                 err = error_body(f"decode {last.url} unavailable and no other decode may serve this request",
@@ -258,7 +282,8 @@ class Proxy(AdminRoutes):
             # Nothing listened there: the decode never saw the request (nor its KV parameters); one more.
 
     async def _prefill(self, route: str, body: dict, headers: dict[str, str], key: str | None,
-                       pin: tuple[str, str] | None, rt: _Route) -> dict | None | web.Response:
+                       pin: tuple[str, str] | None, rt: _Route,
+                       avoid: list[Instance] | None = None) -> dict | None | web.Response:
         """The prefill leg: the request's KV parameters, None for decode-only fallback, or the answer to send
         back (a client error, or a refusal under on_prefill_down: reject). Tried once more on another prefill
         when the first fails before answering (it is idempotent: a prefill only computes and holds KV)."""
@@ -274,7 +299,7 @@ class Proxy(AdminRoutes):
         tried: list[Instance] = []
         errors: list[str] = []
         for attempt in range(2):
-            p = self.router.pick_prefill(key, pin, exclude=tried, usable_only=True)
+            p = self.router.pick_prefill(key, pin, exclude=tried + (avoid or []), usable_only=True)
             if p is None:
                 break
             if attempt:
@@ -404,8 +429,7 @@ class Proxy(AdminRoutes):
                     stamps["client_first"] = stamps["decode_first"]
                 if upstream.status >= 500 and body.get("kv_transfer_params"):
                     # Most likely its KV read failed (a prefill gone): not the decode's fault, so no breaker.
-                    self.metrics.upstream_error(d.url)
-                    return web.json_response(_decode_failed(d, upstream.status, raw), status=upstream.status)
+                    return self._kv_load_failed(d, upstream.status, raw)
                 if upstream.status >= 500:
                     self._failed(d)
                 else:
@@ -422,6 +446,11 @@ class Proxy(AdminRoutes):
                                                     f": {e!s}", "upstream_timeout" if timeout else "proxy_error",
                                                     504 if timeout else 502), status=504 if timeout else 502)
             stamps["decode_first"] = time.time()
+            if out is None and body.get("kv_transfer_params") and head.startswith(b"data: {\"error\""):
+                # vLLM opened the stream, then ended the request before its first token: nothing reached the
+                # client yet, so it gets an error status, not a 200 stream of nothing.
+                d.breaker.release()
+                return self._kv_load_failed(d, 500, head.removeprefix(b"data: ").split(b"\n", 1)[0])
             skip = None
             if out is None:
                 out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
@@ -457,6 +486,15 @@ class Proxy(AdminRoutes):
             await out.write_eof()
             return out
 
+    def _kv_load_failed(self, d: Instance, status: int, raw: bytes) -> web.Response:
+        """The answer of a decode that ended a request it was handed KV parameters for, marked KV_LOAD_FAILED
+        (what it said), which the request may be retried on."""
+        self.metrics.upstream_error(d.url)
+        body = _decode_failed(d, status, raw)
+        resp = web.json_response(body, status=status)
+        resp[KV_LOAD_FAILED] = body["error"]["message"]
+        return resp
+
 
 async def _end_stream(out: web.StreamResponse, error: bytes) -> web.StreamResponse:
     """End a stream the client already reads (it has the prefill's token) with an error event."""
@@ -476,6 +514,9 @@ def _decode_failed(d: Instance, status: int, raw: bytes) -> dict:
                       "handed the prefill's KV parameters; when its KV read fails and connector."
                       "kv_load_failure_policy is 'fail', this is how vLLM reports it (the decode's log then says "
                       "'Failing ... request(s) due to KV load failure')", "decode_failed", status)
+
+
+KV_LOAD_FAILED = "pdctl_kv_load_failed"  # on a decode's error answer: it could not use the prefill's KV
 
 
 @dataclass

@@ -273,6 +273,12 @@ class ConnectorSpec(_Strict):
         "when its scheduler saw a remote-KV request and gave it blocks, when the worker issued the read, saw it "
         "done and converted it, when the scheduler learnt the KV had arrived and scheduled the first token; joined "
         "with the proxy's own timestamps by `pdctl bench --breakdown` and scripts/bench_pd_latency.py")
+    kv_fingerprint: bool = Field(
+        ConnectorSettings.kv_fingerprint, description="pdctl's connector: every transfer's KV checked. Each prefill "
+        "fingerprints the prompt's KV where it lies (integer sums over its bits by logical coordinates), each decode "
+        "TP rank the KV it received after conversion; a mismatch fails the request's KV load "
+        "(kv_load_failure_policy), logged with the first differing layer, tokens and head and counted in /metrics "
+        "and `pdctl status`. Costs in docs/benchmarks.md")
     extra_config: dict[str, Any] = Field(default_factory=dict, description="more kv_connector_extra_config "
                                          "entries for vLLM's connector (e.g. kv_lease_duration, num_threads)")
     allow_unsafe_hybrid: bool = Field(
@@ -285,6 +291,8 @@ class ConnectorSpec(_Strict):
     def _trace_needs_pdctl(self) -> ConnectorSpec:
         if self.trace and self.kind != "pdctl":
             raise ValueError("trace: the timing lines come from pdctl's connector; set kind: pdctl")
+        if self.kv_fingerprint and self.kind != "pdctl":
+            raise ValueError("kv_fingerprint: the fingerprints are pdctl's connector's; set kind: pdctl")
         return self
 
 

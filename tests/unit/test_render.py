@@ -76,8 +76,9 @@ def test_status_says_the_pairs_probed_and_each_decodes_kv_read_trouble(fleet_pla
     out, buf = console()
     render.status(out, report)
     assert "probed" not in buf.getvalue() and "KV reads" not in buf.getvalue()  # nothing to say: nothing said
+    assert "fingerprint" not in buf.getvalue()
     rows = [replace(r, kv_reads_timed_out=2.0, kv_reads_refused=0.0, kv_recomputed=2.0,
-                    kv_reads_peer_gone=1.0) if r.role == "decode" and
+                    kv_reads_peer_gone=1.0, kv_fingerprint_mismatches=3.0) if r.role == "decode" and
             r.index == 0 and r.pool == "d64" else r for r in report.instances]
     report = replace(report, instances=rows, probes={"prefill-p32-0 -> decode-d64-0": 0.0021,
                                                      "prefill-p128-0 -> decode-d64-0": 0.0153})
@@ -87,6 +88,7 @@ def test_status_says_the_pairs_probed_and_each_decodes_kv_read_trouble(fleet_pla
     assert "pairs probed at start: 2, slowest first read 15.3 ms (prefill-p128-0 -> decode-d64-0)" in text
     assert ("decode-d64-0: KV reads timed out 2, given up (prefill gone) 1, refused (lease) 0, requests recomputed 2"
             in text)
+    assert "decode-d64-0: received KV not the prefill's (fingerprint mismatches) 3" in text
     assert report.to_dict()["probes"]["prefill-p32-0 -> decode-d64-0"] == 0.0021
 
 

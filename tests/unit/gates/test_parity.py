@@ -75,6 +75,11 @@ def test_transfer_proof_fails_without_nixl_bytes_failed_transfers_or_on_a_fallba
     assert not fell_back.ok and fell_back.message.startswith("1 requests were served by a decode alone (proxy "
                                                              "fallback, pdctl_decode_only_fallback_total)")
     assert _proof(192, [65, 129], fallbacks=0.0).ok
+    checked = _proof(192, [65, 129], fingerprints_checked=2.0)
+    assert checked.ok and checked.message.endswith("; KV fingerprints checked 2, all equal")
+    mismatch = _proof(192, [65, 129], fingerprints_checked=2.0, fingerprint_mismatches=1.0)
+    assert not mismatch.ok and mismatch.message.startswith("1 received KV not the prefill's (KV fingerprint "
+                                                           "mismatches, vllm:pdctl_kv_fingerprint_mismatches_total)")
 
 
 def test_transfer_proof_fails_on_a_missing_metric():

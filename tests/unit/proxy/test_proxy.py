@@ -62,7 +62,7 @@ class Backend:
     def __init__(self, role: str):
         self.role = role
         self.requests: list[tuple[dict, dict]] = []
-        self.mode = "ok"  # ok | error500 | error400 | no_kvp | slow | cut_stream | slow_stream
+        self.mode = "ok"  # ok | error500 | error400 | no_kvp | slow | cut_stream | slow_stream | error_event
         self.delay_s = 0.0  # before answering
         self.arrived: list[float] = []
         self.answered: list[float] = []
@@ -105,6 +105,10 @@ class Backend:
             return web.json_response({"choices": [{"text": "hello"}], "echo_kvp": body.get("kv_transfer_params")})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
+        if self.mode == "error_event":  # vLLM ending a request before its first token (a failed KV load)
+            await resp.write(b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
+                             b"data: [DONE]\n\n")
+            return resp
         try:
             for i in range(5):
                 await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
@@ -195,14 +199,40 @@ def test_decode_dies_mid_stream_ends_with_error_event(pd):
 
 def test_decode_500_is_passed_and_counted(pd):
     pd.decode.mode = "error500"
-    status, text, _ = post(pd.url + "/v1/completions", BODY)
+    status, text, _ = post(pd.url + "/v1/completions", BODY, {"X-Request-Id": "rid-9"})
     assert status == 500
     err = json.loads(text)["error"]
-    assert err["type"] == "decode_failed" and "kv_load_failure_policy" in err["message"] and "decode-0" in err[
-        "message"]
+    assert err["type"] == "kv_load_failed" and "kv_load_failure_policy" in err["message"]
+    assert "request rid-9" in err["message"] and "pair prefill-0 -> decode-0" in err["message"]  # no other pair
     metrics = get(pd.url + "/metrics")[1]
     assert sample(metrics, "pdctl_proxy_upstream_errors_total", instance=pd.d_url) == 1
     assert sample(metrics, "pdctl_proxy_requests_total", route="/v1/completions", status="500") == 1
+
+
+def test_a_kv_load_the_decode_failed_is_retried_once_on_another_pair_never_answered_200(pd):
+    second = Backend("decode")
+    d2 = pd.loop.serve(second.app())
+    pd.decode.mode = "error500"  # as vLLM answers a request whose KV load failed (policy fail)
+    proxy = Proxy(ProxyConfig(prefill=[pd.p_url], decode=[pd.d_url, d2], policy="round_robin",
+                              health_interval_s=60))
+    url = pd.loop.serve(proxy.app())
+    proxy.router._rr["decode"] = iter(range(0, 100, 2))  # the first pick is the failing one
+    status, text, h = post(url + "/v1/completions", BODY)
+    assert status == 200 and h["x-pdctl-decode"] == "decode-1" and json.loads(text)["echo_kvp"] == KVP
+    assert len(pd.prefill.requests) == 2 and len(pd.decode.requests) == len(second.requests) == 1
+    second.mode = "error500"  # both fail: an error naming both pairs and the request
+    status, text, _ = post(url + "/v1/completions", BODY, {"X-Request-Id": "rid-2"})
+    err = json.loads(text)["error"]
+    assert status == 500 and err["type"] == "kv_load_failed" and "request rid-2" in err["message"]
+    assert "prefill-0 -> decode-0 and then prefill-0 -> decode-1" in err["message"] or \
+        "prefill-0 -> decode-1 and then prefill-0 -> decode-0" in err["message"]
+
+
+def test_a_stream_the_decode_ends_before_its_first_token_is_an_error_status_not_200(pd):
+    pd.decode.mode = "error_event"
+    status, text, _ = post(pd.url + "/v1/completions", {**BODY, "stream": True})
+    err = json.loads(text)["error"]
+    assert status == 500 and err["type"] == "kv_load_failed" and "Internal server error" in err["message"]
 
 
 def test_prefill_4xx_goes_back_to_the_client_and_skips_decode(pd):
