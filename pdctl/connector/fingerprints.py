@@ -59,7 +59,7 @@ class FingerprintScheduler:
         params = request.kv_transfer_params or {}
         if self._fp_on and params.get("do_remote_decode"):
             self._fp_prompts[request.request_id] = request
-        if params.get("do_remote_prefill") and protocol.FINGERPRINT_KEY in params:
+        if self._fp_on and params.get("do_remote_prefill") and protocol.FINGERPRINT_KEY in params:
             self._fp_expected[request.request_id] = params[protocol.FINGERPRINT_KEY]
 
     def _fingerprint_meta(self, meta, scheduler_output) -> None:
@@ -102,8 +102,7 @@ class FingerprintScheduler:
 class FingerprintWorker:
     """The worker's part: compute a prompt's share (prefill), check what arrived (decode)."""
 
-    def _fingerprint_init(self, on: bool) -> None:
-        self._fp_on = on
+    def _fingerprint_init(self) -> None:
         self._fp_todo: dict[str, tuple] = {}  # prefill: req -> (block ids per group, tokens), for this step
         self._fp_expected: dict[str, Any] = {}  # decode: req -> the prefill's fingerprint (wire form)
         self._fp_reads: dict[str, tuple] = {}  # decode: req -> (blocks per group, prefix hit per group, tokens)

@@ -99,7 +99,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, Fingerpr
         self._peers = peers.PeerWatch()  # whether a prefill whose read is in progress is still there
         self._forms: dict[str, CacheForm] = {}  # layer -> its cache's form, chosen when the caches are registered
         self.xfer_stats = PdctlKVConnectorStats()
-        self._fingerprint_init(s.kv_fingerprint)
+        self._fingerprint_init()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
                  self.block_size, s.progress_thread, s.progress_delay_us)
 

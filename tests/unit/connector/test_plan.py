@@ -124,7 +124,7 @@ def window_worker(block_size, windows):
 
     w = object.__new__(PdctlNixlWorker)
     w.block_size, w._windows = block_size, windows
-    w._fingerprint_init(False)
+    w._fingerprint_init()
     w.kv_cache_config = SimpleNamespace(transfer_groups=[SimpleNamespace(kv_cache_spec=None)] * 2)
     return w
 

@@ -85,7 +85,7 @@ def worker(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(nixl.time, "monotonic", lambda: clock[0])
     w = object.__new__(nixl.PdctlNixlWorker)  # vLLM's __init__ needs a whole engine
-    w._fingerprint_init(False)
+    w._fingerprint_init()
     w._posted_at, w._gave_up, w._seen_at, w._receiving = {}, set(), {}, {}
     w._read_timeout_s, w._lease_s, w._failure_policy = 5.0, 30.0, "recompute"
     w.xfer_stats = PdctlKVConnectorStats()
