@@ -253,9 +253,14 @@ def parity(out: Console, report) -> None:
     p = report.proof
     if p:
         verdict = "[green]KV travelled[/]" if p.ok else "[red]KV did NOT travel[/]"
+        checked = ""
+        if p.fingerprints_checked or p.fingerprint_mismatches:
+            checked = (f"; KV fingerprints checked {p.fingerprints_checked:.0f}, " +
+                       (f"[red]{p.fingerprint_mismatches:.0f} NOT the prefill's KV[/]" if p.fingerprint_mismatches
+                        else "all equal"))
         out.print(f"{verdict}: decode prompt tokens by transfer {p.external_kv_tokens:.0f}, computed locally "
                   f"{p.local_compute_tokens:.0f} (fresh prompt tokens {p.prompt_tokens}), NIXL bytes "
-                  f"{p.bytes_transferred:.0f}", highlight=False)
+                  f"{p.bytes_transferred:.0f}{checked}", highlight=False)
     out.print(f"pass rate {100 * report.pass_rate:.1f}% -> " + ("[green]PASS[/]" if report.passed else "[red]FAIL[/]"))
 
 

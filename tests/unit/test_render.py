@@ -184,3 +184,17 @@ def test_off_a_terminal_tables_print_at_their_natural_width(monkeypatch):
     assert "gsm8k_local exact_match,strict-match gsm8k_local" in c.file.getvalue()  # one line, no word cut
     monkeypatch.setenv("COLUMNS", "80")  # a width asked for is kept
     assert render.stdout_console().width == 80
+
+
+def test_the_parity_verdict_says_the_kv_fingerprints_it_saw():
+    from pdctl.gates.parity import ParityReport, TransferProof
+
+    def shown(**kw) -> str:
+        out, buf = console(width=200)
+        render.parity(out, ParityReport([], TransferProof(191, 1, 4096.0, 192, requests=1, **kw)))
+        return " ".join(buf.getvalue().split())
+
+    assert "fingerprint" not in shown()  # the check off: nothing said
+    assert "NIXL bytes 4096; KV fingerprints checked 2, all equal" in shown(fingerprints_checked=2.0)
+    assert "KV fingerprints checked 2, 1 NOT the prefill's KV" in shown(fingerprints_checked=2.0,
+                                                                         fingerprint_mismatches=1.0)
