@@ -97,8 +97,6 @@ _KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
 # -- environment variables pdctl sets for the processes it starts ------------------------------------------------
 # pdctl's vLLM plugin calms vLLM's executor queues on CPU only where this is set (seconds a reader spins).
 QUEUE_SPIN_ENV = "PDCTL_QUEUE_SPIN_S"
-# Modules pdctl's connector imports once loaded, in every vLLM process (comma-separated; the e2e fault drills).
-CONNECTOR_EXTENSIONS_ENV = "PDCTL_CONNECTOR_EXTENSIONS"
 
 
 # -- metric names ----------------------------------------------------------------------------------------------
@@ -251,13 +249,15 @@ LEASE_REFUSED_MARK = "pdctl connector: read refused"
 PEER_GONE_FORMAT = ("pdctl connector: read given up: request %s from engine %s at %s:%s in progress for %.1f s; the "
                     "prefill is gone (its side channel refuses connections); kv_load_failure_policy %s")
 PEER_GONE_MARK = "the prefill is gone"
-# pdctl's connector's counters in each decode's /metrics (Prometheus adds _total), read back by `pdctl status`.
+# pdctl's connector's counters in each server's /metrics (Prometheus adds _total), read back by `pdctl status`.
 READS_TIMED_OUT = "vllm:pdctl_kv_reads_timed_out"
 READS_REFUSED_LEASE = "vllm:pdctl_kv_reads_refused_lease"
 READS_PEER_GONE = "vllm:pdctl_kv_reads_peer_gone"
 RECOMPUTED = "vllm:pdctl_kv_recomputed_requests"
 FINGERPRINTS_CHECKED = "vllm:pdctl_kv_fingerprints_checked"  # per decode TP rank
 FINGERPRINT_MISMATCHES = "vllm:pdctl_kv_fingerprint_mismatches"  # per decode TP rank
+# Per TP rank, prefill and decode alike: seconds its worker spent on fingerprints (computing them; checking them).
+FINGERPRINT_SECONDS = "vllm:pdctl_kv_fingerprint_seconds"
 # pdctl's connector, when the KV a decode received is not what the prefill computed (its load then fails).
 FINGERPRINT_MISMATCH_FORMAT = ("pdctl connector: KV fingerprint mismatch: request %s from engine %s at %s:%s, "
                                "decode rank %d: first difference at %s; its KV load fails, kv_load_failure_policy %s")

@@ -17,6 +17,7 @@ fingerprint. Mixins of pdctl.connector.nixl's worker and of pdctl.connector.sche
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -156,11 +157,13 @@ class FingerprintWorker:
         todo, self._fp_todo = self._fp_todo, {}
         if not todo:
             return None
+        t0 = time.perf_counter()
         counts = self._fingerprint_groups()[4]
         shares = {}
         for req_id, (block_ids, tokens) in todo.items():
             fp = self._share(block_ids, (), 0, tokens, physical=False)
             shares[req_id] = fp if counts else Fingerprint.empty(len(fp.chunks), len(fp.layers), fp.heads)
+        self.xfer_stats.record(protocol.FINGERPRINT_SECONDS, time.perf_counter() - t0)
         return FingerprintShares(shares)
 
     def _fingerprint_check(self, req_id: str) -> str | None:
@@ -183,8 +186,10 @@ class FingerprintWorker:
         self.xfer_stats.record(protocol.FINGERPRINTS_CHECKED)
         if start >= tokens:
             return None
+        t0 = time.perf_counter()
         got = self._share(block_ids, prefix_hit, start, tokens, physical=True)
         at = want.difference(got, from_chunk=start // CHUNK, heads=heads)
+        self.xfer_stats.record(protocol.FINGERPRINT_SECONDS, time.perf_counter() - t0)
         return None if at is None else at.describe(tokens)
 
     def _fingerprint_failed(self, req_id: str, why: str, block_ids) -> None:

@@ -27,7 +27,6 @@ starts on CPU, aggregated ones included.
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 
@@ -335,10 +334,3 @@ class NixlConnector(NixlPullConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = PdctlNixlWorker(vllm_config, self.engine_id, kv_cache_config)
-
-
-# Extensions: modules named by pdctl.protocol.CONNECTOR_EXTENSIONS_ENV (comma-separated), imported once this module
-# is loaded, in every vLLM process that loads the connector; each may wrap the classes above (the e2e fault drills
-# hold a read and claim a foreign ISA this way: tests/e2e/connector_hooks.py). The same trust as PYTHONPATH's.
-for _module in filter(None, (m.strip() for m in os.environ.get(protocol.CONNECTOR_EXTENSIONS_ENV, "").split(","))):
-    importlib.import_module(_module)

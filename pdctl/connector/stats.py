@@ -21,6 +21,8 @@ COUNTERS = {
     protocol.RECOMPUTED: "requests whose KV load failed and the decode computed the prompt itself (policy recompute)",
     protocol.FINGERPRINTS_CHECKED: "received KV checked against the prefill's fingerprint (per TP rank)",
     protocol.FINGERPRINT_MISMATCHES: "received KV that was not the prefill's: its load failed (per TP rank)",
+    protocol.FINGERPRINT_SECONDS: "seconds spent on KV fingerprints: computing them on a prefill, checking them "
+                                  "on a decode (per TP rank)",
 }
 
 
@@ -29,8 +31,9 @@ class PdctlKVConnectorStats(NixlKVConnectorStats):
         super().reset()
         self.data.update({k: [] for k in COUNTERS})
 
-    def record(self, key: str) -> None:
-        self.data.setdefault(key, []).append(1)
+    def record(self, key: str, amount: float = 1) -> None:
+        """Add to a counter: one event, or `amount` of what it counts (seconds)."""
+        self.data.setdefault(key, []).append(amount)
 
     def is_empty(self) -> bool:
         return super().is_empty() and not any(self.data.get(k) for k in COUNTERS)
@@ -43,7 +46,7 @@ class PdctlKVConnectorStats(NixlKVConnectorStats):
 
     def reduce(self):
         out = super().reduce()
-        out.update({k.removeprefix("vllm:"): len(self.data.get(k, ())) for k in COUNTERS})
+        out.update({k.removeprefix("vllm:"): sum(self.data.get(k, ())) for k in COUNTERS})
         return out
 
 

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from pdctl import protocol
 from pdctl.launch.local import group_members
 from tests.conftest import CONFIGS, REPO, TINY
 from tests.conftest import wait_for as _wait_for
+from tests.e2e.hooked_pdctl import HOOK_PREFIX
 
 PDCTL = [sys.executable, "-m", "pdctl"]
+HOOKED_PDCTL = [sys.executable, "-m", "tests.e2e.hooked_pdctl"]
 
 
 TIMEOUT_S = 600  # per e2e test, setup of its fixtures included
@@ -159,15 +160,22 @@ def count_servers():
 
 
 def hooks_env(*roles: str, **settings: str) -> list[str]:
-    """`--set ROLE.env=...` for each role's (single) pool: its servers load tests/e2e/connector_hooks.py with
-    these settings (PDCTL_TEST_* names, e.g. READ_DELAY_S="8" -> PDCTL_TEST_READ_DELAY_S=8)."""
-    env = {"PYTHONPATH": str(REPO), protocol.CONNECTOR_EXTENSIONS_ENV: "tests.e2e.connector_hooks",
-           **{f"PDCTL_TEST_{k}": str(v) for k, v in settings.items()}}
+    """`--set ROLE.env=...` for each role's (single) pool: brought up by `cli(...)`'s command, its servers load
+    tests/e2e/connector_hooks.py as their connector, with these settings (PDCTL_TEST_* names, e.g.
+    READ_DELAY_S="8" -> PDCTL_TEST_READ_DELAY_S=8)."""
+    env = {"PYTHONPATH": str(REPO), **{f"{HOOK_PREFIX}{k}": str(v) for k, v in settings.items()}}
     return [a for role in roles for a in ("--set", f"{role}.env={json.dumps(env)}")]
 
 
+def cli(args) -> list[str]:
+    """The command that runs pdctl with these arguments: pdctl itself, or, where they give a pool test hooks
+    (hooks_env), pdctl through tests/e2e/hooked_pdctl.py, which points that pool's servers at the hooks module."""
+    args = [str(a) for a in args]
+    return [*(HOOKED_PDCTL if any(HOOK_PREFIX in a for a in args) else PDCTL), *args]
+
+
 def pdctl(*args, timeout: float = 400, check: bool = False) -> subprocess.CompletedProcess:
-    r = subprocess.run([*PDCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    r = subprocess.run(cli(args), capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if check and r.returncode != 0:
         raise AssertionError(f"pdctl {' '.join(map(str, args))} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r

@@ -1,5 +1,7 @@
-"""Test hooks inside real vLLM servers, loaded by pdctl's connector through PDCTL_CONNECTOR_EXTENSIONS (never in
-the product's path): `hooks_env(...)` gives a pool the variables, this module reads them in each server.
+"""Test hooks inside real vLLM servers: a pool given PDCTL_TEST_* variables (conftest.hooks_env) and brought up
+through tests/e2e/hooked_pdctl.py loads this module as its connector (vLLM's `kv_connector_module_path`; the class
+is pdctl's own NixlConnector, re-exported below, with the hooks these variables ask for wrapped around it). Each
+server reads the variables once.
 
 PDCTL_TEST_READ_DELAY_S / PDCTL_TEST_READ_DELAY_MATCH: hold each read of a request whose id holds MATCH that long
 after the decode got it (a fault drill kills the prefill in that gap, deterministically).
@@ -104,3 +106,6 @@ if CORRUPT_MATCH:
 
     nixl.PdctlNixlWorker._read_blocks_for_req = _marked_read
     nixl.receive_merged, split.receive_split = _broken_merge, _broken_split
+
+# What vLLM loads from this module (kv_connector: NixlConnector): pdctl's connector, with the hooks above in place.
+NixlConnector = nixl.NixlConnector

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.conftest import CONFIGS, REPO, processes_with_arg
-from tests.e2e.conftest import PDCTL, hooks_env, live, pdctl, state_pgids, wait_for
+from tests.e2e.conftest import PDCTL, cli, hooks_env, live, pdctl, state_pgids, wait_for
 from tests.e2e.faults import complete, fresh_prompt, kill_server
 
 # `make test-all` only (README, "Tests"): four foreground bring-ups of their own (eight server starts).
@@ -33,7 +33,7 @@ def _ports(base: int) -> list[str]:
 def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(tmp_path):
     args = [*_ports(70), "--set", "connector.kv_load_failure_policy=fail", "--set", "prefill.restart=never",
             *hooks_env("decode", READ_DELAY_S=DELAY_S, READ_DELAY_MATCH="delay-read")]
-    proc = subprocess.Popen([*PDCTL, "up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *args], cwd=REPO,
+    proc = subprocess.Popen(cli(["up", CONFIGS / "cpu-homog.yaml", "--state-dir", tmp_path, *args]), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_for(lambda: (tmp_path / "state.json").exists(), 60)
@@ -58,7 +58,10 @@ def test_fail_policy_ends_the_request_with_an_error_then_ctrl_c_leaves_nothing(t
         print(f"\ndrill (d, fail): answer {a.status} {a.ended - killed:.1f} s after the kill: {a.text[:300]}")
         assert not a.ok and a.ended - killed < 60  # an error, never a hang
         err = json.loads(a.text)["error"]
-        assert a.status == 500 and err["type"] == "decode_failed" and "kv_load_failure_policy" in err["message"]
+        # The decode failed the load of KV it was handed parameters for: the proxy names the request and the pair
+        # (one pair: nothing to retry on) and passes on the decode's own error.
+        assert a.status == 500 and err["type"] == "kv_load_failed" and "kv_load_failure_policy" in err["message"]
+        assert "request pdctl-delay-read-fail" in err["message"] and "decode-0" in err["message"]
         assert "due to KV load failure" in decode_log.read_text(errors="replace")
         # The foreground up is the supervisor: prefill restart: never leaves it down, the decode still serves.
         assert wait_for(lambda: json.loads((tmp_path / "state.json").read_text())["processes"]["prefill-0"]

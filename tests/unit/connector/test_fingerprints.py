@@ -122,6 +122,7 @@ def expected(kv) -> dict:
     prefill = Worker(16, kv, [7, 2, 9, 4, 1])  # 72 tokens in 5 blocks of 16
     prefill._fp_todo = {"r": (([7, 2, 9, 4, 1],), TOKENS)}
     shares = prefill.build_connector_worker_meta()
+    assert len(prefill.xfer_stats.data[protocol.FINGERPRINT_SECONDS]) == 1  # the prefill's time, too
     return protocol.encode_fingerprint(shares.shares["r"])
 
 
@@ -142,6 +143,8 @@ def test_a_decode_of_another_block_size_holding_the_prefills_kv_passes_and_a_fli
     decode = Worker(32, bad, [5, 0, 3])
     assert check(decode, want, [5, 0, 3]) == "layer 1, tokens 32..47, KV head 1"
     assert decode.xfer_stats.data[protocol.FINGERPRINTS_CHECKED] == [1]
+    (spent,) = decode.xfer_stats.data[protocol.FINGERPRINT_SECONDS]  # the check's time, counted once
+    assert 0 < spent < 5
     decode._fingerprint_failed("r", "layer 1, tokens 32..47, KV head 1", [[5, 0, 3]])
     assert decode._invalid_block_ids.get_nowait() == {5, 0, 3}
     assert decode.xfer_stats.data[protocol.FINGERPRINT_MISMATCHES] == [1]

@@ -191,9 +191,12 @@ def test_the_counters_travel_with_vllms_stats():
     assert a.is_empty()
     b.record(protocol.READS_TIMED_OUT)
     b.record(protocol.RECOMPUTED)
+    b.record(protocol.FINGERPRINT_SECONDS, 0.25)
     assert not b.is_empty()
+    a.record(protocol.FINGERPRINT_SECONDS, 0.5)
     a.aggregate(PdctlKVConnectorStats(data=dict(b.data)))
     reduced = a.reduce()
     assert reduced["pdctl_kv_reads_timed_out"] == 1 and reduced["pdctl_kv_recomputed_requests"] == 1
+    assert reduced["pdctl_kv_fingerprint_seconds"] == 0.75  # an amount counter adds its amounts
     assert reduced["pdctl_kv_reads_refused_lease"] == 0
     assert set(COUNTERS) <= set(a.clone_and_reset().data)
