@@ -24,6 +24,7 @@ Pure torch on the tensors' own device: no vLLM, no NIXL.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,19 +58,36 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
     return values.view(_SIGNED[values.element_size()])
 
 
+@functools.lru_cache(maxsize=1024)
 def _weights(layer: int, kv: int, first_head: int, heads: int, dim: int, device: torch.device) -> torch.Tensor:
-    """An odd int64 per (head, dimension) of one layer's K or V: [heads, 1, dim]."""
+    """An odd int64 per (head, dimension) of one layer's K or V: [heads, 1, dim] (kept: every request of a server
+    asks for the same few; read only)."""
     h = (first_head + torch.arange(heads, dtype=torch.int64, device=device)).view(heads, 1, 1)
     d = torch.arange(dim, dtype=torch.int64, device=device).view(1, 1, dim)
     return _mix(layer * _LAYER + kv * _KV + h * _HEAD + d * _DIM) | 1
 
 
+def _token_sums(values: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """Add each token's weighted sum over dims, per head, into out [B, H, N]: values [B, H, N, D] (any strides),
+    weights [H, 1, D]. In slices of SLICE_ELEMS elements: the int64 products of a slice stay small (a whole layer's
+    would be allocated and paged in afresh on every call, which measured up to 10x slower on CPU)."""
+    b, h, n, d = values.shape
+    bits = _bits(values)
+    n_step = max(1, min(n, SLICE_ELEMS // max(1, h * d)))
+    b_step = max(1, SLICE_ELEMS // max(1, h * n_step * d))
+    for i in range(0, b, b_step):
+        for j in range(0, n, n_step):
+            out[i:i + b_step, :, j:j + n_step] += (bits[i:i + b_step, :, j:j + n_step] * weights).sum(dim=3)
+
+
 def head_partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: int, first_head: int = 0,
-                  chunks: int | None = None) -> torch.Tensor:
+                  chunks: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
     """One layer's partial sums per CHUNK tokens from token 0 and per KV head: int64 [chunks, heads] (wrapping:
-    the bits of the sums modulo 2**64). `k`, `v` [heads, tokens, head_dim] in token order are tokens first_token..
-    of KV heads first_head.. (global indices). first_token must start a chunk; `chunks`: how many partial sums to
-    return (default: those the tokens reach), the ones without tokens 0.
+    the bits of the sums modulo 2**64). `k`, `v` hold tokens first_token.. of KV heads first_head.. (global
+    indices): [heads, tokens, head_dim] in token order, or [blocks, heads, block_size, head_dim], consecutive
+    blocks as a form's pages unpack (any strides: read where they lie, no copy). Only tokens start..end-1 count
+    (default: all; a block's slots past the prompt are not). first_token must start a chunk; `chunks`: how many
+    partial sums to return (default: those the tokens reach), the ones without tokens 0.
 
     An element's term is bits * w(layer, K or V, head, dim) * w(token): its bits as a signed integer times odd
     weights of its coordinates, so the sum factors into a weighted sum over dims per (head, token) (one pass over
@@ -77,53 +95,64 @@ def head_partials(k: torch.Tensor, v: torch.Tensor, *, layer: int, first_token: 
     element's bits changes its term (an odd weight times a nonzero difference below 2**32 is not 0 mod 2**64)."""
     if first_token % CHUNK:
         raise ValueError(f"token {first_token} does not start a fingerprint chunk of {CHUNK}")
-    h, t, d = k.shape
     if v.shape != k.shape:
         raise ValueError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in shape")
+    if k.dim() == 3:
+        k, v = k.unsqueeze(0), v.unsqueeze(0)  # one block of every token
+    b, h, n, d = k.shape
     dev = k.device
-    per_token = torch.zeros(h, t, dtype=torch.int64, device=dev)
-    # In slices of tokens: the int64 products of a slice stay small (a whole layer's would be allocated and paged
-    # in afresh on every call, which measured up to 10x slower on CPU).
-    step = max(CHUNK, SLICE_ELEMS // max(1, h * d) // CHUNK * CHUNK)
+    sums = torch.zeros(b, h, n, dtype=torch.int64, device=dev)
     for kv, values in enumerate((k, v)):
-        bits, weights = _bits(values), _weights(layer, kv, first_head, h, d, dev)
-        for s in range(0, t, step):
-            per_token[:, s:s + step] += (bits[:, s:s + step] * weights).sum(dim=2)
+        _token_sums(values, _weights(layer, kv, first_head, h, d, dev), sums)
+    t = b * n
+    per_token = sums.transpose(0, 1).reshape(h, t)  # [H, tokens]: a copy of one int64 per (token, head)
     tokens = first_token + torch.arange(t, device=dev, dtype=torch.int64)
     per_token *= _mix(tokens * _TOKEN + _M1) | 1
+    # Tokens outside start..end-1 count nothing; then a sum per CHUNK tokens (the first token starts a chunk).
+    if start > first_token:
+        per_token[:, :start - first_token] = 0
+    if end is not None and end < first_token + t:
+        per_token[:, max(0, end - first_token):] = 0
     first = first_token // CHUNK
-    count = chunks if chunks is not None else first + -(-t // CHUNK)
+    whole = -(-t // CHUNK)
+    count = chunks if chunks is not None else first + whole
+    if whole * CHUNK != t:
+        per_token = torch.nn.functional.pad(per_token, (0, whole * CHUNK - t))
+    sums_per_chunk = per_token.view(h, whole, CHUNK).sum(dim=2).t()  # [chunks of these tokens, H]
     out = torch.zeros(count, h, dtype=torch.int64, device=dev)
-    index = tokens // CHUNK
-    keep = index < count
-    out.index_add_(0, index[keep], per_token[:, keep].t())
+    if first < count:
+        out[first:first + whole] = sums_per_chunk[:count - first]
     return out
 
 
-def token_kv(cache, form, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks `ids` of one layer's cache of form `form` (pdctl.kv.forms) as K and V [heads, len(ids) * block, D]
-    in token order: the logical KV, however the form packs it (a copy)."""
+def block_kv(cache, form, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks `ids` of one layer's cache of form `form` (pdctl.kv.forms) as K and V [len(ids), heads, block, D]:
+    the logical KV, however the form packs it (views of one copy of the pages, in memory order)."""
     idx = torch.tensor(list(ids), dtype=torch.long, device=form.tensors(cache)[0].device)
     side = form.side()
-    k, v = side.layout.unpack(form.pages(cache, idx), side.shape)
-    heads, dim = side.shape.heads, side.shape.head_dim
+    return side.layout.unpack(form.pages(cache, idx), side.shape)
+
+
+def token_kv(cache, form, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_kv` as K and V [heads, len(ids) * block, D] in token order (a copy)."""
+    k, v = block_kv(cache, form, ids)
+    heads, dim = k.shape[1], k.shape[3]
     return (k.transpose(0, 1).reshape(heads, -1, dim), v.transpose(0, 1).reshape(heads, -1, dim))
 
 
 def blocks_partials(cache, form, ids: Sequence[int], *, first_block: int, start: int, end: int, layer: int,
                     first_head: int, chunks: int) -> torch.Tensor:
     """`head_partials` of tokens start..end-1 of one layer held in blocks `ids` (consecutive blocks of the prompt,
-    the first its block `first_block`) of a cache of form `form`: [chunks, heads]."""
+    the first its block `first_block`) of a cache of form `form`: [chunks, heads]. Read in the form's own order."""
     n = form.block_size
     if start >= end:
         return torch.zeros(chunks, form.heads, dtype=torch.int64)
     lo, hi = start // n - first_block, -(-end // n) - first_block
     if lo < 0 or hi > len(ids):
         raise ValueError(f"tokens {start}..{end - 1} are not in blocks {first_block}..{first_block + len(ids) - 1}")
-    k, v = token_kv(cache, form, ids[lo:hi])
-    at = (first_block + lo) * n
-    return head_partials(k[:, start - at:end - at], v[:, start - at:end - at], layer=layer, first_token=start,
-                         first_head=first_head, chunks=chunks)
+    k, v = block_kv(cache, form, ids[lo:hi])
+    return head_partials(k, v, layer=layer, first_token=(first_block + lo) * n, first_head=first_head,
+                         chunks=chunks, start=start, end=end)
 
 
 @dataclass(frozen=True)
