@@ -28,21 +28,43 @@ def _labels(doc) -> set[str]:
     return {r["label"] for r in doc["results"]}
 
 
-@pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
-def test_decode_tp2_from_prefill_tp1(tmp_path):
-    """Decode TP 2 > prefill TP 1, P32 -> D64: each decode rank reads its head slice of every prefill block and
-    merges it. The reference (TP 2, like the decode) runs alone first: 2 cores hold P, D's two ranks or the
-    reference, not all. float32, because the prefill's TP-1 KV and a TP-2 reference's differ by rounding: in bf16
-    that flipped near-tie tokens late (tokens 6-14) in 4 of 19 prompts; in float32, none."""
-    code, doc = _check(tmp_path, "cpu-demo.yaml", "--decode-tp", "2", "--set", "decode.devices=[0,1]", "--set",
-                       "model.dtype=float32", "--reference-first")
+def _tp_checked(doc, decode_ranks: int) -> None:
+    """A TP pair's parity report: passed, prompts at the block boundaries and shared prefixes, the prompt KV by
+    transfer, and every decode rank's KV checked against the prefill's fingerprint (TP ranks add their shares)."""
     failed = [(r["label"], r["first_divergence"], r["error"]) for r in doc["results"] if not r["passed"]]
-    assert code == 0 and doc["passed"], (failed, doc["proof"])
+    assert doc["passed"], (failed, doc["proof"])
     labels = _labels(doc)
     assert {"random-33", "random-129", "random-300", "random-700"} <= labels
     assert any(lbl.startswith("prefix") for lbl in labels)
     proof = doc["proof"]
     assert proof["external_kv_tokens"] >= proof["prompt_tokens"] - 1 and proof["local_compute_tokens"] <= 2
+    prompts = len(doc["results"])
+    assert proof["fingerprints_checked"] >= decode_ranks * (prompts - 1) and not proof["fingerprint_mismatches"]
+
+
+@pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
+def test_decode_tp2_from_prefill_tp1(tmp_path):
+    """Decode TP 2 > prefill TP 1, P32 -> D64: each decode rank reads its head slice of every prefill block and
+    merges it, and checks its heads' KV fingerprint. The reference (TP 2, like the decode) runs alone first: 2
+    cores hold P, D's two ranks or the reference, not all. float32, because the prefill's TP-1 KV and a TP-2
+    reference's differ by rounding: in bf16 that flipped near-tie tokens late (tokens 6-14) in 4 of 19 prompts; in
+    float32, none."""
+    code, doc = _check(tmp_path, "cpu-demo.yaml", "--decode-tp", "2", "--set", "decode.devices=[0,1]", "--set",
+                       "model.dtype=float32", "--reference-first", "--set", "connector.kv_fingerprint=true")
+    assert code == 0, doc["proof"]
+    _tp_checked(doc, decode_ranks=2)
+
+
+@pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
+def test_decode_tp1_from_prefill_tp2(tmp_path):
+    """Prefill TP 2 > decode TP 1, P32 -> D32 (vLLM needs equal block sizes there): the decode reads both prefill
+    ranks' head slices of every block into its one cache; the prefill's two ranks each fingerprint their heads, and
+    vLLM adds the shares into the one fingerprint the decode checks. float32 and the reference first, as above."""
+    code, doc = _check(tmp_path, "cpu-demo.yaml", "--prefill-tp", "2", "--set", "prefill.devices=[0,1]",
+                       "--decode-block-size", "32", "--set", "model.dtype=float32", "--reference-first", "--set",
+                       "connector.kv_fingerprint=true")
+    assert code == 0, doc["proof"]
+    _tp_checked(doc, decode_ranks=1)
 
 
 @pytest.mark.full  # make test-all only (README, Tests): a bring-up of its own
