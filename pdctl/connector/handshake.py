@@ -92,12 +92,12 @@ class Handshake:
         return remote_isa
 
     def _note_isa(self, remote_block: int, remote_isa: str | None, refuse) -> None:
-        """Which layout the prefill's blocks arrive in, by block-size ratio (one per ratio)."""
-        ratio = self.block_size // remote_block if remote_block <= self.block_size else 0
-        known = self._received_isa.setdefault(ratio, remote_isa)
+        """Which layout the prefill's blocks arrive in, by prefill block size (one per block size: vLLM's receive
+        post-process knows a read's block-size ratio, not its prefill)."""
+        known = self._received_isa.setdefault(remote_block, remote_isa)
         if layout(known) is not layout(remote_isa):
-            refuse(f"another prefill with the same block size uses ISA {known}; one ISA per block-size ratio")
-        if ratio > 1:
+            refuse(f"another prefill with the same block size uses ISA {known}; one ISA per prefill block size")
+        if remote_block < self.block_size:
             log.info("pdctl connector: prefill block %d < decode block %d: NIXL reads %d sub-blocks per decode block "
                      "in place (transfer plan), then one merge pass %s -> %s (post-receive transform)", remote_block,
-                     self.block_size, ratio, remote_isa, self._isa(self.block_size))
+                     self.block_size, self.block_size // remote_block, remote_isa, self._isa(self.block_size))

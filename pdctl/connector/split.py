@@ -2,7 +2,8 @@
 to vLLM's read machinery as decode-sized byte chunks; every prefill block a request touches is read whole, the
 chunks that no block of the request holds going to a staging area the decode's scheduler reserved at start; on
 completion each prefill block is reassembled and split into decode blocks in the real layout
-(pdctl.kv.split_in_place). A mixin of pdctl.connector.nixl.PdctlNixlWorker."""
+(pdctl.kv.split_in_place), from the prefill's packing where it differs (a CPU prefill of another attention ISA).
+A mixin of pdctl.connector.nixl.PdctlNixlWorker."""
 
 from __future__ import annotations
 
@@ -60,9 +61,10 @@ class PrefillBlockSplit:
         """Reassemble each prefill block read and split it into decode blocks in the real layout; keep the
         request's decode blocks (not the staging chunks) and zero the slots past the prompt (sliding-window
         groups: every slot of their blocks that received nothing)."""
+        packed = self._received_isa.get(plan.ratio * self.block_size)  # a CPU prefill of another ISA's packing
         for g, chunks in enumerate(plan.groups):
             receive_split(self._layers(seam.group_layer_names(self, g)), chunks, plan.ratio, plan.tokens,
-                          window_fills.get(g))
+                          window_fills.get(g), packed)
 
     def _build_fa_remote(self, plan, nixl_agent_meta, block_size_ratio: int):
         """The remote descriptors; a prefill read as decode-sized chunks gets each chunk's address from

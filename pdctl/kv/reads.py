@@ -292,9 +292,9 @@ def refusal(prefill: Peer, decode: Peer, decode_isa_at: str | None = None) -> st
     if prefill.tp > decode.tp and prefill.block_size < decode.block_size:
         return (f"vLLM: a prefill with more TP ranks ({prefill.tp} -> {decode.tp}) must use the decode's block size "
                 f"({prefill.block_size} -> {decode.block_size})")
-    if prefill.isa and decode_isa_at and prefill.block_size >= decode.block_size and \
+    if prefill.isa and decode_isa_at and prefill.block_size == decode.block_size and \
             layout(prefill.isa) is not layout(decode_isa_at):
         return (f"pdctl: the prefill's CPU attention ISA {prefill.isa} stores KV differently from this decode's "
-                f"{decode_isa_at}; pdctl converts between them only when the prefill block is smaller than the "
-                "decode block (merge after receive)")
+                f"{decode_isa_at}; pdctl converts between them only when the block sizes differ (a merge or a "
+                "split after receive)")
     return None

@@ -97,7 +97,14 @@ def test_amx_prefill_into_vec_decode_is_merged_from_its_own_layout(monkeypatch):
     w, seen = isa_worker(monkeypatch, 64, "vec")
     assert w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=amx")) == "ok"
     assert seen == ["CPU_ATTN"]  # vLLM's own code sees the plain backend name
-    assert w._received_isa == {2: "amx"}  # the merge reads the received sub-blocks as AMX-packed
+    assert w._received_isa == {32: "amx"}  # the merge reads the received sub-blocks as AMX-packed
+
+
+def test_a_bigger_prefill_block_of_another_isa_is_split_from_its_own_layout(monkeypatch):
+    w, seen = isa_worker(monkeypatch, 32, "vec")
+    w._staging_blocks = 2
+    assert w.add_remote_agent(remote_meta(64, "CPU_ATTN+pdctl-isa=amx")) == "ok"
+    assert w._received_isa == {64: "amx"} and w._split_ratio == {"p": 2}  # the split reads it as AMX-packed
 
 
 def test_other_isa_at_equal_block_size_is_refused_naming_both(monkeypatch):
@@ -112,7 +119,7 @@ def test_same_layout_isas_and_untagged_prefills_pass(monkeypatch):
     w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=vec16"))  # vec16 and vec share one layout
     w2, seen2 = isa_worker(monkeypatch, 64, "vec")
     w2.add_remote_agent(remote_meta(32, "CPU_ATTN"))  # stock prefill: this host's ISA is assumed
-    assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {2: "vec"}
+    assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {32: "vec"}
 
 
 

@@ -74,6 +74,40 @@ def test_the_connectors_split_gives_every_token_back_in_every_form(monkeypatch, 
         check_zero(w.device_kv_caches[name], form, ids[-1], tokens % block, block)
 
 
+@pytest.mark.parametrize("prefill_form, decode_form", [("cpu:amx", "cpu:vec"), ("cpu:vec", "cpu:amx")])
+def test_the_connectors_split_reads_a_prefill_of_another_cpu_isa_in_its_packing(monkeypatch, prefill_form,
+                                                                                  decode_form):
+    """P64 -> D32 between CPU hosts of different attention ISAs: the split reads each prefill block in the packing
+    the prefill advertised (the handshake notes it by prefill block size); read in the decode's own packing it
+    would be wrong (the negative control)."""
+    import tests.unit.kv.test_receive as helpers
+
+    monkeypatch.setattr(helpers, "head_dim", lambda form: 32)  # one model on both hosts (amx needs D % 32 == 0)
+    ratio, block, tokens = 2, 32, 64 * 2 + 7
+    ids = [4, 1, 6, 2, 5]
+    src, k, v = prefill(prefill_form, block * ratio, tokens, torch.bfloat16, seed=3)
+    plan = split_plan([ids], [list(range(src.shape[0]))], ratio=ratio, block_size=block, tokens=tokens, staging=[7])
+
+    def received(isa: dict) -> PdctlNixlWorker:
+        w = worker(monkeypatch, decode_form, 8, block, layers=LAYERS[:1])
+        w._received_isa = isa
+        cache = w.device_kv_caches[LAYERS[0]]
+        garbage(cache, 4)
+        e_d = raw_page(cache, 0).numel()
+        for c in plan.groups[0]:
+            b, part = divmod(c.src, ratio)
+            raw_page(cache, c.dest).copy_(raw_page(src, b)[part * e_d:(part + 1) * e_d])
+        w._split_received(plan, {})
+        return w
+
+    w = received({block * ratio: prefill_form.split(":")[1]})
+    check_tokens(w.device_kv_caches[LAYERS[0]], decode_form, ids, block, k, v, tokens)
+    check_zero(w.device_kv_caches[LAYERS[0]], decode_form, ids[-1], tokens % block, block)
+    misread = received({})
+    with pytest.raises(AssertionError):
+        check_tokens(misread.device_kv_caches[LAYERS[0]], decode_form, ids, block, k, v, tokens)
+
+
 @pytest.mark.parametrize("form", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
 def test_the_connectors_window_zeroing_works_on_every_form(monkeypatch, form):
     """A sliding-window group's fills after a split: at ead200e `cache[id].view(-1)` raised on LBNHC and BLNHC."""

@@ -64,3 +64,16 @@ def test_merge_mapping_past_a_prefix_hit_pairs_by_tokens():
     assert local == [[28, 29, 30, 31, 32, 33]]
     assert end_trimmed(local, remote) == [[14, 15, 16, 17, 18, 19]]
     assert merge_mapping([[]], [[1, 2]], 2) == ([], [[1, 2]])  # a full prefix hit: vLLM only notifies
+
+
+def test_a_cpu_prefill_of_another_isa_is_converted_by_a_merge_or_a_split_and_refused_at_equal_blocks():
+    from pdctl.kv.reads import Peer, refusal
+
+    def cpu(block: int, isa: str) -> Peer:
+        return Peer("CPU_ATTN", "HND", block, 1, isa)
+
+    assert refusal(cpu(32, "amx"), cpu(64, "vec"), "vec") is None  # merged from amx's packing
+    assert refusal(cpu(64, "amx"), cpu(32, "vec"), "vec") is None  # split from amx's packing
+    assert refusal(cpu(64, "vec16"), cpu(64, "vec"), "vec") is None  # one layout
+    why = refusal(cpu(64, "amx"), cpu(64, "vec"), "vec")  # no pass would convert it
+    assert why and "ISA amx stores KV differently" in why and "block sizes differ" in why
