@@ -58,16 +58,14 @@ class Handshake:
                 refuse("hybrid model with kernel blocks smaller than logical blocks")
         if self._cpu_attn and backend == self.backend_name:
             remote_isa = self._remote_isa(nixl_agent_meta.block_size, remote_isa)
-        why = reads.refusal(
-            reads.Peer(backend, nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size, remote_tp_size,
-                       remote_isa),
-            reads.Peer(self.backend_name, self.kv_cache_layout, self.block_size, self.world_size,
-                       self._isa(self.block_size)),
-            self._isa(nixl_agent_meta.block_size))
+        prefill = reads.Peer(backend, nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size, remote_tp_size,
+                             remote_isa)
+        decode = reads.Peer(self.backend_name, self.kv_cache_layout, self.block_size, self.world_size,
+                            self._isa(self.block_size))
+        why = reads.refusal(prefill, decode, self._isa(nixl_agent_meta.block_size))
         if why:
             refuse(why)
-        if self._cpu_attn:
-            self._note_isa(nixl_agent_meta.block_size, remote_isa, refuse)
+        self._note_packing(prefill, decode, refuse)
         if nixl_agent_meta.block_size > self.block_size:
             ratio = nixl_agent_meta.block_size // self.block_size
             if self._staging_blocks < 2 * (ratio - 1):
@@ -91,13 +89,16 @@ class Handshake:
                         "assuming %s", remote_isa)
         return remote_isa
 
-    def _note_isa(self, remote_block: int, remote_isa: str | None, refuse) -> None:
-        """Which layout the prefill's blocks arrive in, by prefill block size (one per block size: vLLM's receive
-        post-process knows a read's block-size ratio, not its prefill)."""
-        known = self._received_isa.setdefault(remote_block, remote_isa)
-        if layout(known) is not layout(remote_isa):
-            refuse(f"another prefill with the same block size uses ISA {known}; one ISA per prefill block size")
-        if remote_block < self.block_size:
+    def _note_packing(self, prefill: reads.Peer, decode: reads.Peer, refuse) -> None:
+        """How the prefill's pages arrive packed (a CPU prefill's ISA, a joined cache's HND or NHD), by prefill block
+        size: one packing per block size, because vLLM's receive post-process knows a read's block-size ratio, not
+        its prefill. The merge and the split read them from that packing."""
+        known = self._received_packing.setdefault(prefill.block_size, prefill.packing)
+        if layout(known) is not layout(prefill.packing):
+            refuse(f"another prefill with the same block size packs its KV as {known}; one packing per prefill "
+                   "block size")
+        if prefill.block_size < self.block_size:
             log.info("pdctl connector: prefill block %d < decode block %d: NIXL reads %d sub-blocks per decode block "
-                     "in place (transfer plan), then one merge pass %s -> %s (post-receive transform)", remote_block,
-                     self.block_size, self.block_size // remote_block, remote_isa, self._isa(self.block_size))
+                     "in place (transfer plan), then one merge pass %s -> %s (post-receive transform)",
+                     prefill.block_size, self.block_size, self.block_size // prefill.block_size, prefill.packing,
+                     decode.packing)

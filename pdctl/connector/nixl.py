@@ -83,7 +83,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, Fingerpr
         self._window_keys: dict[str, list[tuple[int, int]]] = {}  # req -> its keys above, until it is done
         self._split_fills: dict[str, dict[int, tuple[WindowFill, ...]]] = {}  # P > D: req -> group -> fills
         self._window_logged: set[str] = set()  # remote engines whose per-group read was logged
-        self._received_isa: dict[int, str] = {}  # prefill block size -> the CPU attention ISA those prefills use
+        self._received_packing: dict[int, str] = {}  # prefill block size -> how those prefills pack their pages
         self._remote_block: dict[str, int] = {}  # remote engine -> its block size (as it said at handshake)
         self._receiving: dict[str, tuple] = {}  # req -> (engine, host, port, decode blocks read, prompt tokens)
         self._received_tokens: dict[str, int] = {}  # remote engine -> prompt tokens received so far
@@ -305,7 +305,7 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, Fingerpr
         for group, block_ids, covered_sub_blocks in block_ids_list:
             fills = self._window_fills.pop((group, block_ids[0]), None) if block_ids else None
             receive_merged(self._layers(seam.group_layer_names(self, group)), list(block_ids), block_size_ratio,
-                           covered_sub_blocks, fills, self._received_isa.get(self.block_size // block_size_ratio),
+                           covered_sub_blocks, fills, self._received_packing.get(self.block_size // block_size_ratio),
                            convert)
 
 

@@ -61,7 +61,7 @@ class PrefillBlockSplit:
         """Reassemble each prefill block read and split it into decode blocks in the real layout; keep the
         request's decode blocks (not the staging chunks) and zero the slots past the prompt (sliding-window
         groups: every slot of their blocks that received nothing)."""
-        packed = self._received_isa.get(plan.ratio * self.block_size)  # a CPU prefill of another ISA's packing
+        packed = self._received_packing.get(plan.ratio * self.block_size)  # the prefill's, as it advertised
         for g, chunks in enumerate(plan.groups):
             receive_split(self._layers(seam.group_layer_names(self, g)), chunks, plan.ratio, plan.tokens,
                           window_fills.get(g), packed)

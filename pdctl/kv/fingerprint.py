@@ -133,13 +133,6 @@ def block_kv(cache, form, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tenso
     return side.layout.unpack(form.pages(cache, idx), side.shape)
 
 
-def token_kv(cache, form, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`block_kv` as K and V [heads, len(ids) * block, D] in token order (a copy)."""
-    k, v = block_kv(cache, form, ids)
-    heads, dim = k.shape[1], k.shape[3]
-    return (k.transpose(0, 1).reshape(heads, -1, dim), v.transpose(0, 1).reshape(heads, -1, dim))
-
-
 def blocks_partials(cache, form, ids: Sequence[int], *, first_block: int, start: int, end: int, layer: int,
                     first_head: int, chunks: int) -> torch.Tensor:
     """`head_partials` of tokens start..end-1 of one layer held in blocks `ids` (consecutive blocks of the prompt,

@@ -74,7 +74,7 @@ def isa_worker(monkeypatch, block_size, host_isa):
 
     w = object.__new__(PdctlNixlWorker)
     w.block_size, w.world_size, w.kv_cache_layout, w.backend_name = block_size, 1, "HND", "CPU_ATTN"
-    w._cpu_attn, w._received_isa, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
+    w._cpu_attn, w._received_packing, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
     w._physical_blocks_per_logical_kv_block, w._split_ratio, w._remote_block = 1, {}, {}
     w._windows = {}  # not a hybrid model
     monkeypatch.setattr(PdctlNixlWorker, "_isa", lambda self, n: host_isa)
@@ -97,14 +97,21 @@ def test_amx_prefill_into_vec_decode_is_merged_from_its_own_layout(monkeypatch):
     w, seen = isa_worker(monkeypatch, 64, "vec")
     assert w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=amx")) == "ok"
     assert seen == ["CPU_ATTN"]  # vLLM's own code sees the plain backend name
-    assert w._received_isa == {32: "amx"}  # the merge reads the received sub-blocks as AMX-packed
+    assert w._received_packing == {32: "amx"}  # the merge reads the received sub-blocks as AMX-packed
 
 
 def test_a_bigger_prefill_block_of_another_isa_is_split_from_its_own_layout(monkeypatch):
     w, seen = isa_worker(monkeypatch, 32, "vec")
     w._staging_blocks = 2
     assert w.add_remote_agent(remote_meta(64, "CPU_ATTN+pdctl-isa=amx")) == "ok"
-    assert w._received_isa == {64: "amx"} and w._split_ratio == {"p": 2}  # the split reads it as AMX-packed
+    assert w._received_packing == {64: "amx"} and w._split_ratio == {"p": 2}  # the split reads it as AMX-packed
+
+
+def test_a_joined_prefills_packing_is_noted_for_its_merge(monkeypatch):
+    w, seen = isa_worker(monkeypatch, 64, None)
+    w.backend_name, w._cpu_attn = "FLASH_ATTN", False
+    assert w.add_remote_agent(remote_meta(32, "FLASH_ATTN")) == "ok"
+    assert w._received_packing == {32: "HND"}  # as vLLM's metadata says it: what the merge reads it as
 
 
 def test_other_isa_at_equal_block_size_is_refused_naming_both(monkeypatch):
@@ -119,7 +126,7 @@ def test_same_layout_isas_and_untagged_prefills_pass(monkeypatch):
     w.add_remote_agent(remote_meta(32, "CPU_ATTN+pdctl-isa=vec16"))  # vec16 and vec share one layout
     w2, seen2 = isa_worker(monkeypatch, 64, "vec")
     w2.add_remote_agent(remote_meta(32, "CPU_ATTN"))  # stock prefill: this host's ISA is assumed
-    assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_isa == {32: "vec"}
+    assert seen == ["CPU_ATTN"] and seen2 == ["CPU_ATTN"] and w2._received_packing == {32: "vec"}
 
 
 

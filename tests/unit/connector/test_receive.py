@@ -30,7 +30,7 @@ def worker(monkeypatch, form: str, blocks: int, block: int, layers=LAYERS, dtype
     """A PdctlNixlWorker as far as its receive path reads it: one cache per layer in `form`."""
     w = object.__new__(PdctlNixlWorker)
     cpu = form.startswith("cpu:")
-    w.block_size, w.backend_name, w._cpu_attn, w._forms, w._received_isa = block, "CPU_ATTN" if cpu else \
+    w.block_size, w.backend_name, w._cpu_attn, w._forms, w._received_packing = block, "CPU_ATTN" if cpu else \
         "FLASH_ATTN", cpu, {}, {}
     w.enable_permute_local_kv, w._window_fills = False, {}
     w.kv_cache_layout = "LBHNC" if cpu else form  # the name vLLM gives the layout (pdctl reads the strides)
@@ -90,7 +90,7 @@ def test_the_connectors_split_reads_a_prefill_of_another_cpu_isa_in_its_packing(
 
     def received(isa: dict) -> PdctlNixlWorker:
         w = worker(monkeypatch, decode_form, 8, block, layers=LAYERS[:1])
-        w._received_isa = isa
+        w._received_packing = isa
         cache = w.device_kv_caches[LAYERS[0]]
         garbage(cache, 4)
         e_d = raw_page(cache, 0).numel()
