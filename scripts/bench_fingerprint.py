@@ -101,6 +101,8 @@ def served(config: str, requests: int, rate: float, out: Path) -> int:
             spent = {r: sum(a[0] - b[0] for a, b in zip(after[r], before[r], strict=True)) for r in sides}
             checked = sum(a[1] - b[1] for a, b in zip(after["decode"], before["decode"], strict=True))
             n = res.requests  # completed ones
+            if not n:
+                raise SystemExit(f"{phase}: no request completed ({res.errors} errors); see the servers' logs")
             ttft_mean = (res.vllm or {}).get("mean_ttft_ms", res.ttft_ms_p50)
             row = {"phase": phase, "requests": n, "checked": checked, "ttft_ms_mean": ttft_mean,
                    "ttft_ms_p50": res.ttft_ms_p50, "prefill_ms_per_request": spent["prefill"] * 1e3 / n,

@@ -8,25 +8,28 @@ from __future__ import annotations
 
 import importlib
 
-plan_mod = importlib.import_module("pdctl.plan")  # the module (`from pdctl import plan` is the API's function)
-
 HOOKS_MODULE = "tests.e2e.connector_hooks"
 HOOK_PREFIX = "PDCTL_TEST_"
 
-_kv_transfer_config = plan_mod.kv_transfer_config
+
+def install() -> None:
+    """Wrap the plan's kv_transfer_config in this process: a pool whose env sets PDCTL_TEST_* variables gets the
+    hooks module as its connector module."""
+    plan_mod = importlib.import_module("pdctl.plan")  # the module (`from pdctl import plan` is the API's function)
+    planned = plan_mod.kv_transfer_config
+
+    def kv_transfer_config(t, role, pool) -> dict:
+        cfg = planned(t, role, pool)
+        if any(k.startswith(HOOK_PREFIX) for k in pool.env):
+            assert cfg.get("kv_connector_module_path") == plan_mod.CONNECTOR_MODULE, "hooks wrap pdctl's connector"
+            cfg["kv_connector_module_path"] = HOOKS_MODULE
+        return cfg
+
+    plan_mod.kv_transfer_config = kv_transfer_config
 
 
-def kv_transfer_config(t, role, pool) -> dict:
-    cfg = _kv_transfer_config(t, role, pool)
-    if any(k.startswith(HOOK_PREFIX) for k in pool.env):
-        assert cfg.get("kv_connector_module_path") == plan_mod.CONNECTOR_MODULE, "hooks wrap pdctl's connector"
-        cfg["kv_connector_module_path"] = HOOKS_MODULE
-    return cfg
-
-
-plan_mod.kv_transfer_config = kv_transfer_config
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # only here: importing HOOK_PREFIX (conftest) leaves the test process's pdctl as it is
+    install()
     from pdctl.cli import main
 
     main()
