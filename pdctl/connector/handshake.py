@@ -13,6 +13,13 @@ from pdctl.kv import reads
 from pdctl.kv.layouts import layout
 
 
+def packing_note(tag: str | None) -> str:
+    """What a side's packing tag says, for messages naming the pair."""
+    if not tag:
+        return ""
+    return f" ({tag}: K and V tensors)" if layout(tag).regions == 2 else f" (ISA {tag})"
+
+
 class Handshake:
     def _isa(self, block_size: int) -> str | None:
         """The CPU attention ISA this host uses for blocks of block_size tokens (None off CPU_ATTN)."""
@@ -24,27 +31,30 @@ class Handshake:
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
         isa = self._advertised_isa()
-        # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other.
+        # Advertise the exact cache layout: an AMX prefill and a vec decode would otherwise misread each other, and
+        # vLLM's metadata cannot say that a cache is a (K, V) pair.
         if isa and seam.rewrite_handshake_metadata(self, lambda meta: dataclasses.replace(
                 meta, attn_backend_name=protocol.tag_backend(meta.attn_backend_name, isa))):
-            log.info("pdctl connector: advertising CPU attention ISA %s (block %d)", isa, self.block_size)
+            log.info("pdctl connector: advertising KV packing %s (block %d)", isa, self.block_size)
 
     def _advertised_isa(self) -> str | None:
-        """The CPU attention ISA this worker tells its peers it packs KV for (this host's own)."""
+        """How this worker's registered pages are packed where vLLM's metadata cannot say it: the CPU attention ISA
+        of this host, or a (K, V) pair's form (hpu, hpu_host: the buffer NIXL reads)."""
+        if self._pair_forms():
+            return self._xfer_form(next(iter(self._xfer_caches()))).name
         return self._isa(self.block_size)
 
     def _describe_local(self) -> str:
-        isa = self._isa(self.block_size)
+        isa = self._advertised_isa()
         return (f"decode: block {self.block_size}, TP {self.world_size}, layout {self.kv_cache_layout}, "
-                f"backend {self.backend_name}" + (f" (ISA {isa})" if isa else ""))
+                f"backend {self.backend_name}{packing_note(isa)}")
 
     def add_remote_agent(self, nixl_agent_meta, remote_tp_rank: int = 0, remote_tp_size: int = 1,
                          remote_dcp_size: int = 1) -> str:
         backend, remote_isa = protocol.untag_backend(nixl_agent_meta.attn_backend_name)
         nixl_agent_meta = dataclasses.replace(nixl_agent_meta, attn_backend_name=backend)
         remote = (f"prefill: block {nixl_agent_meta.block_size}, TP {remote_tp_size}, layout "
-                  f"{nixl_agent_meta.kv_cache_layout}, backend {backend}" + (f" (ISA {remote_isa})" if remote_isa
-                                                                            else ""))
+                  f"{nixl_agent_meta.kv_cache_layout}, backend {backend}{packing_note(remote_isa)}")
 
         def refuse(why: str):
             raise RuntimeError(f"{protocol.REFUSED_MARK} P/D pair ({remote}; {self._describe_local()}): {why}")
@@ -61,11 +71,14 @@ class Handshake:
         prefill = reads.Peer(backend, nixl_agent_meta.kv_cache_layout, nixl_agent_meta.block_size, remote_tp_size,
                              remote_isa)
         decode = reads.Peer(self.backend_name, self.kv_cache_layout, self.block_size, self.world_size,
-                            self._isa(self.block_size))
+                            self._advertised_isa())
         why = reads.refusal(prefill, decode, self._isa(nixl_agent_meta.block_size))
         if why:
             refuse(why)
         self._note_packing(prefill, decode, refuse)
+        if prefill.kv_pair or decode.kv_pair:  # pdctl.connector.kv_pairs
+            nixl_agent_meta = self._pair_read(nixl_agent_meta, prefill, decode, refuse)
+            return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
         if nixl_agent_meta.block_size > self.block_size:
             ratio = nixl_agent_meta.block_size // self.block_size
             if self._staging_blocks < 2 * (ratio - 1):

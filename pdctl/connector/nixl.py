@@ -40,12 +40,13 @@ from pdctl.connector import peers, seam
 from pdctl.connector.common import log, settings, trace
 from pdctl.connector.fingerprints import FingerprintWorker
 from pdctl.connector.handshake import Handshake
+from pdctl.connector.kv_pairs import KvPairCaches, kv_pair
 from pdctl.connector.scheduler import ARRIVED_ATTR, PdctlNixlScheduler
 from pdctl.connector.split import PrefillBlockSplit
 from pdctl.connector.stats import PdctlKVConnectorStats, PdctlPromMetrics
 from pdctl.connector.windows import SlidingWindowReads
 from pdctl.kv import lease, reads
-from pdctl.kv.forms import CacheForm, FormError, KvPair, form_of, kv_pair_form
+from pdctl.kv.forms import CacheForm, FormError, form_of, kv_pair_form
 from pdctl.kv.index import SplitPlan, StagingPool
 from pdctl.kv.receive import receive_merged
 from pdctl.kv.window import WindowFill, WindowMerge
@@ -53,7 +54,8 @@ from pdctl.kv.window import WindowFill, WindowMerge
 __all__ = ["NixlConnector"]
 
 
-class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, FingerprintWorker, NixlPullConnectorWorker):
+class PdctlNixlWorker(Handshake, KvPairCaches, PrefillBlockSplit, SlidingWindowReads, FingerprintWorker,
+                      NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config):
         s = settings(vllm_config)
         self.pdctl_settings = s
@@ -97,6 +99,8 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, Fingerpr
         self._gave_up: set[str] = set()  # reads given up (timed out or refused), until vLLM reports them
         self._peers = peers.PeerWatch()  # whether a prefill whose read is in progress is still there
         self._forms: dict[str, CacheForm] = {}  # layer -> its cache's form, chosen when the caches are registered
+        self._xfer_forms: dict[str, CacheForm] = {}  # layer -> the form of the buffer NIXL reads into (host or device)
+        self._pair_reads: set[str] = set()  # remote engines read with a (K, V)-pair side (pdctl.connector.kv_pairs)
         self.xfer_stats = PdctlKVConnectorStats()
         self._fingerprint_init()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
@@ -270,18 +274,15 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, Fingerpr
             self._forms = {name: self._form_of(cache) for name, cache in kv_caches.items()}
         except FormError as e:
             raise FormError(f"{protocol.REFUSED_MARK} KV cache: {e}") from None
+        self._refuse_unregistrable_pairs()
         super().register_kv_caches(kv_caches)
+        self._check_pair_registration()
         log.info("pdctl connector: KV cache form %s", ", ".join(sorted({f.name for f in self._forms.values()})))
 
     def _form_of(self, cache: torch.Tensor) -> CacheForm:
-        if isinstance(cache, (tuple, list)):  # vllm-gaudi's TensorTuple: a layer's separate K and V tensors
-            form = kv_pair_form(KvPair(*cache)) if len(cache) == 2 else None
-            raise FormError(
-                f"a layer handed as {len(cache)} tensors"
-                + (f" (separate K and V: vllm-gaudi's {form.name} form)" if form else "")
-                + ". pdctl.kv converts Gaudi's K and V tensors (scripts/kv_conformance.py), but this connector does "
-                "not yet register and read two regions per layer: pair Gaudi pools with each other through "
-                "vllm-gaudi's connector (connector.kind: nixl); docs/connector.md, 'Gaudi'")
+        pair = kv_pair(cache)  # vllm-gaudi's separate K and V tensors
+        if pair is not None:
+            return kv_pair_form(pair)
         if not self._cpu_attn:
             return form_of(cache, self.backend_name)
         cache_dtype = self.vllm_config.cache_config.cache_dtype
@@ -296,12 +297,15 @@ class PdctlNixlWorker(Handshake, PrefillBlockSplit, SlidingWindowReads, Fingerpr
 
     def _layers(self, names: list[str]) -> list[tuple[torch.Tensor, CacheForm]]:
         """One KV group's layers as pdctl.kv.receive takes them: each cache with its form."""
-        return [(self.device_kv_caches[name], self._form(name)) for name in names]
+        return [(kv_pair(self.device_kv_caches[name]) or self.device_kv_caches[name], self._form(name))
+                for name in names]
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
         # Every form pdctl.kv models: merge sub-blocks and zero the uncovered tail in the cache's own form
         # (CPU_ATTN's per-ISA packing included; vLLM's generic merge corrupts CPU KV silently), on its device. Pairs
         # whose layouts differ are refused at the handshake (pdctl.kv.reads.refusal), so vLLM never permutes here.
+        if self._received_on_host():  # converted in the host buffer before it was copied here (kv_pairs.py)
+            return
         for group, block_ids, covered_sub_blocks in block_ids_list:
             fills = self._window_fills.pop((group, block_ids[0]), None) if block_ids else None
             receive_merged(self._layers(seam.group_layer_names(self, group)), list(block_ids), block_size_ratio,

@@ -168,6 +168,16 @@ INTERNALS: tuple[Internal, ...] = (
             "kernel blocks per logical block: P > D needs 1; sub-block pairing scales by it"),
     *_attrs("attr", BASE_WORKER, "xfer_handshake_metadata",
             "written: the handshake payload, re-encoded with the CPU attention ISA"),
+    *_hooks(BASE_WORKER, ("_validate_remote_agent_handshake", ("nixl_agent_meta", "remote_tp_size",
+                                                               "remote_dcp_size")),
+            ("sync_recved_kv_to_device", ("req_id", "meta")),
+            why="a read with a (K, V)-pair side (Gaudi): pdctl's pair rules stand in for vLLM's like-with-like checks, "
+            "and a host buffer is converted before vLLM copies it to the device (pdctl.connector.kv_pairs)"),
+    Internal("method", BASE_WORKER, "register_kv_caches", ("kv_caches",),
+             why="vllm-gaudi replaces it at class level to register (K, V) layers; pdctl checks whose it is"),
+    *_attrs("attr", BASE_WORKER, "use_host_buffer host_xfer_buffers kv_caches_base_addr block_len_per_layer "
+            "block_stride_per_layer region_num_blocks engine_id",
+            "the regions registered, checked against pdctl.kv's model of a (K, V) cache, and where NIXL writes"),
     *_attrs("attr", BASE_WORKER, "kv_cache_config", "transfer_groups[g].layer_names: the layers of a group"),
     *_attrs("attr", BASE_WORKER, "backend_name block_size device_kv_caches vllm_config world_size "
             "kv_cache_layout", "the local side's backend, block size, caches, TP and layout"),
@@ -325,6 +335,28 @@ def attn_isa(dtype: Any, block_size: int, head_size: int, kv_cache_dtype: str) -
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+
+
+def registers_kv_pairs() -> bool:
+    """Whether vLLM's worker registers a layer handed as (K, V) (vllm-gaudi replaces `register_kv_caches` at class
+    level with one that registers K and V as two regions; vLLM's own takes one tensor per layer)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    return not NixlBaseConnectorWorker.register_kv_caches.__module__.startswith("vllm.")
+
+
+def uses_host_buffer(worker: Any) -> bool:
+    """Whether NIXL reads into a host buffer that vLLM copies to the device afterwards (kv_buffer_device: cpu)."""
+    return bool(worker.use_host_buffer)
+
+
+def registered_regions(worker: Any) -> list[tuple[int, int, int, int]]:
+    """The regions this worker registered with NIXL, in descriptor order, as its handshake advertises them:
+    (base address, page bytes, stride bytes, blocks); fewer when the registration left a per-region list short."""
+    bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
+    lists = (bases, worker.block_len_per_layer, getattr(worker, "block_stride_per_layer", ()),
+             getattr(worker, "region_num_blocks", ()))
+    return [tuple(int(x) for x in r) for r in zip(*lists, strict=False)]  # short lists: fewer regions
 
 
 def rewrite_handshake_metadata(worker: Any, change: Callable[[Any], Any]) -> bool:

@@ -211,7 +211,7 @@ def form_of(cache: torch.Tensor, backend: str, isa_of: Callable[[int], str] | No
     needs `isa_of` (the ISA vLLM uses for a block size). FormError for a form the connector cannot convert."""
     if cache.dim() != 4:
         raise FormError(f"a {backend} cache of shape {tuple(cache.shape)}: pdctl.kv models one joined [B, H, N, 2D] "
-                        "tensor per layer (separate K and V tensors are not modelled yet)")
+                        "tensor per layer, or a (K, V) pair (kv_pair_form)")
     _, h, n, c = cache.shape
     if c % 2:
         raise FormError(f"a {backend} cache of shape {tuple(cache.shape)}: the last axis is not a token's K and V")

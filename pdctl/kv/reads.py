@@ -86,9 +86,16 @@ def as_halves(meta):
     split = [halves([Region(b, n, s, c)]) for b, n, s, c in zip(meta.kv_caches_base_addr, meta.block_lens,
                                                                  meta.block_strides, counts, strict=True)]
     regions = [r for pair in split for r in pair]
+    # The other per-region lists (vLLM's region_group_ids, region_names, region_mem_types): each half is its
+    # region's, as a (K, V) side's K and V regions are their layer's.
+    twice = {f.name: [x for x in getattr(meta, f.name) for _ in range(2)] for f in dataclasses.fields(meta)
+             if f.name in PER_REGION and getattr(meta, f.name)}
     return dataclasses.replace(meta, kv_caches_base_addr=[r.base for r in regions],
                                block_lens=[r.page_len for r in regions], block_strides=[r.stride for r in regions],
-                               region_num_blocks=[r.blocks for r in regions])
+                               region_num_blocks=[r.blocks for r in regions], **twice)
+
+
+PER_REGION = ("region_group_ids", "region_names", "region_mem_types")  # vLLM's other lists of one entry per region
 
 
 def descriptors(region: Region, chunks: int = 1, part: tuple[int, int] = (0, 1)) -> np.ndarray:

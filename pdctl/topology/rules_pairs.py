@@ -104,6 +104,11 @@ def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) 
             "whole pages, not head slices",
             "use the same tp on both pools", related=((*pl, "tp"),))
 
+    if gaudi and t.connector.kind == "pdctl":
+        for where, message, hint in _gaudi_pair_problems(t, p, d):
+            add((*(dl if where == "decode" else pl), "platform"), message, hint,
+                related=((*(pl if where == "decode" else dl), "platform"),))
+
     # TP between the roles.
     if p.tp != d.tp:
         if max(p.tp, d.tp) % min(p.tp, d.tp):
@@ -137,6 +142,28 @@ def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) 
             "stage one side in host memory: kv_buffer_device: cpu on one of the two pools",
             related=((*pl, "kv_buffer_device"),))
     return out
+
+
+def _gaudi_pair_problems(t: Topology, p: Pool, d: Pool) -> list[tuple[str, str, str]]:
+    """What pdctl's connector does not serve yet between a Gaudi pool and another (pdctl.connector.kv_pairs): it
+    refuses these at the handshake. (where, message, hint)."""
+    pb, db = p.block_size, d.block_size
+    assert pb is not None and db is not None
+    if d.platform != "hpu":
+        return [("prefill", f"a {d.platform} decode reading a Gaudi prefill's separate K and V caches is not served "
+                 "yet by pdctl's connector (it refuses the pair at the handshake)",
+                 "pair a Gaudi prefill with Gaudi decodes")]
+    if pb > db:
+        return [("decode", f"a Gaudi decode reading a prefill with a bigger block ({pb} -> {db}) is not served yet "
+                 "by pdctl's connector", "use a prefill block that divides the decode's")]
+    # Equal blocks: the pages are repacked only in a host buffer (vLLM post-processes a device cache only across
+    # block sizes); a Gaudi buffer on the device is hpu, in host memory hpu_host.
+    host = t.kv_buffer_device(d) == "cpu"
+    same = p.platform == "hpu" and (t.kv_buffer_device(p) == "cpu") == host
+    if pb == db and not same and not host:
+        return [("decode", f"prefill and decode pages differ at equal block sizes ({pb}): pdctl's connector repacks "
+                 "them on a Gaudi decode only in its host buffer", "set kv_buffer_device: cpu on the decode pool")]
+    return []
 
 
 def _pool_set_problems(t: Topology) -> list[Problem]:

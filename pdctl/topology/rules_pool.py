@@ -67,14 +67,6 @@ def _pool_problems(t: Topology, role: Role, pool: Pool, info: ModelInfo) -> list
                            f"{pool.kv_layout} cannot reach a {pool.platform} server's KV cache, which is {fixed}: "
                            f"{_FIXED_WHY[pool.platform]}", f"leave kv_layout out (or set {fixed})",
                            related=((*loc, "platform"),)))
-    if pool.platform == "hpu" and t.connector.kind == "pdctl":
-        out.append(Problem((*loc, "platform"),
-                           "pdctl's connector does not yet register a Gaudi server's separate K and V caches (two "
-                           "regions per layer): the server stops at start with 'pdctl connector: unsupported KV "
-                           "cache'. pdctl.kv converts them exactly (scripts/kv_conformance.py); the connector's "
-                           "registration and reads are the part still to come",
-                           "pair Gaudi pools with each other through vllm-gaudi's connector (connector.kind: nixl)",
-                           severity="warning"))
     for name in GAUDI_CONNECTOR_PATCHES:
         if t.connector.kind == "pdctl" and pool.env.get(name, "").lower() in ("1", "true"):
             out.append(Problem((*loc, "env", name),

@@ -77,6 +77,7 @@ def isa_worker(monkeypatch, block_size, host_isa):
     w._cpu_attn, w._received_packing, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
     w._physical_blocks_per_logical_kv_block, w._split_ratio, w._remote_block = 1, {}, {}
     w._windows = {}  # not a hybrid model
+    w._forms, w._pair_reads = {}, set()
     monkeypatch.setattr(PdctlNixlWorker, "_isa", lambda self, n: host_isa)
     seen = []
     monkeypatch.setattr(NixlPullConnectorWorker, "add_remote_agent",

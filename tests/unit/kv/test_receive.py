@@ -152,7 +152,7 @@ def test_cpu_attn_needs_its_isa_and_an_lbhnc_cache():
         form_of(cache, "CPU_ATTN")
     with pytest.raises(FormError, match="CPU_ATTN with a LBNHC cache"):
         form_of(joined_cache("LBNHC", 3, 2, 32, 4), "CPU_ATTN", lambda n: "vec")
-    with pytest.raises(FormError, match="separate K and V"):
+    with pytest.raises(FormError, match=r"or a \(K, V\) pair"):
         form_of(torch.zeros(2, 3, 32, 2, 4), "HPU_ATTN")  # K and V stacked: [2, B, N, H, D]
 
 
