@@ -148,7 +148,7 @@ class FingerprintWorker:
             for name in names:
                 form = self._form(name)
                 fp.add_layer(number[name], heads.start, blocks_partials(
-                    self.device_kv_caches[name], form, ids, first_block=first * per, start=start, end=end,
+                    self._cache(name), form, ids, first_block=first * per, start=start, end=end,
                     layer=number[name], first_head=heads.start, chunks=chunks))
         return fp
 

@@ -80,18 +80,22 @@ class Handshake:
             nixl_agent_meta = self._pair_read(nixl_agent_meta, prefill, decode, refuse)
             return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
         if nixl_agent_meta.block_size > self.block_size:
-            ratio = nixl_agent_meta.block_size // self.block_size
-            if self._staging_blocks < 2 * (ratio - 1):
-                refuse(f"the decode reserved {self._staging_blocks} staging blocks, it needs at least "
-                       f"{2 * (ratio - 1)} (connector extra config pdctl.staging_blocks; pdctl's plan sets it)")
-            if seam.kernel_blocks_per_block(self) != 1:
-                refuse("prefill block > decode block with kernel blocks smaller than logical blocks")
-            self._split_ratio[nixl_agent_meta.engine_id] = ratio
-            nixl_agent_meta = reads.as_decode_sized(nixl_agent_meta, ratio)
-            log.info("pdctl connector: prefill block %d > decode block %d: reading %d chunks per prefill block, "
-                     "split after receive (staging %d blocks)", ratio * self.block_size, self.block_size, ratio,
-                     self._staging_blocks)
+            nixl_agent_meta = self._split_read(nixl_agent_meta, refuse)
         return super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
+
+    def _split_read(self, meta, refuse):
+        """Prefill block > decode block: the prefill's metadata as decode-sized chunks (pdctl.connector.split)."""
+        ratio = meta.block_size // self.block_size
+        if self._staging_blocks < 2 * (ratio - 1):
+            refuse(f"the decode reserved {self._staging_blocks} staging blocks, it needs at least "
+                   f"{2 * (ratio - 1)} (connector extra config pdctl.staging_blocks; pdctl's plan sets it)")
+        if seam.kernel_blocks_per_block(self) != 1:
+            refuse("prefill block > decode block with kernel blocks smaller than logical blocks")
+        self._split_ratio[meta.engine_id] = ratio
+        log.info("pdctl connector: prefill block %d > decode block %d: reading %d chunks per prefill block, "
+                 "split after receive (staging %d blocks)", ratio * self.block_size, self.block_size, ratio,
+                 self._staging_blocks)
+        return reads.as_decode_sized(meta, ratio)
 
     def _remote_isa(self, remote_block: int, remote_isa: str | None) -> str | None:
         """The ISA the prefill packs its pages for (what this host would use for its block size, when it did not

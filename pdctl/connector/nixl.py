@@ -10,6 +10,7 @@ small parts, each a module of its own:
   real layout on completion;
 - windows.py: hybrid models (sliding-window + full-attention KV groups): window tails paired by absolute token
   position in both directions, what the prefill no longer holds zeroed;
+- kv_pairs.py: Gaudi's separate K and V tensors per layer, read from and into every joined form;
 - scheduler.py: the scheduler side (staging reserve, the sliding-window backoff, when each request's KV
   parameters were seen);
 - peers.py, stats.py, common.py: whether a prefill is still there, pdctl's counters, the logger and timing lines.
@@ -28,6 +29,7 @@ starts on CPU, aggregated ones included.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -101,6 +103,10 @@ class PdctlNixlWorker(Handshake, KvPairCaches, PrefillBlockSplit, SlidingWindowR
         self._forms: dict[str, CacheForm] = {}  # layer -> its cache's form, chosen when the caches are registered
         self._xfer_forms: dict[str, CacheForm] = {}  # layer -> the form of the buffer NIXL reads into (host or device)
         self._pair_reads: set[str] = set()  # remote engines read with a (K, V)-pair side (pdctl.connector.kv_pairs)
+        self._halved_engines: set[str] = set()  # ... of them, the (K, V)-pair prefills this joined decode reads
+        self._halved_handles: dict[int, int] = {}  # read block size -> the local list of this decode's halved pages
+        self._halved_lock = threading.Lock()  # handshakes run in a thread of their own
+        self._halved_now = False  # set on the engine's thread around a read into the halved list
         self.xfer_stats = PdctlKVConnectorStats()
         self._fingerprint_init()
         log.info("pdctl connector: backend %s, block %d, progress thread %s (delay %s us)", self.backend_name,
@@ -295,10 +301,14 @@ class PdctlNixlWorker(Handshake, KvPairCaches, PrefillBlockSplit, SlidingWindowR
             self._forms[name] = self._form_of(self.device_kv_caches[name])
         return self._forms[name]
 
+    def _cache(self, name: str):
+        """Layer `name`'s device cache as pdctl.kv takes it (a (K, V) pair as pdctl.kv.forms.KvPair)."""
+        raw = self.device_kv_caches[name]
+        return kv_pair(raw) or raw
+
     def _layers(self, names: list[str]) -> list[tuple[torch.Tensor, CacheForm]]:
         """One KV group's layers as pdctl.kv.receive takes them: each cache with its form."""
-        return [(kv_pair(self.device_kv_caches[name]) or self.device_kv_caches[name], self._form(name))
-                for name in names]
+        return [(self._cache(name), self._form(name)) for name in names]
 
     def post_process_device_kv_on_receive(self, block_size_ratio: int, block_ids_list, convert: bool = True):
         # Every form pdctl.kv models: merge sub-blocks and zero the uncovered tail in the cache's own form

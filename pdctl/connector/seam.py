@@ -173,6 +173,17 @@ INTERNALS: tuple[Internal, ...] = (
             ("sync_recved_kv_to_device", ("req_id", "meta")),
             why="a read with a (K, V)-pair side (Gaudi): pdctl's pair rules stand in for vLLM's like-with-like checks, "
             "and a host buffer is converted before vLLM copies it to the device (pdctl.connector.kv_pairs)"),
+    *_hooks(PULL_WORKER, ("_read_blocks", ("read_spec", "dst_engine_id", "request_id", "remote_request_id",
+                                           "local_xfer_side_handle", "local_dram_handle", "remote_xfer_side_handle",
+                                           "expected_consumers", "awaiting_kvs")),
+            why="a joined decode reading a (K, V)-pair prefill reads into its own halved local list (pdctl.connector."
+            "kv_pairs); vLLM calls it by keyword"),
+    *_hooks(BASE_WORKER, ("_compute_desc_ids", ("block_ids", "dst_num_blocks", "block_size_ratio",
+                                                "physical_blocks_per_logical", "region_num_blocks")),
+            why="the halved local read's descriptor ids, counted over the halved regions with 0.32's region_group_ids "
+            "(where vLLM takes other keywords the handshake refuses that read: desc_ids_by_region_groups)"),
+    *_attrs("attr", BASE_WORKER, "device_id region_mem_types nixl_wrapper region_group_ids",
+            "the halved local descriptor list, prepared as vLLM prepares its own"),
     Internal("method", BASE_WORKER, "register_kv_caches", ("kv_caches",),
              why="vllm-gaudi replaces it at class level to register (K, V) layers; pdctl checks whose it is"),
     *_attrs("attr", BASE_WORKER, "use_host_buffer host_xfer_buffers kv_caches_base_addr block_len_per_layer "
@@ -357,6 +368,34 @@ def registered_regions(worker: Any) -> list[tuple[int, int, int, int]]:
     lists = (bases, worker.block_len_per_layer, getattr(worker, "block_stride_per_layer", ()),
              getattr(worker, "region_num_blocks", ()))
     return [tuple(int(x) for x in r) for r in zip(*lists, strict=False)]  # short lists: fewer regions
+
+
+def desc_ids_by_region_groups() -> bool:
+    """Whether vLLM's `_compute_desc_ids` counts descriptor ids from the regions' KV groups (`region_group_ids`:
+    0.32; 0.34 takes (regions, keys) pairs). A joined decode's halved local read of a (K, V)-pair prefill is served
+    only where it does (pdctl.connector.kv_pairs)."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    return "region_group_ids" in inspect.signature(NixlBaseConnectorWorker._compute_desc_ids).parameters
+
+
+def region_groups(worker: Any) -> list[int]:
+    """The KV transfer group of each registered region (empty: vLLM did not record them)."""
+    return list(worker.region_group_ids or ())
+
+
+def local_descriptor_list(worker: Any, rows: Any) -> int:
+    """A prepared NIXL descriptor list of this worker's own memory from `rows` ([N, 2] address, length), on the
+    device and memory type its caches were registered with, as vLLM prepares its local lists."""
+    import numpy as np
+
+    descs = np.empty((len(rows), 3), dtype=np.uint64)
+    descs[:, :2] = rows
+    descs[:, 2] = worker.device_id
+    wrapper = worker.nixl_wrapper
+    return wrapper.prep_xfer_dlist("NIXL_INIT_AGENT", wrapper.get_xfer_descs(descs, worker.region_mem_types[0]))
 
 
 def rewrite_handshake_metadata(worker: Any, change: Callable[[Any], Any]) -> bool:

@@ -18,7 +18,8 @@ from pdctl.kv.window import WindowFill
 class PrefillBlockSplit:
     def _staging_pool(self) -> StagingPool:
         if self._staging is None:  # the cache is registered by the first read
-            total = next(iter(self.device_kv_caches.values())).shape[0]
+            name = next(iter(self.device_kv_caches))
+            total = self._form(name).num_blocks(self._cache(name))
             self._staging = StagingPool.last_blocks(total, self._staging_blocks)
         return self._staging
 

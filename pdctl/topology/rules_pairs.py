@@ -105,7 +105,7 @@ def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) 
             "use the same tp on both pools", related=((*pl, "tp"),))
 
     if gaudi and t.connector.kind == "pdctl":
-        for where, message, hint in _gaudi_pair_problems(t, p, d):
+        for where, message, hint in _gaudi_pair_problems(t, p, d, attention):
             add((*(dl if where == "decode" else pl), "platform"), message, hint,
                 related=((*(pl if where == "decode" else dl), "platform"),))
 
@@ -144,15 +144,21 @@ def _pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None = None) 
     return out
 
 
-def _gaudi_pair_problems(t: Topology, p: Pool, d: Pool) -> list[tuple[str, str, str]]:
+def _gaudi_pair_problems(t: Topology, p: Pool, d: Pool, attention: str | None) -> list[tuple[str, str, str]]:
     """What pdctl's connector does not serve yet between a Gaudi pool and another (pdctl.connector.kv_pairs): it
     refuses these at the handshake. (where, message, hint)."""
     pb, db = p.block_size, d.block_size
     assert pb is not None and db is not None
-    if d.platform != "hpu":
-        return [("prefill", f"a {d.platform} decode reading a Gaudi prefill's separate K and V caches is not served "
-                 "yet by pdctl's connector (it refuses the pair at the handshake)",
-                 "pair a Gaudi prefill with Gaudi decodes")]
+    if d.platform != "hpu":  # a joined decode reads a Gaudi prefill's K and V into its pages' halves, then splits
+        if pb <= db:
+            return [("prefill", f"a {d.platform} decode reads a Gaudi prefill's separate K and V caches only with a "
+                     f"smaller block (pdctl's connector regroups them in the split after receive); got {pb} -> {db}",
+                     f"use a decode block that divides {pb} and is smaller (e.g. 16 or 32)")]
+        if attention in ("hybrid", "sliding"):
+            return [("prefill", f"a {d.platform} decode reading a Gaudi prefill's sliding-window groups (a "
+                     f"{attention} model) is not served yet by pdctl's connector", "pair Gaudi prefills with Gaudi "
+                     "decodes for this model")]
+        return []
     if pb > db:
         return [("decode", f"a Gaudi decode reading a prefill with a bigger block ({pb} -> {db}) is not served yet "
                  "by pdctl's connector", "use a prefill block that divides the decode's")]

@@ -294,9 +294,8 @@ def test_kv_buffer_device_per_pool():
     bufs = {s.name: _pdctl_extra(s)[0]["kv_buffer_device"] for s in p.processes if s.role != "proxy"}
     assert bufs == {"prefill-cuda16-0": "cuda", "prefill-cuda16-1": "cuda", "prefill-gaudi128-0": "cpu",
                     "decode-gaudi128-0": "cpu", "decode-gaudi128-1": "cpu", "decode-cuda16-0": "cuda"}
-    # The CUDA decode reads no block-128 prefill (gaudi128 -> cuda16 is excluded: not served yet), so it reserves
-    # no staging; the Gaudi decodes read block 16 and 128 prefills, never a bigger block.
-    assert _pdctl_extra(p.get("decode-cuda16-0"))[1]["staging_blocks"] == 0
+    # Gaudi decodes receive from block-128 prefills only at ratio 1; the CUDA decode from Gaudi's 128 at 8.
+    assert _pdctl_extra(p.get("decode-cuda16-0"))[1]["staging_blocks"] == 32 * 7
     assert {_pdctl_extra(p.get(f"decode-gaudi128-{i}"))[1]["staging_blocks"] for i in (0, 1)} == {0}
 
 

@@ -113,6 +113,9 @@ class Worker(FingerprintWorker):
     def _form(self, name):
         return form_of(self.device_kv_caches[name], "FLASH_ATTN")
 
+    def _cache(self, name):
+        return self.device_kv_caches[name]
+
 
 def kv_values():
     return torch.randn(LAYERS, HEADS, TOKENS, 2 * DIM, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)

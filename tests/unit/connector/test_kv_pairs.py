@@ -34,18 +34,23 @@ def agent_meta(**given):
                                 "region_members": [], "packed_member_layouts": {}, **given})
 
 
+def hold(caches, form, kv: torch.Tensor, ids: list[int]) -> None:
+    """Every layer's cache holds the prompt's KV `kv` [L, T, H, 2D] in blocks `ids`, in order."""
+    block, tokens = form.block_size, kv.shape[1]
+    for layer, cache in enumerate(caches):
+        vals = kc.read_tokens(cache, form, ids)
+        for row in range(len(ids)):
+            lo, hi = row * block, min(tokens, (row + 1) * block)
+            vals[row, :, :hi - lo] = kv[layer, lo:hi].transpose(0, 1)
+        kc.write_tokens(cache, form, ids, vals)
+
+
 def prefill_side(form: str, block: int, blocks: int, kv: torch.Tensor, ids: list[int]):
     """A joined prefill's caches holding the prompt's KV `kv` [L, T, H, 2D] in blocks `ids`, and the handshake
     metadata it advertises (vLLM's, one region per layer)."""
     caches = joined_caches(form, blocks, HEADS, block, HEAD_DIM, layers=LAYERS)
     form_ = kc.form_of(caches[0], "FLASH_ATTN")
-    tokens = kv.shape[1]
-    for layer, cache in enumerate(caches):
-        vals = kc.read_tokens(cache, form_, ids)
-        for row in range(len(ids)):
-            lo, hi = row * block, min(tokens, (row + 1) * block)
-            vals[row, :, :hi - lo] = kv[layer, lo:hi].transpose(0, 1)
-        kc.write_tokens(cache, form_, ids, vals)
+    hold(caches, form_, kv, ids)
     regions = [reads.region_of(c, form_) for c in caches]
     meta = agent_meta(kv_caches_base_addr=[r.base for r in regions], num_blocks=blocks,
                       block_lens=[r.page_len for r in regions], block_strides=[r.stride for r in regions],
@@ -76,6 +81,7 @@ def decode_worker(monkeypatch, block: int, blocks: int, host_buffer: bool):
     w._received_packing, w._remote_block, w._split_ratio, w._windows, w._window_fills = {}, {}, {}, {}, {}
     w._staging_blocks, w._physical_blocks_per_logical_kv_block = 0, 1
     w._xfer_forms, w._pair_reads, w._prefix_hit, w._window_now = {}, set(), (), {}
+    w._halved_engines = set()
     w.device_kv_caches = {n: tuple(p) for n, p in zip(NAMES, kv_pairs("hpu", blocks, HEADS, block, HEAD_DIM,
                                                                       layers=LAYERS), strict=True)}
     w.use_host_buffer = host_buffer
@@ -204,12 +210,16 @@ def test_the_handshake_advertises_the_pair_form_and_names_it_in_refusals(monkeyp
         handshake(monkeypatch, w, equal)
 
 
-def test_a_joined_decode_reading_a_gaudi_prefill_is_refused_at_the_handshake(monkeypatch):
+def test_a_joined_decode_reads_a_gaudi_prefill_only_with_a_smaller_block_and_its_staging(monkeypatch):
     from tests.unit.connector.test_plan import isa_worker, remote_meta
 
+    w, _ = isa_worker(monkeypatch, 128, None)
+    w.backend_name, w._cpu_attn, w.kv_cache_layout = "FLASH_ATTN", False, "LBHNC"
+    with pytest.raises(RuntimeError, match=r"\(hpu: K and V tensors\).*only with a smaller block .* 128 -> 128"):
+        w.add_remote_agent(remote_meta(128, protocol.tag_backend("HPU_ATTN", "hpu")))
     w, _ = isa_worker(monkeypatch, 16, None)
     w.backend_name, w._cpu_attn, w.kv_cache_layout = "FLASH_ATTN", False, "LBHNC"
-    with pytest.raises(RuntimeError, match=r"a joined decode reading a \(K, V\)-pair prefill .* not served yet"):
+    with pytest.raises(RuntimeError, match="reserved 0 staging blocks, it needs at least 14"):
         w.add_remote_agent(remote_meta(128, protocol.tag_backend("HPU_ATTN", "hpu")))
 
 
@@ -223,3 +233,189 @@ def test_a_pair_cache_needs_vllm_gaudis_registration_and_it_is_checked(monkeypat
     w.block_len_per_layer = [2 * n for n in w.block_len_per_layer]  # one region per layer, as vLLM's own would
     with pytest.raises(FormError, match="layer.0's K and V were registered as .*does not match"):
         w._check_pair_registration()
+
+
+def test_the_gaudi_decode_fingerprints_its_k_and_v_tensors_as_the_prefill_did(monkeypatch):
+    """The fingerprint check on a Gaudi decode reads its (K, V) pairs: after the read, its share over the received
+    blocks equals the joined prefill's; a flipped value in V is found (negative control)."""
+    from pdctl.kv.fingerprint import Fingerprint, blocks_partials
+
+    pb, db, tokens = 16, 128, 150
+    kv = torch.randn(LAYERS, tokens, HEADS, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(11))
+    p_ids = [9, 3, 5, 0, 11, 2, 8, 4, 1, 7]
+    caches, meta = prefill_side("LBNHC", pb, 12, kv, p_ids)
+    form = kc.form_of(caches[0], "FLASH_ATTN")
+    chunks = -(-tokens // 16)
+    sent = Fingerprint.empty(chunks, LAYERS, HEADS)
+    for layer, cache in enumerate(caches):
+        sent.add_layer(layer, 0, blocks_partials(cache, form, p_ids, first_block=0, start=0, end=tokens, layer=layer,
+                                                 first_head=0, chunks=chunks))
+    w = decode_worker(monkeypatch, db, 4, False)
+    read_like_nixl(w, handshake(monkeypatch, w, meta), [2, 0], p_ids)
+    w.post_process_device_kv_on_receive(db // pb, [(0, [2, 0], len(p_ids))])
+    w._fingerprint_init()
+    monkeypatch.setattr(seam, "group_count", lambda self: 1)
+    monkeypatch.setattr(seam, "group_full_attention", lambda self, g: True)
+    monkeypatch.setattr(seam, "total_kv_heads", lambda self: HEADS)
+    monkeypatch.setattr(seam, "kernel_blocks_per_block", lambda self: 1)
+    got = w._share(([2, 0],), (0,), 0, tokens, physical=True)
+    assert sent.difference(got) is None
+    w.device_kv_caches["layer.1"][1][0, 5, 1, 2] += 1  # V of layer 1, block 2, token 5, head 1
+    at = sent.difference(w._share(([2, 0],), (0,), 0, tokens, physical=True))
+    assert at is not None and at.layer == 1
+
+
+# -- a joined decode reading a Gaudi prefill ---------------------------------------------------------------------
+
+
+class Wrapper:
+    """NIXL's agent as vLLM's read path calls it: prepared lists kept, a prepared READ copied byte for byte."""
+
+    def __init__(self):
+        self.lists, self.copied = {}, 0
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def prep_xfer_dlist(self, agent, descs):
+        self.lists[len(self.lists)] = descs
+        return len(self.lists) - 1
+
+    def make_prepped_xfer(self, op, local, local_ids, remote, remote_ids, notif_msg=b""):
+        assert op == "READ" and len(local_ids) == len(remote_ids)
+        for lid, rid in zip(local_ids, remote_ids, strict=True):
+            (la, ll, *_), (ra, rl, *_) = self.lists[local][lid], self.lists[remote][rid]
+            assert ll == rl, "local and remote read units differ in length"
+            ctypes.memmove(int(la), int(ra), int(ll))
+            self.copied += int(ll)
+        return "xfer"
+
+    def transfer(self, handle):
+        return "PROC"
+
+
+def joined_decode(monkeypatch, form: str, block: int, blocks: int, staging: int):
+    """A PdctlNixlWorker on a CUDA decode whose regions vLLM registered (one per layer)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    w = object.__new__(PdctlNixlWorker)
+    w.engine_id, w.tp_rank, w.world_size, w.block_size = "d", 0, 1, block
+    w.backend_name, w._cpu_attn, w.kv_cache_layout = "FLASH_ATTN", False, form
+    w._received_packing, w._remote_block, w._split_ratio, w._windows, w._window_fills = {}, {}, {}, {}, {}
+    w._staging_blocks, w._physical_blocks_per_logical_kv_block, w._staging = staging, 1, None
+    w._xfer_forms, w._pair_reads, w._prefix_hit, w._window_now = {}, set(), (), {}
+    w._halved_engines, w._halved_handles, w._halved_now = set(), {}, False
+    w._halved_lock = __import__("threading").Lock()
+    w._split_plans, w._split_fills, w._window_logged = {}, {}, set()
+    caches = joined_caches(form, blocks, HEADS, block, HEAD_DIM, layers=LAYERS)
+    w.device_kv_caches = dict(zip(NAMES, caches, strict=True))
+    w.use_host_buffer, w.host_xfer_buffers = False, {}
+    w._forms = {n: w._form_of(c) for n, c in w.device_kv_caches.items()}
+    regions = [reads.region_of(c, w._forms[n]) for n, c in w.device_kv_caches.items()]
+    w.kv_caches_base_addr = {"d": {0: [r.base for r in regions]}}
+    w.block_len_per_layer = [r.page_len for r in regions]
+    w.block_stride_per_layer = [r.stride for r in regions]
+    w.region_num_blocks = [r.blocks for r in regions]
+    w.region_group_ids, w.num_regions, w._uses_region_group_mapping = [0] * LAYERS, LAYERS, False
+    w.dst_num_blocks, w.dst_region_num_blocks = {"d": blocks}, {"d": list(w.region_num_blocks)}
+    w._transfer_layer_group_ids, w._transfer_layer_region_indices, w._region_is_mla = [], [], []
+    w._has_mamba, w.dcp_size, w.device_id, w.region_mem_types = False, 1, 0, ["DRAM"] * LAYERS
+    w._group_spec_types, w.kv_cache_config = [FullAttentionSpec], SimpleNamespace(transfer_groups=[None])
+    w.nixl_wrapper, w._mixed_mem_types, w._recving_transfers = Wrapper(), False, {}
+    w.transfer_topo = None  # set by handshake_and_read once the remote is known
+    monkeypatch.setattr(seam, "group_layer_names", lambda self, g: list(NAMES))
+    monkeypatch.setattr(seam, "group_count", lambda self: 1)
+    monkeypatch.setattr(seam, "group_window", lambda self, g: None)
+    return w
+
+
+def gaudi_prefill(form: str, block: int, blocks: int, kv: torch.Tensor, ids: list[int]):
+    """A Gaudi prefill's (K, V) pairs holding the prompt's KV in blocks `ids`, and the metadata it advertises: two
+    regions per layer, its packing on the backend name (as pdctl's connector advertises it)."""
+    pairs = kv_pairs(form, blocks, HEADS, block, HEAD_DIM, layers=LAYERS)
+    pform = kv_pair_form(pairs[0])
+    hold(pairs, pform, kv, ids)
+    regions = [r for p in pairs for r in reads.regions_of(p, pform)]
+    return pairs, agent_meta(kv_caches_base_addr=[r.base for r in regions], num_blocks=blocks,
+                             block_lens=[r.page_len for r in regions], block_strides=[r.stride for r in regions],
+                             region_num_blocks=[r.blocks for r in regions], kv_cache_layout="LBNHC", block_size=block,
+                             attn_backend_name=protocol.tag_backend("HPU_ATTN", pform.name))
+
+
+def handshake_and_read(monkeypatch, w, meta, d_ids, p_ids, tokens):
+    """The connector's add_remote_agent (vLLM's part: its validation and remote descriptors, prepared), then one
+    request's read through the connector's split planning and vLLM's own _read_blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
+
+    plan = SimpleNamespace(source_ranks_per_group=((0,),), rank_offset_factor=0)
+    remote = {}
+    info = SimpleNamespace(remote_physical_blocks_per_logical=1, remote_dcp_size=1)
+    w.transfer_topo = SimpleNamespace(get_engine_info=lambda e: info, block_size_ratio=lambda b: w.block_size // b)
+
+    def vllm_part(self, m, rank=0, tp=1, dcp=1):
+        self._validate_remote_agent_handshake(m, tp, dcp)
+        remote["handle"] = self.nixl_wrapper.prep_xfer_dlist("p", self._build_fa_remote(plan, m, 1))
+        remote["meta"] = m
+        return "agent"
+
+    monkeypatch.setattr(NixlPullConnectorWorker, "add_remote_agent", vllm_part)
+    w.add_remote_agent(meta)
+    m = remote["meta"]
+    info.remote_block_size = m.block_size
+    w.dst_num_blocks["p"], w.dst_region_num_blocks["p"] = m.num_blocks, m.region_num_blocks
+    w.dst_region_group_ids, w.dst_uses_region_group_mapping = {"p": [0] * len(m.block_lens)}, {"p": False}
+    req = SimpleNamespace(local_physical_block_ids=[list(d_ids)],
+                          remote=SimpleNamespace(block_ids=[list(p_ids)], num_tokens=tokens, engine_id="p"))
+    assert w._plan_split("r", req, meta.block_size // w.block_size, (0,))
+    w._recving_transfers["r"] = []
+    assert w._read_blocks(read_spec=ReadSpec(0, req.local_physical_block_ids, req.remote.block_ids),
+                          dst_engine_id="p", request_id="r", remote_request_id="r",
+                          local_xfer_side_handle=w.src_xfer_handles_by_block_size[w.block_size],
+                          local_dram_handle=None, remote_xfer_side_handle=remote["handle"], expected_consumers=1,
+                          awaiting_kvs=True)
+    return w._split_plans.pop("r")
+
+
+def joined_tokens(w, ids: list[int]) -> torch.Tensor:
+    out = []
+    for name in NAMES:
+        vals = kc.read_tokens(w.device_kv_caches[name], w._forms[name], ids)  # [B, H, N, 2D]
+        out.append(vals.permute(0, 2, 1, 3).reshape(-1, HEADS, 2 * HEAD_DIM))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("pform", ["hpu", "hpu_host"])
+@pytest.mark.parametrize("dform", ["LBHNC", "LBNHC"])
+def test_a_cuda_decode_reads_a_gaudi_prefill_through_the_connector(monkeypatch, dform, pform):
+    """Gaudi block 128 -> CUDA block 16 (the fleet's other direction), a partial last block: the decode's pages read
+    as halves against the prefill's K and V regions through its own local list, split after receive; every token
+    right, the slots past the prompt zero."""
+    pb, db, tokens = 128, 16, 300
+    kv = torch.randn(LAYERS, tokens, HEADS, 2 * HEAD_DIM, generator=torch.Generator().manual_seed(5))
+    p_ids = [2, 0, 3]
+    _, meta = gaudi_prefill(pform, pb, 4, kv, p_ids)
+    w = joined_decode(monkeypatch, dform, db, 40, staging=14)
+    w.src_xfer_handles_by_block_size = {db: "the whole-page list"}  # vLLM's own: never used for this prefill
+    d_ids = list(range(3, 3 + -(-tokens // db)))
+    plan = handshake_and_read(monkeypatch, w, meta, d_ids, p_ids, tokens)
+    assert w._received_packing == {pb: pform} and w._split_ratio == {"p": pb // db}
+    w._split_received(plan, {})
+    got = joined_tokens(w, d_ids)
+    assert torch.equal(got[:, :tokens], kv)
+    assert not got[:, tokens:].any()
+    # Negative control: the same read without the split after receive leaves the tokens misplaced.
+    w2 = joined_decode(monkeypatch, dform, db, 40, staging=14)
+    w2.src_xfer_handles_by_block_size = {db: "the whole-page list"}
+    handshake_and_read(monkeypatch, w2, meta, d_ids, p_ids, tokens)
+    assert not torch.equal(joined_tokens(w2, d_ids)[:, :tokens], kv)
+
+
+def test_the_halved_read_is_refused_where_vllm_counts_descriptor_ids_otherwise(monkeypatch):
+    """vLLM 0.34's _compute_desc_ids takes (regions, keys) pairs instead of 0.32's region groups: there the joined
+    decode refuses a Gaudi prefill at the handshake instead of reading into the wrong descriptors."""
+    assert seam.desc_ids_by_region_groups()  # the installed vLLM (0.32)
+    _, meta = gaudi_prefill("hpu", 128, 2, torch.zeros(LAYERS, 1, HEADS, 2 * HEAD_DIM), [0])
+    w = joined_decode(monkeypatch, "LBHNC", 16, 20, staging=14)
+    monkeypatch.setattr(seam, "desc_ids_by_region_groups", lambda: False)
+    with pytest.raises(RuntimeError, match="through vLLM 0.32's descriptor ids; this vLLM counts them otherwise"):
+        handshake_and_read(monkeypatch, w, meta, [0], [0], 1)

@@ -50,6 +50,7 @@ def test_a_bigger_prefill_block_is_read_chunk_by_chunk_from_each_page(form):
     w = object.__new__(PdctlNixlWorker)
     w.transfer_topo, w._group_spec_types, w._transfer_layer_region_indices = object(), [FullAttentionSpec], []
     w.block_len_per_layer, w._region_is_mla, w._split_ratio = meta.block_lens, [], {"p": ratio}
+    w._halved_engines = set()
     plan = SimpleNamespace(source_ranks_per_group=((0,),), rank_offset_factor=0)
     descs = w._build_fa_remote(plan, meta, 1)
     want = [forms[i].region(caches[i], b)[0] + c * page // ratio
@@ -77,7 +78,7 @@ def isa_worker(monkeypatch, block_size, host_isa):
     w._cpu_attn, w._received_packing, w._staging_blocks, w.enable_permute_local_kv = True, {}, 0, False
     w._physical_blocks_per_logical_kv_block, w._split_ratio, w._remote_block = 1, {}, {}
     w._windows = {}  # not a hybrid model
-    w._forms, w._pair_reads = {}, set()
+    w._forms, w._pair_reads, w._halved_engines = {}, set(), set()
     monkeypatch.setattr(PdctlNixlWorker, "_isa", lambda self, n: host_isa)
     seen = []
     monkeypatch.setattr(NixlPullConnectorWorker, "add_remote_agent",

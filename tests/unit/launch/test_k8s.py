@@ -107,8 +107,7 @@ def test_a_fleet_gets_one_statefulset_per_pool_and_the_proxy_names_pools():
     assert sorted(selectors) == ["cuda16", "cuda16", "gaudi128", "gaudi128"]
     proxy = spec_of(m["30-proxy-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"])
     svc = "cuda-gaudi-fleet-decode-gaudi128"
-    assert f"gaudi128=http://{svc}-1.{svc}.pd.svc:8200" in proxy.decode
-    assert proxy.exclude_pairs == [("gaudi128", "cuda16")]  # the recipe's: not served yet
+    assert f"gaudi128=http://{svc}-1.{svc}.pd.svc:8200" in proxy.decode and proxy.exclude_pairs == []
 
 
 def test_every_pod_carries_prometheus_scrape_annotations_for_its_metrics_port():
