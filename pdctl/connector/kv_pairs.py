@@ -99,11 +99,8 @@ class KvPairCaches:
 
     def _xfer_layers(self, names: list[str]) -> list:
         """One KV group's layers where NIXL wrote them, each with its form (pairs as pdctl.kv.forms.KvPair)."""
-        out = []
-        for name in names:
-            raw = self._xfer_caches()[name]
-            out.append((kv_pair(raw) or raw, self._xfer_form(name)))
-        return out
+        caches = self._xfer_caches()
+        return [(kv_pair(caches[name]) or caches[name], self._xfer_form(name)) for name in names]
 
     def _pair_read(self, meta, prefill: reads.Peer, decode: reads.Peer, refuse):
         """The prefill's metadata as this decode reads it when either side is a (K, V) pair, or refused: what is not

@@ -79,6 +79,9 @@ def halves(regions: Sequence[Region]) -> list[Region]:
     return [Region(r.base, half, r.stride, r.blocks), Region(r.base + half, half, r.stride, r.blocks)]
 
 
+PER_REGION = ("region_group_ids", "region_names", "region_mem_types")  # vLLM's other lists of one entry per region
+
+
 def as_halves(meta):
     """The handshake metadata of a one-region-per-layer side (vLLM's NixlAgentMetadata, or any dataclass with its
     fields) as `halves` sees it: each region followed by its second half."""
@@ -93,9 +96,6 @@ def as_halves(meta):
     return dataclasses.replace(meta, kv_caches_base_addr=[r.base for r in regions],
                                block_lens=[r.page_len for r in regions], block_strides=[r.stride for r in regions],
                                region_num_blocks=[r.blocks for r in regions], **twice)
-
-
-PER_REGION = ("region_group_ids", "region_names", "region_mem_types")  # vLLM's other lists of one entry per region
 
 
 def descriptors(region: Region, chunks: int = 1, part: tuple[int, int] = (0, 1)) -> np.ndarray:

@@ -6,6 +6,7 @@ vLLM's copy to the device). Every token of the prompt is read back from the deco
 
 import ctypes
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -305,7 +306,7 @@ def joined_decode(monkeypatch, form: str, block: int, blocks: int, staging: int)
     w._staging_blocks, w._physical_blocks_per_logical_kv_block, w._staging = staging, 1, None
     w._xfer_forms, w._pair_reads, w._prefix_hit, w._window_now = {}, set(), (), {}
     w._halved_engines, w._halved_handles, w._halved_now = set(), {}, False
-    w._halved_lock = __import__("threading").Lock()
+    w._halved_lock = threading.Lock()
     w._split_plans, w._split_fills, w._window_logged = {}, {}, set()
     caches = joined_caches(form, blocks, HEADS, block, HEAD_DIM, layers=LAYERS)
     w.device_kv_caches = dict(zip(NAMES, caches, strict=True))
